@@ -1,0 +1,1 @@
+"""The volunteer's application: commands, hardware, data and the training loop."""

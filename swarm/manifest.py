@@ -1,0 +1,152 @@
+"""The run manifest: everything that every peer of one run must agree on.
+
+A run is named by the hash of its canonical manifest, so a joiner that knows only
+the run id can fetch the manifest from any peer and check that nobody tampered
+with it. Volunteers therefore never copy hyperparameters by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from swarm.errors import ManifestError
+
+RUN_ID_LENGTH = 16
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TokenizerSpec(_Frozen):
+    """``bytes`` is the built-in byte-level tokenizer; ``auto`` loads ``name`` with AutoTokenizer."""
+
+    kind: Literal["bytes", "auto"] = "bytes"
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _name_for_auto(self) -> TokenizerSpec:
+        if self.kind == "auto" and not self.name:
+            raise ValueError("tokenizer.kind 'auto' needs tokenizer.name (a hub name or a local path)")
+        return self
+
+
+class DatasetSpec(_Frozen):
+    """Where the training text comes from: the built-in corpus, local files or a hub dataset."""
+
+    source: Literal["builtin", "local", "hub"] = "builtin"
+    path: str | None = None  # local: a file, directory or glob; hub: the dataset name
+    config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+
+    @model_validator(mode="after")
+    def _path_for_non_builtin(self) -> DatasetSpec:
+        if self.source != "builtin" and not self.path:
+            raise ValueError(f"dataset.source '{self.source}' needs dataset.path")
+        return self
+
+
+class InnerOptimizerSpec(_Frozen):
+    """AdamW run by every peer between averaging rounds, with linear warmup then cosine decay."""
+
+    lr: PositiveFloat = 4e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(1000, ge=0)
+    total_steps: PositiveInt = 88_000
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: PositiveFloat = 1.0
+
+
+class OuterOptimizerSpec(_Frozen):
+    """SGD with Nesterov momentum on the averaged pseudo-gradient (DiLoCo: lr 0.7, momentum 0.9)."""
+
+    lr: PositiveFloat = 0.7
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterOptimizerSpec:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("outer.nesterov needs outer.momentum > 0")
+        return self
+
+
+class AveragingSpec(_Frozen):
+    """How pseudo-gradients are averaged, and how long anyone waits for anyone."""
+
+    compression: Literal["none", "fp16", "scaled-fp16"] = "fp16"
+    matchmaking_time: PositiveFloat = 5.0  # a leader gathers followers for this long
+    matchmaking_timeout: PositiveFloat = 60.0  # give up finding a group after this long
+    allreduce_timeout: PositiveFloat = 120.0  # give up a formed group's all-reduce after this long
+    chunk_timeout: PositiveFloat = 20.0  # a peer silent this long in all-reduce is dropped
+    target_group_size: PositiveInt = 64
+    min_group_size: int = Field(2, ge=2)
+    consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
+
+    @model_validator(mode="after")
+    def _times_fit(self) -> AveragingSpec:
+        if self.matchmaking_time >= self.matchmaking_timeout:
+            raise ValueError("averaging.matchmaking_time must be shorter than averaging.matchmaking_timeout")
+        if self.min_group_size > self.target_group_size:
+            raise ValueError("averaging.min_group_size cannot exceed averaging.target_group_size")
+        return self
+
+
+class RunManifest(_Frozen):
+    """Everything peers must share. Its canonical JSON hash is the run id."""
+
+    name: str = Field("swarm-run", min_length=1, max_length=64)
+    model: dict[str, Any] = Field(description="a transformers AutoConfig dict; must hold 'model_type'")
+    tokenizer: TokenizerSpec = TokenizerSpec()
+    dataset: DatasetSpec = DatasetSpec()
+    seq_len: PositiveInt = 256
+    samples_per_step: PositiveInt = 32
+    inner_steps: PositiveInt = 500  # H: inner steps per outer round
+    inner: InnerOptimizerSpec = InnerOptimizerSpec()
+    outer: OuterOptimizerSpec = OuterOptimizerSpec()
+    averaging: AveragingSpec = AveragingSpec()
+    init_seed: int = 0
+    version: Literal[1] = 1
+
+    @model_validator(mode="after")
+    def _model_has_type(self) -> RunManifest:
+        if "model_type" not in self.model:
+            raise ValueError("model must be a transformers config dict with a 'model_type' key")
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def run_id(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:RUN_ID_LENGTH]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.samples_per_step * self.seq_len
+
+    @classmethod
+    def from_json(cls, text: str) -> RunManifest:
+        try:
+            return cls.model_validate_json(text)
+        except ValueError as e:
+            raise ManifestError(f"The manifest is invalid: {e}") from None
+
+    @classmethod
+    def from_record(cls, run_id: str, text: str) -> RunManifest:
+        """Parse a manifest fetched from the swarm and refuse it unless it hashes to ``run_id``."""
+        manifest = cls.from_json(text)
+        if manifest.run_id != run_id:
+            raise ManifestError(
+                f"The manifest published for run {run_id} hashes to {manifest.run_id}: a peer served a "
+                "tampered or corrupted manifest. It was refused; ask the run's operator for the right run id."
+            )
+        return manifest

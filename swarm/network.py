@@ -1,0 +1,115 @@
+"""Joining the DHT with settings that suit volunteers.
+
+hivemind listens on loopback by default; a volunteer must listen on all
+interfaces on a fixed port that can be forwarded, announce a public address when
+behind NAT, keep one peer id across restarts, and hear a clear message when a
+bootstrap address is wrong or dead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarm.errors import BootstrapError, NetworkConfigError
+from swarm.records import global_validators
+
+DEFAULT_PORT = 31337
+
+
+class NetworkConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    initial_peers: list[str] = Field(default_factory=list)
+    host_ip: str = "0.0.0.0"
+    host_port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    announce_ip: str | None = None
+    identity_path: Path | None = None
+    client_mode: bool = False
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    startup_timeout: float = 30.0
+
+
+def parse_initial_peer(text: str) -> Multiaddr:
+    """Parse one bootstrap multiaddr, or explain what a good one looks like."""
+    try:
+        maddr = Multiaddr(text.strip())
+    except Exception as e:  # hivemind's multiaddr raises several unrelated types
+        raise NetworkConfigError(
+            f"'{text}' is not a valid multiaddr ({e}). An initial peer looks like "
+            "/ip4/203.0.113.5/tcp/31337/p2p/QmPeerId...: copy it exactly from the line the run's first peer printed."
+        ) from None
+    if "p2p" not in [p.name for p in maddr.protocols()]:
+        raise NetworkConfigError(
+            f"'{text}' has no /p2p/<peer id> part, so the peer behind it cannot be verified. "
+            "Copy the full address, ending in /p2p/Qm..., from the line the run's first peer printed."
+        )
+    return maddr
+
+
+def _check_ip(value: str, what: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise NetworkConfigError(f"{what} '{value}' is not an IPv4 or IPv6 address.") from None
+
+
+def _maddr(ip: str, port: int) -> str:
+    family = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
+    return f"/{family}/{ip}/tcp/{port}"
+
+
+def dht_kwargs(config: NetworkConfig) -> dict:
+    """Translate a NetworkConfig into hivemind.DHT arguments, validating each."""
+    initial_peers = [str(parse_initial_peer(p)) for p in config.initial_peers]
+    host_ip = _check_ip(config.host_ip, "--host-ip")
+    kwargs: dict = dict(
+        initial_peers=initial_peers,
+        host_maddrs=[_maddr(host_ip, config.host_port)],
+        client_mode=config.client_mode,
+        use_relay=config.use_relay,
+        use_auto_relay=config.use_auto_relay,
+        startup_timeout=config.startup_timeout,
+        record_validators=global_validators(),
+    )
+    if config.announce_ip is not None:
+        if config.host_port == 0:
+            raise NetworkConfigError("--announce-ip needs a fixed --host-port (not 0) so others know where to dial.")
+        kwargs["announce_maddrs"] = [_maddr(_check_ip(config.announce_ip, "--announce-ip"), config.host_port)]
+    if config.identity_path is not None:
+        path = Path(config.identity_path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kwargs["identity_path"] = str(path)
+    return kwargs
+
+
+def start_dht(config: NetworkConfig) -> hivemind.DHT:
+    """Start a DHT node, turning hivemind's failures into messages a volunteer can act on."""
+    kwargs = dht_kwargs(config)
+    try:
+        return hivemind.DHT(start=True, **kwargs)
+    except Exception as e:
+        text = str(e)
+        if kwargs["initial_peers"] and ("bootstrap" in text.lower() or "initial_peers" in text):
+            raise BootstrapError(
+                f"None of the initial peers answered ({', '.join(kwargs['initial_peers'])}). Check that the "
+                "address is current (a restarted peer without --identity gets a new /p2p/ id), that its port "
+                "is open, and that this machine can reach it; then try again."
+            ) from None
+        if "address already in use" in text.lower() or "bind" in text.lower():
+            raise NetworkConfigError(
+                f"Port {config.host_port} on {config.host_ip} is taken. Stop the other peer or pick another "
+                "--host-port."
+            ) from None
+        raise NetworkConfigError(f"The peer-to-peer daemon could not start: {text}") from None
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Addresses other peers can join with, loopback last."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))

@@ -1,0 +1,123 @@
+"""Signed progress records: publishing our own, reading everyone's.
+
+A background thread refreshes this peer's record so that it stays alive in the
+DHT even while the training thread is blocked in an all-reduce. A peer that
+stops refreshing simply expires, which is how the swarm notices a vanished
+volunteer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from swarm.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
+
+PUBLISH_INTERVAL = 2.0
+RECORD_TTL = 15.0
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    """A progress record as read back, with when it expires."""
+
+    record: ProgressRecord
+    expiration: float
+
+
+class ProgressReporter:
+    """Owns this peer's progress record and keeps it fresh in the DHT."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        initial: dict[str, Any],
+        *,
+        interval: float = PUBLISH_INTERVAL,
+        ttl: float = RECORD_TTL,
+    ):
+        self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
+        self._subkey = RSASignatureValidator().local_public_key
+        self._lock = threading.Lock()
+        self._fields: dict[str, Any] = dict(initial)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-progress", daemon=True)
+
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    def update(self, *, publish_now: bool = False, **fields: Any) -> None:
+        with self._lock:
+            self._fields.update(fields)
+        if publish_now:
+            self._wake.set()
+
+    def add_checksum(self, epoch: int, checksum: str) -> None:
+        with self._lock:
+            history = [c for c in self._fields.get("checksums", []) if c["epoch"] != epoch]
+            history.append(EpochChecksum(epoch=epoch, checksum=checksum).dict())
+            self._fields["checksums"] = sorted(history, key=lambda c: c["epoch"])[-CHECKSUM_HISTORY:]
+        self._wake.set()
+
+    def snapshot(self) -> ProgressRecord:
+        with self._lock:
+            return ProgressRecord(**self._fields, time=time.time())
+
+    def publish_now(self) -> bool:
+        return self._publish()
+
+    def _publish(self, ttl: float | None = None) -> bool:
+        record = self.snapshot()
+        try:
+            return bool(
+                self.dht.store(
+                    progress_key(self.run_id),
+                    subkey=self._subkey,
+                    value=record.dict(),
+                    expiration_time=get_dht_time() + (ttl or self.ttl),
+                )
+            )
+        except Exception:  # a DHT that is shutting down; the next refresh will tell
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self._publish()
+
+    def stop(self, final_state: PeerState = PeerState.left, ttl: float = 5.0) -> None:
+        """Mark this peer as gone: a short-lived final record, then no more refreshes."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self.update(state=final_state.value)
+        self._publish(ttl=ttl)
+
+
+def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
+    """Every well-formed, unexpired progress record of a run; malformed ones are dropped."""
+    found = dht.get(progress_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now = get_dht_time()
+    entries = []
+    for item in found.value.values():
+        if item.value is None or item.expiration_time < now:
+            continue
+        try:
+            entries.append(PeerEntry(ProgressRecord.parse_obj(item.value), item.expiration_time))
+        except ValueError:
+            continue
+    return entries

@@ -1,0 +1,106 @@
+"""Publishing and finding run manifests in the DHT.
+
+Each peer of a run re-publishes the manifest under its own signed subkey, so the
+manifest outlives its creator, and a forged copy can only sit under the forger's
+own key, where the hash check refuses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from swarm.errors import ManifestError
+from swarm.manifest import RunManifest
+from swarm.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
+
+MANIFEST_TTL = 120.0
+
+
+@dataclass(frozen=True)
+class RunListing:
+    run_id: str
+    name: str
+    publishers: int
+
+
+def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
+    record = ManifestRecord(manifest_json=manifest.canonical_json(), name=manifest.name, created_at=time.time())
+    return bool(
+        dht.store(
+            RUNS_KEY,
+            subkey=run_subkey(manifest.run_id, RSASignatureValidator().local_public_key),
+            value=record.dict(),
+            expiration_time=get_dht_time() + ttl,
+        )
+    )
+
+
+def _manifest_records(dht: hivemind.DHT) -> list[tuple[str, ManifestRecord]]:
+    found = dht.get(RUNS_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        run_id = run_id_of_subkey(subkey) if isinstance(subkey, bytes) else None
+        if run_id is None or item.value is None:
+            continue
+        try:
+            records.append((run_id, ManifestRecord.parse_obj(item.value)))
+        except ValueError:
+            continue  # a malformed record from a misbehaving peer
+    return records
+
+
+def list_runs(dht: hivemind.DHT) -> list[RunListing]:
+    """Runs announced on this DHT whose manifest hashes to their id."""
+    by_run: dict[str, list[ManifestRecord]] = {}
+    for run_id, record in _manifest_records(dht):
+        try:
+            RunManifest.from_record(run_id, record.manifest_json)
+        except ManifestError:
+            continue
+        by_run.setdefault(run_id, []).append(record)
+    return sorted(
+        (RunListing(run_id, recs[0].name, len(recs)) for run_id, recs in by_run.items()),
+        key=lambda r: (-r.publishers, r.run_id),
+    )
+
+
+def fetch_manifest(dht: hivemind.DHT, run_id: str) -> RunManifest:
+    """The manifest of ``run_id``, verified against its hash; refuses tampered copies."""
+    candidates = [record for rid, record in _manifest_records(dht) if rid == run_id]
+    if not candidates:
+        known = ", ".join(f"{r.run_id} ({r.name})" for r in list_runs(dht)) or "none"
+        raise ManifestError(
+            f"No peer announces run {run_id}. Runs on this swarm: {known}. Check the run id you were given, "
+            "or that the run still has live peers."
+        )
+    last_error: ManifestError | None = None
+    for record in candidates:
+        try:
+            return RunManifest.from_record(run_id, record.manifest_json)
+        except ManifestError as e:
+            last_error = e
+    assert last_error is not None
+    raise last_error
+
+
+def choose_run(dht: hivemind.DHT, run_id: str | None) -> RunManifest:
+    """The run to join: ``run_id`` if given, else the only run on the DHT."""
+    if run_id is not None:
+        return fetch_manifest(dht, run_id)
+    runs = list_runs(dht)
+    if not runs:
+        raise ManifestError(
+            "The initial peers answered, but no run is announced on this swarm yet. Start one with "
+            "'swarm-client start', or check that you were given the right address."
+        )
+    if len(runs) > 1:
+        listing = "; ".join(f"--run {r.run_id} ({r.name}, {r.publishers} peers)" for r in runs)
+        raise ManifestError(f"This swarm hosts {len(runs)} runs; pick one with --run: {listing}.")
+    return fetch_manifest(dht, runs[0].run_id)

@@ -1,0 +1,78 @@
+"""One swarm peer in its own process, driven by the engine tests.
+
+Writes its addresses, events, per-round reports and final global parameters to
+--out, and touches a marker file on each state change so a test can kill it at
+a chosen moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
+
+from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--manifest", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--max-epochs", type=int, required=True)
+    parser.add_argument("--extra-params", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    events = (args.out / "events.jsonl").open("a", buffering=1)
+    manifest = RunManifest.from_json(args.manifest.read_text())
+
+    def listener(kind: str, data: dict) -> None:
+        if kind == "state":
+            (args.out / f"state-{data['state'].replace(' ', '_')}-{peer.epoch}").touch()
+        payload = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in data.items()}
+        events.write(json.dumps(dict(kind=kind, time=time.time(), **payload), default=str) + "\n")
+
+    with seeded_init(manifest):
+        model = make_model(manifest, args.extra_params)
+    optimizer = make_optimizer(model, manifest)
+    network = NetworkConfig(initial_peers=args.initial_peers, host_ip="127.0.0.1", host_port=0)
+    peer = Peer(manifest, model, network, name=f"rank{args.rank}", listener=listener, progress_interval=0.5)
+    try:
+        peer.start()
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    (args.out / "maddrs.txt").write_text("\n".join(visible_maddrs(peer.dht)))
+    (args.out / "peer_id.txt").write_text(peer.peer_id)
+    reports = []
+    while peer.epoch < args.max_epochs:
+        t0 = time.monotonic()
+        loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
+        report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
+        if report is not None:
+            reports.append(report.__dict__)
+            (args.out / "reports.json").write_text(json.dumps(reports))
+    torch.save(
+        dict(
+            epoch=peer.epoch,
+            params=[p.clone() for p in peer.outer.params],
+            checksum=peer.outer.checksum(),
+            stats=peer.stats.__dict__,
+        ),
+        args.out / "final.pt",
+    )
+    peer.leave()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
