@@ -105,9 +105,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(
-                    None, lambda: serialize_torch_tensor(averaged_part, part_compression)
-                )
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
