@@ -1,0 +1,159 @@
+"""Runs engine workers as real processes on 127.0.0.1 and cleans up after them.
+
+It also watches every p2pd daemon the workers start, so a test can assert that
+none survives its peer: not after a graceful leave, not after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from swarm import RunManifest
+
+WORKER = Path(__file__).resolve().parent / "engine_worker.py"
+START_TIMEOUT = 90.0
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class WorkerSwarm:
+    def __init__(self, root: Path, manifest: RunManifest):
+        self.root, self.manifest = root, manifest
+        root.mkdir(parents=True, exist_ok=True)
+        self.manifest_path = root / "manifest.json"
+        self.manifest_path.write_text(manifest.canonical_json())
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.p2pd_pids: set[int] = set()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_p2pd, daemon=True)
+        self._watcher.start()
+
+    def out(self, rank: int) -> Path:
+        return self.root / f"peer{rank}"
+
+    def start(
+        self,
+        rank: int,
+        max_epochs: int,
+        *,
+        extra_params: int = 0,
+        bootstrap: int | None = 0,
+        wait_ready: bool = True,
+    ) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--manifest",
+            str(self.manifest_path),
+            "--out",
+            str(self.out(rank)),
+            "--rank",
+            str(rank),
+            "--max-epochs",
+            str(max_epochs),
+            "--extra-params",
+            str(extra_params),
+        ]
+        if bootstrap is not None and bootstrap != rank:
+            cmd += ["--initial-peers", *self.maddrs(bootstrap)]
+        log = (self.root / f"peer{rank}.log").open("w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if wait_ready:
+            self.wait_ready(rank)
+        return self.procs[rank]
+
+    def wait_ready(self, rank: int) -> None:
+        wait_for(
+            lambda: (self.out(rank) / "maddrs.txt").exists() or self.procs[rank].poll() is not None,
+            START_TIMEOUT,
+            f"peer {rank} to start",
+        )
+        assert self.procs[rank].poll() is None, f"peer {rank} exited early:\n{self.log(rank)}"
+
+    def maddrs(self, rank: int) -> list[str]:
+        path = self.out(rank) / "maddrs.txt"
+        wait_for(path.exists, START_TIMEOUT, f"peer {rank} addresses")
+        return path.read_text().split()
+
+    def log(self, rank: int) -> str:
+        return (self.root / f"peer{rank}.log").read_text()[-4000:]
+
+    def wait_exit(self, rank: int, timeout: float) -> int:
+        try:
+            return self.procs[rank].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"peer {rank} did not finish in {timeout:.0f} s:\n{self.log(rank)}") from None
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].send_signal(signal.SIGKILL)
+        self.procs[rank].wait(timeout=10)
+
+    def marker(self, rank: int, state: str, epoch: int) -> Path:
+        return self.out(rank) / f"state-{state.replace(' ', '_')}-{epoch}"
+
+    def reports(self, rank: int) -> list[dict]:
+        path = self.out(rank) / "reports.json"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def events(self, rank: int) -> list[dict]:
+        path = self.out(rank) / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def final(self, rank: int) -> dict:
+        return torch.load(self.out(rank) / "final.pt", weights_only=False)
+
+    def _watch_p2pd(self) -> None:
+        while not self._stop.is_set():
+            for proc in list(self.procs.values()):
+                try:
+                    for child in psutil.Process(proc.pid).children(recursive=True):
+                        if child.name() == "p2pd":
+                            self.p2pd_pids.add(child.pid)
+                except psutil.Error:
+                    pass
+            time.sleep(0.2)
+
+    def live_p2pd(self) -> list[int]:
+        alive = []
+        for pid in self.p2pd_pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._stop.set()
+        self._watcher.join(timeout=2)
+        try:
+            wait_for(lambda: not self.live_p2pd(), 15, "p2pd daemons to exit")
+        finally:
+            for pid in self.live_p2pd():  # never leave strays behind, even when the assertion fails
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
