@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import (
@@ -65,6 +66,10 @@ class AllReduceOutcome:
     gathered: dict[str, Any]  # each groupmate's ``gather`` payload
     dropped_fraction: float  # share of values whose reducer vanished (set to zero)
     excluded_senders: int  # groupmates whose contribution was left out of some parts
+
+
+class SwarmMovedOn(RuntimeError):
+    """Raised when the swarm finished this round without us while we were looking for a group."""
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -168,12 +173,18 @@ class PseudoGradientAverager(DecentralizedAverager):
         timeout: float,
         hard_timeout: float,
         on_stage: Callable[[str], None] = lambda stage: None,
+        abort_if: Callable[[], bool] = lambda: False,
+        abort_poll: float = 1.0,
     ) -> AllReduceOutcome:
-        """One averaging round over the buffers; raises on failure, never waits past ``hard_timeout``."""
+        """One averaging round over the buffers; raises on failure, never waits past ``hard_timeout``.
+
+        ``abort_if`` is polled while looking for a group, so a peer whose swarm has
+        already moved on stops waiting for groupmates that will never come.
+        """
         self.set_group_bits(group_bits)
         control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
         deadline = time.monotonic() + hard_timeout
-        last_stage = None
+        last_stage, next_poll = None, time.monotonic() + abort_poll
         while not control.done():
             if control.stage != last_stage:
                 last_stage = control.stage
@@ -181,6 +192,11 @@ class PseudoGradientAverager(DecentralizedAverager):
             if time.monotonic() > deadline:
                 control.cancel()
                 raise TimeoutError(f"averaging did not finish in {hard_timeout:.0f} s")
+            if last_stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > next_poll:
+                next_poll = time.monotonic() + abort_poll
+                if abort_if():
+                    control.cancel()
+                    raise SwarmMovedOn("the swarm moved on to a later epoch")
             time.sleep(0.02)
         result = control.result()
         return AllReduceOutcome(**result)

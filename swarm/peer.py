@@ -21,7 +21,13 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm.averaging import COMPRESSIONS, PseudoGradientAverager, epoch_group_bits, state_tensor_infos
+from swarm.averaging import (
+    COMPRESSIONS,
+    PseudoGradientAverager,
+    SwarmMovedOn,
+    epoch_group_bits,
+    state_tensor_infos,
+)
 from swarm.errors import StateDownloadError
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
@@ -255,12 +261,15 @@ class Peer:
                 timeout=avg.matchmaking_timeout,
                 hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
                 on_stage=on_stage,
+                abort_if=lambda: self._swarm_is_ahead(start_epoch),
             )
             epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
             if epochs != {start_epoch}:
                 fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
             else:
                 group, dropped = outcome.group, outcome.dropped_fraction
+        except SwarmMovedOn:  # our pseudo-gradient is for a round that is over: take the swarm's state
+            return self._resync_round(seconds, "the swarm finished this round without us")
         except Exception as e:  # no group, a vanished groupmate, a timeout: go on alone
             fallback = _short_reason(e)
         t1 = time.monotonic()
@@ -337,6 +346,10 @@ class Peer:
                 time.sleep(0.5)
                 view = self.view()
         return view
+
+    def _swarm_is_ahead(self, epoch: int) -> bool:
+        view = self.view()
+        return view.global_epoch is not None and view.global_epoch > epoch
 
     def _needs_resync(self, epoch: int) -> bool:
         """True if the swarm is ahead of us, or most peers hold another checksum for ``epoch``."""

@@ -70,7 +70,7 @@ class ProgressReporter:
 
     def snapshot(self) -> ProgressRecord:
         with self._lock:
-            return ProgressRecord(**self._fields, time=time.time())
+            return ProgressRecord(**{**self._fields, "time": time.time()})
 
     def publish_now(self) -> bool:
         return self._publish()

@@ -1,0 +1,93 @@
+"""Peers that join late, vanish mid-round, or leave: the survivors stay live and consistent."""
+
+from __future__ import annotations
+
+from diloco_helpers import tiny_manifest
+from swarm_harness import wait_for
+
+SLACK = 10.0  # seconds of bookkeeping allowed on top of the configured timeouts
+
+
+def assert_rounds_bounded(reports: list[dict], manifest) -> None:
+    """No round waited longer for others than matchmaking plus all-reduce timeouts allow."""
+    limit = manifest.averaging.matchmaking_timeout + manifest.averaging.allreduce_timeout + SLACK
+    for report in reports:
+        waited = report["seconds"].get("matchmaking", 0.0) + report["seconds"].get("allreduce", 0.0)
+        assert waited <= limit, report
+
+
+def assert_consistent(swarm, ranks, epoch: int) -> None:
+    finals = [swarm.final(rank) for rank in ranks]
+    assert [f["epoch"] for f in finals] == [epoch] * len(ranks)
+    assert len({f["checksum"] for f in finals}) == 1, [f["checksum"][:12] for f in finals]
+
+
+def test_peer_joining_mid_run_downloads_state_and_converges(make_swarm):
+    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0)
+    swarm = make_swarm(manifest)
+    epochs = 6
+    swarm.start(0, epochs)
+    swarm.start(1, epochs)
+    wait_for(swarm.marker(0, "training", 2).exists, 120, "the swarm to reach epoch 2")
+    swarm.start(2, epochs)
+    for rank in range(3):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    loaded = [e for e in swarm.events(2) if e["kind"] == "state_loaded"]
+    assert loaded and loaded[0]["epoch"] >= 2, swarm.events(2)
+    assert not (swarm.out(2) / "state-training-0").exists()  # it never trained from scratch
+    assert any(r["averaged"] and r["group_size"] == 3 for r in swarm.reports(2)), swarm.reports(2)
+    assert_consistent(swarm, range(3), epochs)
+    for rank in range(3):
+        assert_rounds_bounded(swarm.reports(rank), manifest)
+
+
+def test_peer_killed_during_matchmaking(make_swarm):
+    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0)
+    swarm = make_swarm(manifest)
+    epochs = 4
+    for rank in range(3):
+        swarm.start(rank, epochs, wait_ready=rank == 0)
+    wait_for(swarm.marker(2, "matchmaking", 1).exists, 120, "the victim to start matchmaking")
+    swarm.kill(2)
+    for rank in (0, 1):
+        assert swarm.wait_exit(rank, 180) == 0, swarm.log(rank)
+        assert_rounds_bounded(swarm.reports(rank), manifest)
+    assert_consistent(swarm, (0, 1), epochs)
+    wait_for(lambda: not swarm.live_p2pd(), 15, "the killed peer's p2pd to exit")
+
+
+def test_peer_killed_during_allreduce_then_a_new_peer_joins(make_swarm):
+    # a 20M-float ballast makes each all-reduce last long enough to be interrupted; 150 inner steps
+    # give the newcomer's state download (160 MB) time to finish within a round
+    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0, inner_steps=150)
+    swarm = make_swarm(manifest)
+    epochs, ballast = 6, 20_000_000
+    for rank in range(3):
+        swarm.start(rank, epochs, extra_params=ballast, wait_ready=rank == 0)
+    wait_for(swarm.marker(2, "averaging", 1).exists, 180, "the victim to start its all-reduce", poll=0.005)
+    swarm.kill(2)
+    assert all(r["epoch"] <= 1 for r in swarm.reports(2)), "the victim finished its round before it was killed"
+    swarm.start(3, epochs, extra_params=ballast, bootstrap=1)
+    for rank in (0, 1, 3):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+        assert_rounds_bounded(swarm.reports(rank), manifest)
+    assert_consistent(swarm, (0, 1, 3), epochs)
+    interrupted = [r for rank in (0, 1) for r in swarm.reports(rank) if r["epoch"] == 2]
+    assert any(
+        not r["averaged"] or r["dropped_fraction"] > 0 or r["resynced"] or r["group_size"] < 3 for r in interrupted
+    ), interrupted
+    assert any(e["kind"] == "state_loaded" for e in swarm.events(3))
+
+
+def test_graceful_leave_marks_peer_gone_and_stops_p2pd(make_swarm):
+    manifest = tiny_manifest(compression="fp16")
+    swarm = make_swarm(manifest)
+    swarm.start(0, 2)
+    swarm.start(1, 2)
+    for rank in (0, 1):
+        assert swarm.wait_exit(rank, 120) == 0, swarm.log(rank)
+    assert swarm.p2pd_pids, "the harness saw no p2pd: the check below would be vacuous"
+    wait_for(lambda: not swarm.live_p2pd(), 5, "p2pd daemons to exit after a graceful leave")
+    for rank in (0, 1):
+        kinds = [e["kind"] for e in swarm.events(rank)]
+        assert kinds[-1] == "left"

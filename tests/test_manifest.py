@@ -1,0 +1,53 @@
+import json
+
+import pytest
+from diloco_helpers import tiny_manifest
+
+from swarm import ManifestError, RunManifest
+from swarm.manifest import AveragingSpec
+
+
+def test_run_id_is_a_stable_hash_of_the_canonical_manifest():
+    a, b = tiny_manifest(), tiny_manifest()
+    assert a.run_id == b.run_id and len(a.run_id) == 16
+    reordered = json.dumps(json.loads(a.canonical_json()), indent=2, sort_keys=False)
+    assert RunManifest.from_json(reordered).run_id == a.run_id
+
+
+@pytest.mark.parametrize("change", [dict(inner_steps=5), dict(seq_len=32), dict(init_seed=7), dict(name="other")])
+def test_any_change_gives_another_run_id(change):
+    base = tiny_manifest()
+    changed = base.model_copy(update=change)
+    assert RunManifest.from_json(changed.canonical_json()).run_id != base.run_id
+
+
+def test_nested_hyperparameters_change_the_run_id():
+    base = tiny_manifest()
+    changed = base.model_copy(update=dict(averaging=AveragingSpec(compression="none")))
+    assert changed.run_id != base.run_id
+
+
+def test_manifest_fetched_with_a_wrong_run_id_is_refused():
+    manifest = tiny_manifest()
+    assert RunManifest.from_record(manifest.run_id, manifest.canonical_json()) == manifest
+    tampered = json.loads(manifest.canonical_json())
+    tampered["outer"]["lr"] = 10.0
+    with pytest.raises(ManifestError, match="tampered"):
+        RunManifest.from_record(manifest.run_id, json.dumps(tampered))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(seq_len=-1), "seq_len"),
+        (lambda d: d.update(model={"hidden_size": 8}), "model_type"),
+        (lambda d: d.update(surprise=1), "surprise"),
+        (lambda d: d["averaging"].update(compression="int3"), "compression"),
+        (lambda d: d["averaging"].update(matchmaking_time=100.0), "matchmaking_time"),
+    ],
+)
+def test_invalid_manifest_gives_a_clear_error(mutate, message):
+    data = json.loads(tiny_manifest().canonical_json())
+    mutate(data)
+    with pytest.raises(ManifestError, match=message):
+        RunManifest.from_json(json.dumps(data))

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from swarm.manifest import OuterOptimizerSpec
+from swarm.outer import OuterState, checksum
+
+
+def test_outer_step_matches_torch_sgd_with_nesterov():
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3), torch.randn(7)]
+    spec = OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True)
+    state = OuterState(params, spec)
+    reference = [torch.nn.Parameter(p.clone()) for p in params]
+    optimizer = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(4):
+        grads = [torch.randn_like(p) for p in params]
+        state.step(grads)
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        optimizer.step()
+    assert state.epoch == 4
+    for mine, theirs in zip(state.params, reference):
+        assert torch.allclose(mine, theirs.detach(), atol=1e-6)
+
+
+def test_pseudo_gradient_is_global_minus_local_and_write_back_restores_the_model():
+    model = torch.nn.Linear(3, 2)
+    state = OuterState(list(model.parameters()), OuterOptimizerSpec())
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    pseudo = state.pseudo_gradient(list(model.parameters()))
+    assert torch.allclose(pseudo[0], torch.full_like(pseudo[0], -1.0))
+    state.write_to(list(model.parameters()))
+    assert torch.equal(model.weight.detach(), state.params[0])
+
+
+def test_checksum_sees_a_single_bit_and_load_refuses_wrong_shapes():
+    state = OuterState([torch.zeros(4)], OuterOptimizerSpec())
+    before = state.checksum()
+    state.params[0][2] = torch.finfo(torch.float32).tiny
+    assert state.checksum() != before
+    assert checksum([torch.zeros(4)]) == before
+    with pytest.raises(ValueError, match="shape"):
+        state.load(3, [torch.zeros(5), torch.zeros(5)])
+    with pytest.raises(ValueError, match="expected 2"):
+        state.load(3, [torch.zeros(4)])
+    state.load(3, [torch.ones(4), torch.zeros(4)])
+    assert state.epoch == 3 and torch.equal(state.params[0], torch.ones(4))

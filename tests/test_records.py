@@ -1,0 +1,112 @@
+"""A malicious peer cannot overwrite others' records, store malformed ones, or serve a forged manifest."""
+
+import json
+import time
+
+import hivemind
+import pytest
+from diloco_helpers import tiny_manifest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm import ManifestError, NetworkConfig, fetch_manifest, list_runs, publish_manifest, start_dht
+from swarm.progress import ProgressReporter, read_peers
+from swarm.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
+
+
+@pytest.fixture
+def honest_and_attacker():
+    honest = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    attacker_key = RSASignatureValidator(RSAPrivateKey())
+    attacker = hivemind.DHT(
+        initial_peers=[str(a) for a in honest.get_visible_maddrs()],
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=[attacker_key, SchemaValidator(GlobalSchema, prefix=GLOBAL_PREFIX)],
+    )
+    yield honest, attacker, attacker_key.local_public_key
+    attacker.shutdown()
+    honest.shutdown()
+
+
+def progress_value(peer_id: str, **override) -> dict:
+    value = dict(
+        peer_id=peer_id,
+        name="n",
+        device="cpu",
+        epoch=3,
+        inner_step=1,
+        samples_per_second=1.5,
+        tokens_processed=10,
+        state="training",
+        last_loss=2.5,
+        client_mode=False,
+        relayed=False,
+        micro_batch=4,
+        checksums=[],
+        time=time.time(),
+    )
+    value.update(override)
+    return value
+
+
+def test_forged_and_malformed_progress_records_are_refused(honest_and_attacker):
+    honest, attacker, attacker_public = honest_and_attacker
+    run_id = tiny_manifest().run_id
+    for dht in (honest, attacker):
+        dht.add_validators([run_validator(run_id)])
+    reporter = ProgressReporter(honest, run_id, progress_value("honest"))
+    reporter.start()
+    honest_public = RSASignatureValidator().local_public_key
+    key, expiry = progress_key(run_id), get_dht_time() + 30
+
+    # the attacker can write under its own key: the refusals below are about forgery, not access
+    assert attacker.store(key, subkey=attacker_public, value=progress_value("attacker"), expiration_time=expiry)
+    # ... but not under the honest peer's key (it cannot sign for it)
+    assert not attacker.store(
+        key, subkey=honest_public, value=progress_value("honest", epoch=999), expiration_time=expiry + 1
+    )
+    # ... nor a record of the wrong shape under its own key
+    assert not attacker.store(
+        key, subkey=attacker_public, value=progress_value("attacker", epoch="999"), expiration_time=expiry + 2
+    )
+    assert not attacker.store(
+        key, subkey=attacker_public, value=progress_value("attacker", state="king"), expiration_time=expiry + 3
+    )
+
+    records = {e.record.peer_id: e.record for e in read_peers(honest, run_id)}
+    assert set(records) == {"honest", "attacker"}
+    assert records["honest"].epoch == 3
+    reporter.stop()
+
+
+def test_forged_manifest_records_are_refused(honest_and_attacker):
+    honest, attacker, attacker_public = honest_and_attacker
+    manifest = tiny_manifest(name="honest-run")
+    assert publish_manifest(honest, manifest)
+    honest_public = RSASignatureValidator().local_public_key
+    tampered = json.loads(manifest.canonical_json())
+    tampered["outer"]["lr"] = 50.0
+    record = dict(manifest_json=json.dumps(tampered), name="honest-run", created_at=time.time())
+    expiry = get_dht_time() + 60
+
+    # impersonating the creator is refused by the signature check
+    assert not attacker.store(
+        RUNS_KEY, subkey=run_subkey(manifest.run_id, honest_public), value=record, expiration_time=expiry
+    )
+    # under its own key the store succeeds, but the hash check refuses the content
+    assert attacker.store(
+        RUNS_KEY, subkey=run_subkey(manifest.run_id, attacker_public), value=record, expiration_time=expiry
+    )
+    assert fetch_manifest(honest, manifest.run_id) == manifest
+
+    # a run announced only by the attacker, whose manifest does not hash to the announced id
+    fake_id = "0123456789abcdef"
+    assert attacker.store(RUNS_KEY, subkey=run_subkey(fake_id, attacker_public), value=record, expiration_time=expiry)
+    with pytest.raises(ManifestError, match="tampered"):
+        fetch_manifest(honest, fake_id)
+    assert [r.run_id for r in list_runs(honest)] == [manifest.run_id]
+    with pytest.raises(ManifestError, match="No peer announces run fedcba9876543210"):
+        fetch_manifest(honest, "fedcba9876543210")
