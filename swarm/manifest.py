@@ -44,6 +44,7 @@ class DatasetSpec(_Frozen):
     split: str = "train"
     text_field: str = "text"
     streaming: bool = True
+    num_shards: int = Field(64, ge=2)  # documents are dealt round-robin; the last shard is held out for eval
 
     @model_validator(mode="after")
     def _path_for_non_builtin(self) -> DatasetSpec:
@@ -113,6 +114,7 @@ class RunManifest(_Frozen):
     inner: InnerOptimizerSpec = InnerOptimizerSpec()
     outer: OuterOptimizerSpec = OuterOptimizerSpec()
     averaging: AveragingSpec = AveragingSpec()
+    mixed_precision: Literal["fp16", "bf16"] = "fp16"  # on GPUs; bf16 only where the GPU supports it
     init_seed: int = 0
     version: Literal[1] = 1
 

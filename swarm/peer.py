@@ -131,8 +131,12 @@ class Peer:
     def client_mode(self) -> bool:
         return bool(self.dht.client_mode)
 
-    def start(self) -> None:
-        """Join the DHT, announce the run, and catch up with the swarm before the first inner step."""
+    def start(self, resume: tuple[int, Sequence[torch.Tensor]] | None = None) -> None:
+        """Join the DHT, announce the run, and catch up with the swarm before the first inner step.
+
+        ``resume`` is (epoch, params + momentum) from a checkpoint: it is kept if the
+        swarm is empty or agrees with it, and replaced by a download otherwise.
+        """
         install_orphan_reaper()
         if self._dht is None:
             assert self._network is not None
@@ -164,7 +168,10 @@ class Peer:
         )
         self.reporter.start()
         self._started = True
-        self._catch_up()
+        if resume is not None:
+            self.outer.load(*resume)
+            self.outer.write_to(self.params)
+        self._catch_up(resumed=resume is not None)
         self._announce_state()
         self._set_state(PeerState.training, publish=True)
         self._round_started = time.monotonic()
@@ -316,18 +323,31 @@ class Peer:
         seconds["consistency"] = time.monotonic() - t2
         return report
 
+    def resync_now(self, reason: str) -> bool:
+        """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""
+        return self._resync(reason)
+
+    @property
+    def download_progress(self) -> float:
+        return self.averager.download_progress if self.averager is not None else 0.0
+
     def view(self) -> SwarmView:
         entries = read_peers(self.dht, self.run_id)
         return build_view(entries, get_dht_time(), self.manifest.inner_steps, self.manifest.samples_per_step)
 
     # ---- catching up and staying consistent -----------------------------------------------------
 
-    def _catch_up(self) -> None:
-        """Download the state from the swarm if anyone is training; otherwise start from the seed."""
+    def _catch_up(self, resumed: bool) -> None:
+        """Download the state from the swarm if anyone is training; otherwise start from the seed or checkpoint."""
         view = self._wait_for_view()
         others = [p for p in view.peers if p.peer_id != self.peer_id and p.latest_checksum is not None]
         if not others:
-            self._emit("initialized", dict(epoch=0, reason="first peer of the run: weights from the manifest seed"))
+            reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
+            self._emit("initialized", dict(epoch=self.epoch, reason=reason))
+            return
+        agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
+        if resumed and agreed is not None and agreed.epoch == self.epoch and agreed.agrees(self.outer.checksum()):
+            self._emit("initialized", dict(epoch=self.epoch, reason="checkpoint agrees with the swarm"))
             return
         self._set_state(PeerState.downloading_state, publish=True)
         if not self._download_consensus_state():

@@ -23,7 +23,7 @@ RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY
 CHECKSUM_HISTORY = 4
 
 
-class PeerState(str, enum.Enum):
+class PeerState(enum.StrEnum):
     """What a peer is doing; the dashboard's "why am I idle" reads it."""
 
     starting = "starting"

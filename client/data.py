@@ -1,0 +1,209 @@
+"""Training text: sources, tokenizers, sharding and packing, with ``datasets``.
+
+Documents are dealt round-robin into ``num_shards`` shards, so shards are
+disjoint by construction; the last shard is never trained on and serves as the
+held-out set. Each peer walks the training shards in an order seeded by its peer
+id, so peers that start together read different text.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import datasets
+import torch
+
+from swarm import DatasetSpec, SwarmError, TokenizerSpec
+
+BYTE_VOCAB = 256
+BOS, EOS, PAD = 256, 257, 258
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes plus three specials: no download, no vocabulary file."""
+
+    vocab_size = BYTE_VOCAB + 3
+    eos_id = EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Any ``AutoTokenizer``, by hub name or local path."""
+
+    def __init__(self, name: str):
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(name)
+        except Exception as e:
+            raise SwarmError(f"Could not load tokenizer '{name}': {e}. Give a hub name or a local directory.") from None
+        self.vocab_size = len(self._tok)
+        eos = self._tok.eos_token_id
+        self.eos_id = int(eos if eos is not None else self._tok.sep_token_id or 0)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
+    return ByteTokenizer() if spec.kind == "bytes" else HFTokenizer(spec.name or "")
+
+
+def stdlib_sources() -> list[Path]:
+    """The Python standard library's own source files: a corpus every machine already has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    if not files:
+        raise SwarmError(f"No Python source files found under {root} for the built-in corpus.")
+    return files
+
+
+def _builtin_documents() -> Iterator[dict]:
+    for path in stdlib_sources():
+        try:
+            yield {"text": path.read_text(encoding="utf-8", errors="replace")}
+        except OSError:
+            continue
+
+
+def _local_data_files(path: str) -> tuple[str, list[str]]:
+    p = Path(path).expanduser()
+    files = (
+        sorted(str(f) for f in p.rglob("*") if f.is_file())
+        if p.is_dir()
+        else sorted(str(f) for f in Path().glob(path))
+        if any(c in path for c in "*?[")
+        else [str(p)]
+    )
+    if not files or not all(Path(f).exists() for f in files):
+        raise SwarmError(f"dataset.path '{path}' matches no files.")
+    builder = "json" if all(f.endswith((".json", ".jsonl")) for f in files) else "text"
+    return builder, files
+
+
+def load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
+    """The raw documents as an iterable ``datasets`` pipeline with a ``text`` column."""
+    if spec.source == "builtin":
+        return datasets.IterableDataset.from_generator(_builtin_documents)
+    if spec.source == "local":
+        builder, files = _local_data_files(spec.path or "")
+        if builder == "text":
+            return datasets.load_dataset("text", data_files=files, split="train", streaming=True, sample_by="document")
+        ds = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    else:
+        try:
+            ds = datasets.load_dataset(spec.path, spec.config, split=spec.split, streaming=spec.streaming)
+        except Exception as e:
+            raise SwarmError(f"Could not open dataset '{spec.path}' ({spec.config}, {spec.split}): {e}") from None
+        if not spec.streaming:
+            ds = ds.to_iterable_dataset()
+    if spec.text_field != "text":
+        ds = ds.rename_column(spec.text_field, "text")
+    return ds.select_columns(["text"])
+
+
+def shard_documents(docs: datasets.IterableDataset, num_shards: int, shard: int) -> datasets.IterableDataset:
+    """Documents ``shard``, ``shard + num_shards``, ...: shards never overlap."""
+    return docs.filter(lambda _, index: index % num_shards == shard, with_indices=True)
+
+
+def pack(texts: Iterator[str], tokenizer: Tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
+    """Concatenate tokenized documents, separated by EOS, and cut fixed-length sequences."""
+    buffer: list[int] = []
+    for text in texts:
+        buffer.extend(tokenizer.encode(text))
+        buffer.append(tokenizer.eos_id)
+        while len(buffer) >= seq_len:
+            yield torch.tensor(buffer[:seq_len], dtype=torch.long)
+            buffer = buffer[seq_len:]
+
+
+@dataclass
+class DataPosition:
+    """Where a peer is in its walk over the shards; saved in checkpoints."""
+
+    order_index: int = 0  # which shard in this peer's order
+    sequences: int = 0  # sequences consumed from that shard
+
+
+def shard_order(spec: DatasetSpec, peer_seed: str) -> list[int]:
+    order = list(range(spec.num_shards - 1))  # the last shard is held out
+    random.Random(peer_seed).shuffle(order)
+    return order
+
+
+class SequenceStream:
+    """Endless packed training sequences for one peer, resumable from a DataPosition."""
+
+    def __init__(
+        self,
+        spec: DatasetSpec,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        peer_seed: str,
+        position: DataPosition | None = None,
+    ):
+        self.spec, self.tokenizer, self.seq_len = spec, tokenizer, seq_len
+        self.order = shard_order(spec, peer_seed)
+        self.position = position or DataPosition()
+        self._iterator = self._sequences()
+
+    def _shard_sequences(self, shard: int) -> Iterator[torch.Tensor]:
+        docs = shard_documents(load_documents(self.spec), self.spec.num_shards, shard)
+        return pack((row["text"] for row in docs), self.tokenizer, self.seq_len)
+
+    def _sequences(self) -> Iterator[torch.Tensor]:
+        empty_in_a_row = 0
+        while True:
+            shard = self.order[self.position.order_index % len(self.order)]
+            produced = 0
+            for index, seq in enumerate(self._shard_sequences(shard)):
+                if index < self.position.sequences:
+                    continue
+                produced += 1
+                self.position.sequences += 1
+                yield seq
+            empty_in_a_row = empty_in_a_row + 1 if produced == 0 else 0
+            if empty_in_a_row > len(self.order):
+                raise SwarmError(f"The dataset yields no sequence of {self.seq_len} tokens; is it empty?")
+            self.position = DataPosition(self.position.order_index + 1, 0)
+
+    def next_batch(self, size: int) -> torch.Tensor:
+        return torch.stack([next(self._iterator) for _ in range(size)])
+
+
+def eval_batches(
+    spec: DatasetSpec, tokenizer: Tokenizer, seq_len: int, num_sequences: int, batch_size: int = 8
+) -> list[torch.Tensor]:
+    """Fixed held-out sequences from the last shard, the same on every peer."""
+    docs = shard_documents(load_documents(spec), spec.num_shards, spec.num_shards - 1)
+    sequences = []
+    for seq in pack((row["text"] for row in docs), tokenizer, seq_len):
+        sequences.append(seq)
+        if len(sequences) == num_sequences:
+            break
+    if not sequences:
+        raise SwarmError("The held-out shard yields no sequence; the dataset is too small for its num_shards.")
+    return [torch.stack(sequences[i : i + batch_size]) for i in range(0, len(sequences), batch_size)]

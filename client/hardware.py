@@ -1,0 +1,93 @@
+"""What this machine has, and how training should use it.
+
+Detection takes the ``torch.cuda`` module as an argument so tests can hand in a
+fake one with the properties of a real GPU; everything else is read from torch
+and psutil.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from swarm import SwarmError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # a torch device string: "cuda:0", "mps", "cpu"
+    kind: str  # "cuda", "mps" or "cpu"
+    name: str
+    memory_bytes: int  # accelerator memory, or available host memory for the CPU
+    compute_capability: tuple[int, int] | None
+    bf16: bool
+    host_memory_bytes: int
+    cpu_cores: int
+
+    @property
+    def label(self) -> str:
+        gib = self.memory_bytes / 2**30
+        return f"{self.name} ({gib:.0f} GiB)" if self.kind != "cpu" else f"CPU x{self.cpu_cores} ({gib:.0f} GiB free)"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Autocast dtype for the inner steps; fp16 also needs a GradScaler."""
+
+    autocast_dtype: torch.dtype | None
+    use_scaler: bool
+
+    @property
+    def label(self) -> str:
+        return {None: "fp32", torch.float16: "fp16+scaler", torch.bfloat16: "bf16"}[self.autocast_dtype]
+
+
+def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | None = None) -> Hardware:
+    """Resolve ``--device`` (auto|cuda|cuda:N|mps|cpu) to the hardware that will train."""
+    host = psutil.virtual_memory()
+    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    if mps_available is None:
+        mps_available = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if device == "auto":
+        device = "cuda" if cuda.is_available() else "mps" if mps_available else "cpu"
+    if device.startswith("cuda"):
+        if not cuda.is_available():
+            raise SwarmError(
+                f"--device {device}: no CUDA GPU is visible to PyTorch. Check `nvidia-smi`, that this torch build "
+                "has CUDA (torch.version.cuda), and that Docker runs with --gpus all; or use --device cpu."
+            )
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        count = cuda.device_count()
+        if not 0 <= index < count:
+            raise SwarmError(f"--device {device}: this machine has {count} CUDA device(s), numbered 0 to {count - 1}.")
+        props = cuda.get_device_properties(index)
+        capability = (props.major, props.minor)
+        return Hardware(
+            f"cuda:{index}",
+            "cuda",
+            props.name,
+            int(props.total_memory),
+            capability,
+            capability >= (8, 0),
+            host.total,
+            cores,
+        )
+    if device == "mps":
+        if not mps_available:
+            raise SwarmError("--device mps: Apple's Metal backend is not available here; use --device cpu.")
+        return Hardware("mps", "mps", "Apple MPS", host.total, None, False, host.total, cores)
+    if device == "cpu":
+        return Hardware("cpu", "cpu", "CPU", int(host.available), None, False, host.total, cores)
+    raise SwarmError(f"--device {device!r} is not one of auto, cuda, cuda:N, mps or cpu.")
+
+
+def choose_precision(hardware: Hardware, prefer_bf16: bool) -> Precision:
+    """fp16 with a scaler on CUDA, bf16 where asked for and supported, fp32 elsewhere."""
+    if hardware.kind == "cuda":
+        if prefer_bf16 and hardware.bf16:
+            return Precision(torch.bfloat16, use_scaler=False)
+        return Precision(torch.float16, use_scaler=True)
+    return Precision(None, use_scaler=False)
