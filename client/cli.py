@@ -1,9 +1,129 @@
-"""`swarm-client`: the volunteer's command line (filled in by the client issue)."""
+"""`swarm-client`: start a run, join one, or watch a demo swarm on this machine.
+
+Every option can also come from a ``SWARM_*`` environment variable (the Docker
+image's way in); a flag on the command line wins over the variable.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from swarm import NetworkConfig, SwarmError, choose_run, start_dht, visible_maddrs
+
+DEFAULT_WORKDIR = Path("~/.cache/swarm").expanduser()
+
+# option dest -> environment variable; tests check that each is honoured
+ENV_VARS = {
+    "initial_peers": "SWARM_INITIAL_PEERS",
+    "run": "SWARM_RUN",
+    "name": "SWARM_NAME",
+    "identity": "SWARM_IDENTITY",
+    "workdir": "SWARM_WORKDIR",
+    "host_ip": "SWARM_HOST_IP",
+    "host_port": "SWARM_HOST_PORT",
+    "announce_ip": "SWARM_ANNOUNCE_IP",
+    "device": "SWARM_DEVICE",
+    "micro_batch": "SWARM_MICRO_BATCH",
+    "max_epochs": "SWARM_MAX_EPOCHS",
+    "client_mode": "SWARM_CLIENT_MODE",
+    "preset": "SWARM_PRESET",
+    "manifest": "SWARM_MANIFEST",
+    "eval_sequences": "SWARM_EVAL_SEQUENCES",
+    "verbose": "SWARM_VERBOSE",
+}
+
+
+def _env(dest: str, default):
+    value = os.environ.get(ENV_VARS[dest])
+    if value is None or value == "":
+        return default
+    if isinstance(default, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if dest == "initial_peers":
+        return value.replace(",", " ").split()
+    return value
+
+
+def _micro_batch(text: str) -> int | None:
+    if str(text) == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be 'auto' or a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 'auto' or a positive integer")
+    return value
+
+
+def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -> None:
+    peers = _env("initial_peers", [])
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        default=peers,
+        required=initial_peers_required and not peers,
+        help="multiaddrs of peers already in the swarm, ending in /p2p/<id> [SWARM_INITIAL_PEERS]",
+    )
+    p.add_argument("--name", default=_env("name", ""), help="display name shown to others [SWARM_NAME]")
+    p.add_argument(
+        "--identity",
+        type=Path,
+        default=_env("identity", None),
+        help="key file that keeps this peer's id across restarts (default: WORKDIR/identity.key)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(_env("workdir", str(DEFAULT_WORKDIR))),
+        help="checkpoints, identity and caches [SWARM_WORKDIR]",
+    )
+    p.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
+    p.add_argument(
+        "--host-port",
+        type=int,
+        default=int(_env("host_port", 31337)),
+        help="TCP port to listen on; forward it for others to reach you [SWARM_HOST_PORT]",
+    )
+    p.add_argument(
+        "--announce-ip",
+        default=_env("announce_ip", None),
+        help="public address to announce when behind NAT [SWARM_ANNOUNCE_IP]",
+    )
+    p.add_argument("--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu")
+    p.add_argument(
+        "--micro-batch",
+        type=_micro_batch,
+        default=_micro_batch(_env("micro_batch", "auto")),
+        help="samples per forward pass: auto or N [SWARM_MICRO_BATCH]",
+    )
+    p.add_argument(
+        "--max-epochs",
+        type=int,
+        default=_env("max_epochs", None),
+        help="leave after this many outer rounds [SWARM_MAX_EPOCHS]",
+    )
+    p.add_argument(
+        "--client-mode",
+        action="store_true",
+        default=_env("client_mode", False),
+        help="for peers that cannot accept incoming connections [SWARM_CLIENT_MODE]",
+    )
+    p.add_argument(
+        "--eval-sequences",
+        type=int,
+        default=int(_env("eval_sequences", 0)),
+        help="held-out sequences to score at start and end (0: none)",
+    )
+    p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--verbose", action="store_true", default=_env("verbose", False), help="show hivemind's own logs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,8 +131,133 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swarm-client",
         description="Pool your GPU with other volunteers to train a language model with DiLoCo.",
     )
-    parser.add_subparsers(dest="command", metavar="{start,join,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{start,join,demo,export}")
+
+    start = sub.add_parser("start", help="create a new run and become its first peer")
+    start.add_argument("--preset", default=_env("preset", "tiny"), help="tiny, 150m or 1b [SWARM_PRESET]")
+    start.add_argument(
+        "--manifest",
+        type=Path,
+        default=_env("manifest", None),
+        help="a TOML or JSON manifest file instead of a preset [SWARM_MANIFEST]",
+    )
+    start.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a manifest field, e.g. --set inner_steps=100 --set averaging.compression=none",
+    )
+    _add_peer_options(start, initial_peers_required=False)
+
+    join = sub.add_parser("join", help="join an existing run")
+    join.add_argument("--run", default=_env("run", None), help="run id, when the swarm hosts several [SWARM_RUN]")
+    _add_peer_options(join, initial_peers_required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny model with N local peers (no network needed)")
+    demo.add_argument("--peers", type=int, default=2, help="number of peer processes (default 2)")
+    demo.add_argument("--epochs", type=int, default=3, help="outer rounds each peer trains (default 3)")
+    demo.add_argument("--workdir", type=Path, default=None, help="keep the demo's files here (default: temporary)")
+
+    export = sub.add_parser("export", help="write the latest checkpoint's model in Hugging Face format")
+    export.add_argument("--workdir", type=Path, default=Path(_env("workdir", str(DEFAULT_WORKDIR))))
+    export.add_argument("--out", type=Path, required=True, help="directory to write the model to")
+    export.add_argument("--run", default=_env("run", None), help="run id, when the workdir holds several")
     return parser
+
+
+def _quiet_hivemind(verbose: bool) -> None:
+    level = logging.INFO if verbose else logging.CRITICAL
+    for name in ("hivemind", "swarm"):
+        logging.getLogger(name).setLevel(level)
+    os.environ.setdefault("GOLOG_LOG_LEVEL", "info" if verbose else "fatal")
+
+
+def _ensure_workdir(workdir: Path) -> Path:
+    workdir = workdir.expanduser()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise SwarmError(
+            f"The workdir {workdir} cannot be written ({e.strerror}). Pick another with --workdir or "
+            "fix its permissions (in Docker: mount a volume at /data)."
+        ) from None
+    return workdir
+
+
+def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
+    return NetworkConfig(
+        initial_peers=args.initial_peers,
+        host_ip=args.host_ip,
+        host_port=args.host_port,
+        announce_ip=args.announce_ip,
+        identity_path=args.identity or workdir / "identity.key",
+        client_mode=args.client_mode,
+    )
+
+
+def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
+    return f"swarm-client join --initial-peers {' '.join(maddrs)} --run {run_id}"
+
+
+def _train(args: argparse.Namespace, creating: bool) -> int:
+    from client.hardware import detect
+    from client.presets import build_manifest
+    from client.trainer import Trainer, TrainerSettings
+
+    _quiet_hivemind(args.verbose)
+    workdir = _ensure_workdir(args.workdir)
+    hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
+    manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
+    network = _network(args, workdir)
+    dht = start_dht(network)
+    try:
+        if manifest is None:
+            manifest = choose_run(dht, args.run)
+            print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
+        maddrs = [a for a in visible_maddrs(dht)]
+        if creating:
+            print(f"Run {manifest.run_id} ({manifest.name}) created. Others join with:", flush=True)
+        print(join_command_line(maddrs[:1] or maddrs, manifest.run_id), flush=True)
+        settings = TrainerSettings(
+            workdir=workdir,
+            name=args.name,
+            micro_batch=args.micro_batch,
+            max_epochs=args.max_epochs,
+            eval_sequences=args.eval_sequences,
+        )
+        trainer = Trainer(manifest, dht, hardware, settings, log=lambda line: print(line, flush=True))
+        result = trainer.run()
+    finally:
+        dht.shutdown()
+    if args.result_file:
+        args.result_file.write_text(
+            json.dumps(
+                dict(
+                    run_id=manifest.run_id,
+                    rounds=result.rounds,
+                    epoch=result.epoch,
+                    checksum=result.checksum,
+                    eval_loss_start=result.eval_loss_start,
+                    eval_loss_end=result.eval_loss_end,
+                    averaged_rounds=sum(r.averaged for r in result.reports),
+                    checkpoint=str(result.checkpoint) if result.checkpoint else None,
+                )
+            )
+        )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from client.export import export_model
+
+    out = export_model(args.workdir.expanduser(), args.out, args.run)
+    print(f"Model written to {out} (load it with AutoModelForCausalLM.from_pretrained).")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    try:
+        if args.command == "start":
+            return _train(args, creating=True)
+        if args.command == "join":
+            return _train(args, creating=False)
+        if args.command == "demo":
+            from client.demo import run_demo
+
+            return run_demo(args.peers, args.epochs, args.workdir)
+        return _export(args)
+    except SwarmError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.errors import BootstrapError, NetworkConfigError
+from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
 
 DEFAULT_PORT = 31337
@@ -91,6 +92,7 @@ def dht_kwargs(config: NetworkConfig) -> dict:
 def start_dht(config: NetworkConfig) -> hivemind.DHT:
     """Start a DHT node, turning hivemind's failures into messages a volunteer can act on."""
     kwargs = dht_kwargs(config)
+    install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     try:
         return hivemind.DHT(start=True, **kwargs)
     except Exception as e:
