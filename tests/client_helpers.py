@@ -1,0 +1,55 @@
+"""Running the real `swarm-client` CLI in subprocesses, as a volunteer would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAST = [
+    "--set",
+    "inner_steps=5",
+    "--set",
+    "averaging.matchmaking_time=1.0",
+    "--set",
+    "averaging.matchmaking_timeout=4.0",
+    "--set",
+    "averaging.consistency_timeout=2.0",
+]
+LOCAL = ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu"]
+
+
+def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, **(env or {})),
+        cwd=cwd,
+    )
+
+
+def spawn(*args: str, log: Path) -> subprocess.Popen:
+    handle = log.open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "client.cli", *args],
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+
+
+def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        for line in text.splitlines():
+            if needle in line:
+                return line
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before printing {needle!r}:\n{text[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {needle!r}:\n{log.read_text()[-3000:]}")

@@ -1,0 +1,148 @@
+"""Command-line parsing, SWARM_* variables, and the bad-input messages (one paragraph, no traceback)."""
+
+import json
+import time
+
+import hivemind
+import pytest
+from client_helpers import LOCAL, cli
+from diloco_helpers import tiny_manifest
+
+from client.cli import ENV_VARS, build_parser
+from swarm import NetworkConfig, publish_manifest, start_dht, visible_maddrs
+
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMgLAsHqV95yhKK1Chk3q2GRsUsfnukFcEN4U5RqpfDt5"
+
+
+def test_join_options_parse():
+    args = build_parser().parse_args(
+        [
+            "join",
+            "--initial-peers",
+            PEER,
+            PEER,
+            "--run",
+            "0123456789abcdef",
+            "--name",
+            "ada",
+            "--host-port",
+            "4000",
+            "--micro-batch",
+            "6",
+            "--max-epochs",
+            "3",
+            "--client-mode",
+            "--device",
+            "cuda:1",
+        ]
+    )
+    assert args.initial_peers == [PEER, PEER] and args.run == "0123456789abcdef" and args.name == "ada"
+    assert args.host_port == 4000 and args.micro_batch == 6 and args.max_epochs == 3 and args.client_mode
+    assert args.device == "cuda:1" and args.host_ip == "0.0.0.0"
+    assert build_parser().parse_args(["join", "--initial-peers", PEER]).micro_batch is None  # auto
+
+
+ENV_VALUES = {
+    "initial_peers": (f"{PEER},{PEER}", [PEER, PEER]),
+    "run": ("0123456789abcdef", "0123456789abcdef"),
+    "name": ("ada", "ada"),
+    "identity": ("/tmp/id.key", "/tmp/id.key"),
+    "workdir": ("/tmp/w", "/tmp/w"),
+    "host_ip": ("127.0.0.1", "127.0.0.1"),
+    "host_port": ("4001", 4001),
+    "announce_ip": ("203.0.113.9", "203.0.113.9"),
+    "device": ("cpu", "cpu"),
+    "micro_batch": ("3", 3),
+    "max_epochs": ("7", 7),
+    "client_mode": ("true", True),
+    "eval_sequences": ("5", 5),
+    "verbose": ("1", True),
+}
+
+
+@pytest.mark.parametrize("dest", sorted(set(ENV_VARS) - {"preset", "manifest"}))
+def test_every_join_option_reads_its_environment_variable(monkeypatch, dest):
+    raw, expected = ENV_VALUES[dest]
+    monkeypatch.setenv(ENV_VARS[dest], raw)
+    args = build_parser().parse_args(["join"] + ([] if dest == "initial_peers" else ["--initial-peers", PEER]))
+    value = getattr(args, dest)
+    assert (str(value) if dest in ("identity", "workdir") else value) == expected
+
+
+def test_start_reads_preset_and_manifest_variables(monkeypatch):
+    monkeypatch.setenv("SWARM_PRESET", "150m")
+    monkeypatch.setenv("SWARM_MANIFEST", "/tmp/run.toml")
+    args = build_parser().parse_args(["start"])
+    assert args.preset == "150m" and str(args.manifest) == "/tmp/run.toml"
+
+
+def test_command_line_wins_over_environment(monkeypatch):
+    monkeypatch.setenv("SWARM_NAME", "from-env")
+    assert build_parser().parse_args(["join", "--initial-peers", PEER, "--name", "flag"]).name == "flag"
+
+
+def assert_clean_error(result, *needles):
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.startswith("error: ")
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_malformed_multiaddr(tmp_path):
+    result = cli("join", "--initial-peers", "/ip4/1.2.3/tcp/1", "--workdir", str(tmp_path), *LOCAL)
+    assert_clean_error(result, "not a valid multiaddr", "/ip4/")
+
+
+def test_unreachable_initial_peers(tmp_path):
+    t0 = time.monotonic()
+    result = cli("join", "--initial-peers", PEER, "--workdir", str(tmp_path), *LOCAL, timeout=150)
+    assert_clean_error(result, "None of the initial peers answered")
+    assert time.monotonic() - t0 < 150
+
+
+def test_unknown_and_ambiguous_run_ids(tmp_path):
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    try:
+        publish_manifest(dht, tiny_manifest(name="first"))
+        maddr = visible_maddrs(dht)[0]
+        result = cli("join", "--initial-peers", maddr, "--run", "fedcba9876543210", "--workdir", str(tmp_path), *LOCAL)
+        assert_clean_error(result, "No peer announces run fedcba9876543210", tiny_manifest(name="first").run_id)
+        publish_manifest(dht, tiny_manifest(name="second"))
+        result = cli("join", "--initial-peers", maddr, "--workdir", str(tmp_path), *LOCAL)
+        assert_clean_error(result, "hosts 2 runs", "--run")
+    finally:
+        dht.shutdown()
+
+
+def test_invalid_manifest_file(tmp_path):
+    bad = tmp_path / "run.json"
+    data = json.loads(tiny_manifest().canonical_json())
+    data["inner_steps"] = -3
+    bad.write_text(json.dumps(data))
+    result = cli("start", "--manifest", str(bad), "--workdir", str(tmp_path), *LOCAL)
+    assert_clean_error(result, "manifest is invalid", "inner_steps")
+    toml = tmp_path / "run.toml"
+    toml.write_text("inner_steps = [")
+    assert_clean_error(cli("start", "--manifest", str(toml), "--workdir", str(tmp_path), *LOCAL), "not valid TOML")
+
+
+def test_device_that_does_not_exist(tmp_path):
+    result = cli(
+        "start", "--preset", "tiny", "--workdir", str(tmp_path), "--host-ip", "127.0.0.1", "--device", "cuda:3"
+    )
+    assert_clean_error(result, "--device cuda:3")
+    assert_clean_error(cli("start", "--workdir", str(tmp_path), "--device", "tpu"), "not one of")
+
+
+def test_workdir_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = cli("join", "--initial-peers", PEER, "--workdir", str(blocker / "workdir"), *LOCAL)
+    assert_clean_error(result, "cannot be written", "--workdir")
+
+
+def test_help_lists_the_commands():
+    result = cli()
+    assert result.returncode == 0 and all(c in result.stdout for c in ("start", "join", "demo", "export"))
+    assert hivemind.__version__.startswith("1.1")
