@@ -1,0 +1,91 @@
+"""Packing, shard disjointness, local files and a locally built AutoTokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from client.data import (
+    ByteTokenizer,
+    HFTokenizer,
+    SequenceStream,
+    eval_batches,
+    load_documents,
+    pack,
+    shard_documents,
+)
+from swarm import DatasetSpec, SwarmError
+
+
+def test_pack_cuts_fixed_length_sequences_separated_by_eos():
+    tok = ByteTokenizer()
+    seqs = list(pack(iter(["abc", "defgh"]), tok, 4))
+    assert [s.tolist() for s in seqs] == [[97, 98, 99, tok.eos_id], [100, 101, 102, 103]]
+    assert all(s.dtype == torch.long for s in seqs)
+    assert tok.decode(seqs[1].tolist()) == "defg"
+
+
+def test_shards_are_disjoint_and_cover_the_corpus(tmp_path):
+    docs = [{"text": f"document number {i}"} for i in range(50)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in docs))
+    spec = DatasetSpec(source="local", path=str(path), num_shards=4)
+    seen = [[row["text"] for row in shard_documents(load_documents(spec), 4, s)] for s in range(4)]
+    flat = [t for shard in seen for t in shard]
+    assert sorted(flat) == sorted(d["text"] for d in docs)  # every document exactly once
+    assert all(set(a).isdisjoint(b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+
+
+def test_builtin_corpus_peers_start_on_different_shards_and_never_train_on_the_held_out_one():
+    # content-level disjointness is checked on local data above: the standard library repeats
+    # whole files (empty __init__.py, license headers), so equal sequences can come from distinct files
+    spec = DatasetSpec(num_shards=16)
+    tok = ByteTokenizer()
+    a = SequenceStream(spec, tok, 64, peer_seed="QmTTHcYoMY4cC37vUkomv2HbkCSEseNb4ZnmoS3dweHrr2")
+    b = SequenceStream(spec, tok, 64, peer_seed="QmWr7YyYuCZxEzwh12ifKHrF4ssZKpVettPDiC76uQv9aR")
+    assert a.order != b.order and a.order[0] != b.order[0]
+    assert sorted(a.order) == list(range(15)) and spec.num_shards - 1 not in a.order
+    assert not torch.equal(a.next_batch(8), b.next_batch(8))
+    assert len(eval_batches(spec, tok, 64, 16)) == 2
+
+
+def test_stream_resumes_from_its_position():
+    spec = DatasetSpec(num_shards=16)
+    stream = SequenceStream(spec, ByteTokenizer(), 32, peer_seed="p")
+    stream.next_batch(5)
+    position = stream.position
+    expected = stream.next_batch(3)
+    resumed = SequenceStream(spec, ByteTokenizer(), 32, peer_seed="p", position=type(position)(**position.__dict__))
+    resumed.position.sequences -= 3
+    assert torch.equal(resumed.next_batch(3), expected)
+
+
+def test_local_text_files_and_missing_paths(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    (tmp_path / "b.txt").write_text("goodbye moon " * 50)
+    spec = DatasetSpec(source="local", path=str(tmp_path), num_shards=2)
+    texts = [row["text"] for row in load_documents(spec)]
+    assert len(texts) == 2 and "hello world" in texts[0]
+    with pytest.raises(SwarmError, match="matches no files"):
+        load_documents(DatasetSpec(source="local", path=str(tmp_path / "nope.txt")))
+
+
+def test_auto_tokenizer_built_locally_with_tokenizers(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = ["def main():\n    return 42\n", "import os\nprint(os.getcwd())\n"] * 50
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "[EOS]"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="[EOS]", unk_token="[UNK]").save_pretrained(tmp_path)
+
+    tok = HFTokenizer(str(tmp_path))
+    ids = tok.encode("def main(): return 42")
+    assert ids and all(0 <= i < tok.vocab_size for i in ids) and tok.vocab_size <= 120
+    assert tok.eos_id == raw.token_to_id("[EOS]")
+    assert "main" in tok.decode(ids)
+    seqs = list(pack(iter(corpus[:4]), tok, 8))
+    assert seqs and all(len(s) == 8 for s in seqs)
+    with pytest.raises(SwarmError, match="Could not load tokenizer"):
+        HFTokenizer(str(tmp_path / "missing"))
