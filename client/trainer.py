@@ -25,6 +25,7 @@ from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, is_out_of_memory, search
 from client.model import build_model, count_parameters, model_config
 from swarm import Peer, RoundReport, RunManifest, SwarmError
+from swarm.peer import LEAVING
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -97,6 +98,11 @@ class Trainer:
                 f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once)."
             )
         )
+
+    def _on_stop_signal(self, name: str) -> None:
+        self.log(f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once).")
+        if getattr(self, "peer", None) is not None:
+            self.peer.request_stop()
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -276,6 +282,9 @@ class Trainer:
         )
 
     def _after_round(self, report: RoundReport) -> None:
+        if report.fallback_reason == LEAVING:
+            self.log("round abandoned: this peer is leaving")
+            return
         self.result.rounds += 1
         self.result.epoch = report.epoch
         self.result.reports.append(report)

@@ -68,8 +68,12 @@ class AllReduceOutcome:
     excluded_senders: int  # groupmates whose contribution was left out of some parts
 
 
-class SwarmMovedOn(RuntimeError):
-    """Raised when the swarm finished this round without us while we were looking for a group."""
+class RoundAborted(RuntimeError):
+    """Matchmaking was given up on purpose: ``reason`` says why (the swarm moved on, the peer is leaving)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -173,15 +177,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         timeout: float,
         hard_timeout: float,
         on_stage: Callable[[str], None] = lambda stage: None,
-        abort_if: Callable[[], bool] = lambda: False,
+        abort_if: Callable[[], str | None] = lambda: None,
         abort_poll: float = 1.0,
     ) -> AllReduceOutcome:
         """One averaging round over the buffers; raises on failure, never waits past ``hard_timeout``.
 
-        ``abort_if`` is polled while looking for a group, so a peer whose swarm has
-        already moved on stops waiting for groupmates that will never come.
+        ``abort_if`` is polled while looking for a group and returns a reason to give
+        up (the swarm already moved on, the peer is leaving), or None to keep waiting.
         """
-        self.set_group_bits(group_bits)
+        self.set_group_bits(group_bits, wait=False).result(timeout=30)
         control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
         deadline = time.monotonic() + hard_timeout
         last_stage, next_poll = None, time.monotonic() + abort_poll
@@ -194,9 +198,10 @@ class PseudoGradientAverager(DecentralizedAverager):
                 raise TimeoutError(f"averaging did not finish in {hard_timeout:.0f} s")
             if last_stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > next_poll:
                 next_poll = time.monotonic() + abort_poll
-                if abort_if():
+                reason = abort_if()
+                if reason is not None:
                     control.cancel()
-                    raise SwarmMovedOn("the swarm moved on to a later epoch")
+                    raise RoundAborted(reason)
             time.sleep(0.02)
         result = control.result()
         return AllReduceOutcome(**result)

@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 from swarm.averaging import (
     COMPRESSIONS,
     PseudoGradientAverager,
-    SwarmMovedOn,
+    RoundAborted,
     epoch_group_bits,
     state_tensor_infos,
 )
@@ -41,6 +41,7 @@ from swarm.swarm_view import SwarmView, build_view, consensus
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_ATTEMPTS = 3
+LEAVING = "leaving: round abandoned"
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Peer:
         self.outer: OuterState | None = None
         self.averager: PseudoGradientAverager | None = None
         self.reporter: ProgressReporter | None = None
-        self._started = self._stopped = False
+        self._started = self._stopped = self._stop_requested = False
         self._manifest_published_at = 0.0
         self._lock = threading.Lock()
 
@@ -268,14 +269,25 @@ class Peer:
                 timeout=avg.matchmaking_timeout,
                 hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
                 on_stage=on_stage,
-                abort_if=lambda: self._swarm_is_ahead(start_epoch),
+                abort_if=lambda: self._abort_reason(start_epoch),
             )
             epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
             if epochs != {start_epoch}:
                 fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
             else:
                 group, dropped = outcome.group, outcome.dropped_fraction
-        except SwarmMovedOn:  # our pseudo-gradient is for a round that is over: take the swarm's state
+        except RoundAborted as e:
+            if e.reason == LEAVING:  # keep the last agreed state: it is what a restart resumes from
+                self._set_state(PeerState.leaving, publish=True)
+                return RoundReport(
+                    epoch=start_epoch,
+                    averaged=False,
+                    group_size=1,
+                    fallback_reason=LEAVING,
+                    checksum=self.outer.checksum(),
+                    seconds=seconds,
+                )
+            # our pseudo-gradient is for a round that is over: take the swarm's state
             return self._resync_round(seconds, "the swarm finished this round without us")
         except Exception as e:  # no group, a vanished groupmate, a timeout: go on alone
             fallback = _short_reason(e)
@@ -367,9 +379,15 @@ class Peer:
                 view = self.view()
         return view
 
-    def _swarm_is_ahead(self, epoch: int) -> bool:
+    def request_stop(self) -> None:
+        """Ask a round in progress to stop looking for a group, so a leaving peer is not held up."""
+        self._stop_requested = True
+
+    def _abort_reason(self, epoch: int) -> str | None:
+        if self._stop_requested:
+            return LEAVING
         view = self.view()
-        return view.global_epoch is not None and view.global_epoch > epoch
+        return "moved on" if view.global_epoch is not None and view.global_epoch > epoch else None
 
     def _needs_resync(self, epoch: int) -> bool:
         """True if the swarm is ahead of us, or most peers hold another checksum for ``epoch``."""

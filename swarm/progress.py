@@ -17,6 +17,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from swarm import dht_calls
 from swarm.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
 
 PUBLISH_INTERVAL = 2.0
@@ -77,17 +78,9 @@ class ProgressReporter:
 
     def _publish(self, ttl: float | None = None) -> bool:
         record = self.snapshot()
-        try:
-            return bool(
-                self.dht.store(
-                    progress_key(self.run_id),
-                    subkey=self._subkey,
-                    value=record.dict(),
-                    expiration_time=get_dht_time() + (ttl or self.ttl),
-                )
-            )
-        except Exception:  # a DHT that is shutting down; the next refresh will tell
-            return False
+        return dht_calls.store(
+            self.dht, progress_key(self.run_id), self._subkey, record.dict(), get_dht_time() + (ttl or self.ttl)
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -108,7 +101,7 @@ class ProgressReporter:
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
     """Every well-formed, unexpired progress record of a run; malformed ones are dropped."""
-    found = dht.get(progress_key(run_id), latest=True)
+    found = dht_calls.get(dht, progress_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()

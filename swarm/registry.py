@@ -14,6 +14,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from swarm import dht_calls
 from swarm.errors import ManifestError
 from swarm.manifest import RunManifest
 from swarm.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
@@ -30,18 +31,12 @@ class RunListing:
 
 def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
     record = ManifestRecord(manifest_json=manifest.canonical_json(), name=manifest.name, created_at=time.time())
-    return bool(
-        dht.store(
-            RUNS_KEY,
-            subkey=run_subkey(manifest.run_id, RSASignatureValidator().local_public_key),
-            value=record.dict(),
-            expiration_time=get_dht_time() + ttl,
-        )
-    )
+    subkey = run_subkey(manifest.run_id, RSASignatureValidator().local_public_key)
+    return dht_calls.store(dht, RUNS_KEY, subkey, record.dict(), get_dht_time() + ttl)
 
 
 def _manifest_records(dht: hivemind.DHT) -> list[tuple[str, ManifestRecord]]:
-    found = dht.get(RUNS_KEY, latest=True)
+    found = dht_calls.get(dht, RUNS_KEY)
     if found is None or not isinstance(found.value, dict):
         return []
     records = []

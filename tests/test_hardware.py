@@ -14,8 +14,10 @@ from swarm import SwarmError
 
 class FakeCuda:
     def __init__(self, count=2, name="NVIDIA A100-SXM4-40GB", memory=40 * 2**30, capability=(8, 0)):
-        self.count, self.props = count, SimpleNamespace(name=name, total_memory=memory, major=capability[0],
-                                                         minor=capability[1])
+        self.count, self.props = (
+            count,
+            SimpleNamespace(name=name, total_memory=memory, major=capability[0], minor=capability[1]),
+        )
 
     def is_available(self):
         return self.count > 0

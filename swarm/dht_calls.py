@@ -1,0 +1,31 @@
+"""DHT reads and writes that never wait forever.
+
+``hivemind.DHT.store`` and ``get`` block until the DHT process answers; if that
+process dies (a killed peer's helper, an interpreter shutting down) the caller
+would wait forever. Every call here gives up after a timeout instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hivemind
+
+DHT_TIMEOUT = 10.0
+
+
+def store(
+    dht: hivemind.DHT, key: str, subkey: Any, value: Any, expiration_time: float, timeout: float = DHT_TIMEOUT
+) -> bool:
+    try:
+        future = dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+        return bool(future.result(timeout=timeout))
+    except Exception:  # timeout, or a DHT that is shutting down: the record simply is not stored
+        return False
+
+
+def get(dht: hivemind.DHT, key: str, timeout: float = DHT_TIMEOUT) -> Any:
+    try:
+        return dht.get(key, latest=True, return_future=True).result(timeout=timeout)
+    except Exception:
+        return None

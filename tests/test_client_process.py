@@ -1,0 +1,74 @@
+"""The real `swarm-client` as volunteers run it: demo, resume after SIGKILL, corrupt checkpoints, SIGTERM."""
+
+import json
+import re
+import signal
+
+import torch
+from client_helpers import FAST, LOCAL, cli, spawn, wait_for_line
+from transformers import AutoModelForCausalLM
+
+JOIN = re.compile(r"swarm-client join --initial-peers (\S+) --run ([0-9a-f]{16})")
+
+
+def test_demo_two_peers_two_epochs_end_to_end(tmp_path):
+    result = cli("demo", "--peers", "2", "--epochs", "2", "--workdir", str(tmp_path), timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "loss went down: yes; all peers hold the same parameters: yes" in result.stdout
+    peers = [json.loads((tmp_path / f"peer{i}.json").read_text()) for i in range(2)]
+    assert all(p["eval_loss_end"] < p["eval_loss_start"] - 0.1 for p in peers), peers
+    assert peers[0]["checksum"] == peers[1]["checksum"] and peers[0]["epoch"] == peers[1]["epoch"] == 2
+    assert all(p["averaged_rounds"] >= 1 for p in peers)
+
+    out = tmp_path / "exported"
+    exported = cli("export", "--workdir", str(tmp_path / "peer0"), "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ckpt = torch.load(peers[0]["checkpoint"], weights_only=False)
+    assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), ckpt["outer"]))
+
+
+def test_resume_after_sigkill_keeps_identity_and_epoch(tmp_path):
+    args = ["start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(tmp_path)]
+    log = tmp_path / "first.log"
+    proc = spawn(*args, log=log)
+    first_id = wait_for_line(log, "Peer ", proc).split()[1]
+    wait_for_line(log, "round -> epoch 2", proc, timeout=180)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    second = cli(*args, "--max-epochs", "1", timeout=180)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr
+    # the kill may land between the round's log line and its checkpoint: epoch 1 or 2 is the last good one
+    resumed = re.search(r"Resuming from checkpoint-\d+-\d+\.pt \(epoch (\d+)\)", second.stdout)
+    assert resumed and int(resumed.group(1)) >= 1, second.stdout
+    epoch = int(resumed.group(1))
+    assert f"starting at epoch {epoch}: resumed from checkpoint" in second.stdout
+    assert f"Peer {first_id} " in second.stdout  # same identity after the restart
+    assert f"round -> epoch {epoch + 1}:" in second.stdout
+
+
+def test_corrupt_checkpoint_falls_back_to_peers_and_sigterm_leaves_cleanly(tmp_path):
+    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
+    a = spawn("start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(tmp_path / "a"), "--name", "a", log=a_log)
+    maddr, run_id = JOIN.search(wait_for_line(a_log, "swarm-client join", a)).groups()
+    b_args = ["join", "--initial-peers", maddr, *LOCAL, "--workdir", str(tmp_path / "b"), "--name", "b"]
+    b = spawn(*b_args, log=b_log)
+    wait_for_line(b_log, "round -> epoch 2", b, timeout=180)
+    b.send_signal(signal.SIGKILL)
+    b.wait(timeout=10)
+    checkpoints = sorted((tmp_path / "b" / "runs" / run_id / "checkpoints").glob("checkpoint-*.pt"))
+    assert checkpoints
+    for path in checkpoints:
+        path.write_bytes(b"\x00" * 100)  # a disk that lost them
+
+    restarted = cli(*b_args, "--max-epochs", "1", timeout=180)
+    assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr
+    assert "Traceback" not in restarted.stdout + restarted.stderr
+    assert restarted.stdout.count("is unreadable") == len(checkpoints)
+    assert re.search(r"state of epoch \d+ loaded from", restarted.stdout), restarted.stdout
+
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(timeout=20) == 0, a_log.read_text()[-3000:]
+    text = a_log.read_text()
+    assert "SIGTERM received" in text and "Checkpoint written" in text
+    assert list((tmp_path / "a" / "runs" / run_id / "checkpoints").glob("checkpoint-*.pt"))
