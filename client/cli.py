@@ -283,5 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry_point() -> None:
+    """Console script: exit without interpreter teardown, which hivemind's helper threads can abort."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

@@ -205,6 +205,7 @@ class Trainer:
                 if nan_streak >= NAN_STREAK_TO_RESYNC:
                     self.log(f"{nan_streak} non-finite losses in a row: re-syncing the model from the swarm.")
                     peer.resync_now("repeated non-finite losses")
+                    self.optimizer.state.clear()  # its moments may hold the non-finite values too
                     nan_streak = 0
                 continue
             nan_streak = 0

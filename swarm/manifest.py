@@ -91,6 +91,9 @@ class AveragingSpec(_Frozen):
     target_group_size: PositiveInt = 64
     min_group_size: int = Field(2, ge=2)
     consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
+    # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
+    # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
+    join_rounds_early: bool = True
 
     @model_validator(mode="after")
     def _times_fit(self) -> AveragingSpec:

@@ -110,6 +110,7 @@ class Peer:
         self.averager: PseudoGradientAverager | None = None
         self.reporter: ProgressReporter | None = None
         self._started = self._stopped = self._stop_requested = False
+        self._next_round_check = 0.0
         self._manifest_published_at = 0.0
         self._lock = threading.Lock()
 
@@ -229,9 +230,19 @@ class Peer:
             fields["last_loss"] = float(loss)
         self.reporter.update(**fields)
         self._maybe_republish_manifest(now)
-        if self.inner_step >= self.manifest.inner_steps:
+        if self.inner_step >= self.manifest.inner_steps or self._round_started_without_us(now):
             return self.run_outer_round()
         return None
+
+    def _round_started_without_us(self, now: float) -> bool:
+        """True when enough of our epoch-mates are already matchmaking to form a group without us."""
+        avg = self.manifest.averaging
+        if not avg.join_rounds_early or now < self._next_round_check:
+            return False
+        self._next_round_check = now + 1.0
+        mates = [p for p in self.view().peers if p.peer_id != self.peer_id and p.epoch == self.epoch]
+        busy = [p for p in mates if p.state == PeerState.matchmaking.value]  # a group in all-reduce is closed
+        return len(busy) >= max(1, avg.min_group_size - 1) and 2 * len(busy) > len(mates)
 
     def run_outer_round(self) -> RoundReport:
         """Average pseudo-gradients with whoever is ready, take the outer step, and check consistency."""
@@ -242,9 +253,11 @@ class Peer:
 
         # a late re-check of the previous epoch, now that every peer had time to publish it
         if self._needs_resync(start_epoch):
-            return self._resync_round(seconds, "disagreed with the swarm on the previous epoch")
+            return self._resync_round(seconds, "behind or disagreeing with the swarm")
 
         pseudo = self.outer.pseudo_gradient(self.params)
+        if not _all_finite(pseudo):  # never send NaN/inf to others: take the swarm's state instead
+            return self._resync_round(seconds, "non-finite pseudo-gradient")
         with self.averager.get_tensors() as buffers:
             for buf, grad in zip(buffers, pseudo):
                 buf.copy_(grad)
@@ -299,7 +312,9 @@ class Peer:
         if fallback is None:
             with self.averager.get_tensors() as buffers:
                 update = [b.clone() for b in buffers]
-        else:
+            if not _all_finite(update):  # a groupmate sent garbage: keep our own update
+                fallback, group, update = "groupmates sent non-finite values", (self.peer_id,), pseudo
+        if fallback is not None:
             update = pseudo
         self.outer.step(update)
         self.outer.write_to(self.params)
@@ -427,6 +442,7 @@ class Peer:
         ok = self._download_consensus_state()
         if ok:
             self.stats.resyncs += 1
+        self.outer.write_to(self.params)  # whatever happened, the model restarts from the global copy
         self._begin_round()
         self._announce_state()
         self._set_state(PeerState.training, publish=True)
@@ -545,6 +561,10 @@ class Peer:
             self._listener(kind, data)
         except Exception:  # a broken listener must not break training
             logger.exception("swarm event listener failed")
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _short_reason(error: BaseException) -> str:

@@ -24,6 +24,7 @@ def tiny_manifest(
     hidden: int = 32,
     name: str = "engine-test",
     seed: int = 1234,
+    join_rounds_early: bool = True,
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -52,6 +53,7 @@ def tiny_manifest(
             min_group_size=min_group_size,
             target_group_size=8,
             consistency_timeout=5.0,
+            join_rounds_early=join_rounds_early,
         ),
         init_seed=seed,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--max-epochs", type=int, required=True)
     parser.add_argument("--extra-params", type=int, default=0)
+    parser.add_argument("--poison-epoch", type=int, default=-1, help="turn the weights to NaN in this epoch")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -56,6 +58,10 @@ def main() -> int:
     reports = []
     while peer.epoch < args.max_epochs:
         t0 = time.monotonic()
+        if peer.epoch == args.poison_epoch:
+            args.poison_epoch = -1  # once: a diverged step, as after an fp16 overflow
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))
         loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
         report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
         if report is not None:
@@ -75,4 +81,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: hivemind's threads can abort it after a clean leave

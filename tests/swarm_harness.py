@@ -57,6 +57,7 @@ class WorkerSwarm:
         extra_params: int = 0,
         bootstrap: int | None = 0,
         wait_ready: bool = True,
+        extra_args: tuple[str, ...] = (),
     ) -> subprocess.Popen:
         cmd = [
             sys.executable,
@@ -71,6 +72,7 @@ class WorkerSwarm:
             str(max_epochs),
             "--extra-params",
             str(extra_params),
+            *extra_args,
         ]
         if bootstrap is not None and bootstrap != rank:
             cmd += ["--initial-peers", *self.maddrs(bootstrap)]

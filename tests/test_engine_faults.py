@@ -56,27 +56,24 @@ def test_peer_killed_during_matchmaking(make_swarm):
     wait_for(lambda: not swarm.live_p2pd(), 15, "the killed peer's p2pd to exit")
 
 
-def test_peer_killed_during_allreduce_then_a_new_peer_joins(make_swarm):
-    # a 20M-float ballast makes each all-reduce last long enough to be interrupted; 150 inner steps
-    # give the newcomer's state download (160 MB) time to finish within a round
-    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0, inner_steps=150)
+def test_peer_killed_during_allreduce(make_swarm):
+    # a 20M-float ballast makes each all-reduce last long enough to be interrupted
+    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0)
     swarm = make_swarm(manifest)
-    epochs, ballast = 6, 20_000_000
+    epochs = 4
     for rank in range(3):
-        swarm.start(rank, epochs, extra_params=ballast, wait_ready=rank == 0)
+        swarm.start(rank, epochs, extra_params=20_000_000, wait_ready=rank == 0)
     wait_for(swarm.marker(2, "averaging", 1).exists, 180, "the victim to start its all-reduce", poll=0.005)
     swarm.kill(2)
     assert all(r["epoch"] <= 1 for r in swarm.reports(2)), "the victim finished its round before it was killed"
-    swarm.start(3, epochs, extra_params=ballast, bootstrap=1)
-    for rank in (0, 1, 3):
-        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    for rank in (0, 1):
+        assert swarm.wait_exit(rank, 180) == 0, swarm.log(rank)
         assert_rounds_bounded(swarm.reports(rank), manifest)
-    assert_consistent(swarm, (0, 1, 3), epochs)
+    assert_consistent(swarm, (0, 1), epochs)
     interrupted = [r for rank in (0, 1) for r in swarm.reports(rank) if r["epoch"] == 2]
     assert any(
         not r["averaged"] or r["dropped_fraction"] > 0 or r["resynced"] or r["group_size"] < 3 for r in interrupted
     ), interrupted
-    assert any(e["kind"] == "state_loaded" for e in swarm.events(3))
 
 
 def test_graceful_leave_marks_peer_gone_and_stops_p2pd(make_swarm):
@@ -91,3 +88,19 @@ def test_graceful_leave_marks_peer_gone_and_stops_p2pd(make_swarm):
     for rank in (0, 1):
         kinds = [e["kind"] for e in swarm.events(rank)]
         assert kinds[-1] == "left"
+
+
+def test_non_finite_weights_are_never_averaged_and_the_peer_resyncs(make_swarm):
+    manifest = tiny_manifest(compression="none", matchmaking_timeout=15.0)
+    swarm = make_swarm(manifest)
+    epochs = 4
+    swarm.start(0, epochs)
+    swarm.start(1, epochs, extra_args=("--poison-epoch", "1"))
+    for rank in (0, 1):
+        assert swarm.wait_exit(rank, 180) == 0, swarm.log(rank)
+    poisoned = [r for r in swarm.reports(1) if r["fallback_reason"] == "non-finite pseudo-gradient"]
+    assert len(poisoned) == 1 and poisoned[0]["resynced"], swarm.reports(1)
+    finals = [swarm.final(rank) for rank in (0, 1)]
+    for final in finals:
+        assert all(bool(p.isfinite().all()) for p in final["params"])
+    assert_consistent(swarm, (0, 1), epochs)

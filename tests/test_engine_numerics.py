@@ -1,7 +1,8 @@
 """The swarm's outer rounds against a plain single-process DiLoCo.
 
 Three peers run as separate processes on 127.0.0.1 and must form one group every
-round (min_group_size=3), so the swarm computes exactly what the reference does.
+round (min_group_size=3) after exactly H inner steps (no early joining), so the swarm computes
+exactly what the reference does.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def test_three_peers_match_reference_diloco_without_compression(make_swarm):
-    manifest = tiny_manifest(compression="none", min_group_size=3)
+    manifest = tiny_manifest(compression="none", min_group_size=3, join_rounds_early=False)
     finals = run_swarm(make_swarm, manifest)
     reference = reference_diloco(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
@@ -84,7 +85,7 @@ def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_sw
     and the inner steps that follow can grow it, so 2e-4 is allowed: still 50x smaller than the
     training's own movement, checked below. All peers must agree exactly.
     """
-    manifest = tiny_manifest(compression="fp16", min_group_size=3)
+    manifest = tiny_manifest(compression="fp16", min_group_size=3, join_rounds_early=False)
     finals = run_swarm(make_swarm, manifest)
     reference = reference_diloco(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
