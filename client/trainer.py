@@ -25,7 +25,7 @@ from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, is_out_of_memory, search
 from client.model import build_model, count_parameters, model_config
 from swarm import Peer, RoundReport, RunManifest, SwarmError
-from swarm.peer import LEAVING
+from swarm.peer import LEAVING, NON_FINITE
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -286,6 +286,8 @@ class Trainer:
         if report.fallback_reason == LEAVING:
             self.log("round abandoned: this peer is leaving")
             return
+        if report.fallback_reason == NON_FINITE:
+            self.optimizer.state.clear()  # its moments hold the non-finite values that caused it
         self.result.rounds += 1
         self.result.epoch = report.epoch
         self.result.reports.append(report)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DOWNLOAD_ATTEMPTS = 3
 LEAVING = "leaving: round abandoned"
+NON_FINITE = "non-finite pseudo-gradient"  # the loop should also reset its inner optimizer
 
 
 @dataclass
@@ -257,7 +258,7 @@ class Peer:
 
         pseudo = self.outer.pseudo_gradient(self.params)
         if not _all_finite(pseudo):  # never send NaN/inf to others: take the swarm's state instead
-            return self._resync_round(seconds, "non-finite pseudo-gradient")
+            return self._resync_round(seconds, NON_FINITE)
         with self.averager.get_tensors() as buffers:
             for buf, grad in zip(buffers, pseudo):
                 buf.copy_(grad)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
+from swarm.peer import NON_FINITE  # noqa: E402
 
 
 def main() -> int:
@@ -65,6 +66,8 @@ def main() -> int:
         loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
         report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
         if report is not None:
+            if report.fallback_reason == NON_FINITE:
+                optimizer.state.clear()  # as the client does: the moments hold the NaNs
             reports.append(report.__dict__)
             (args.out / "reports.json").write_text(json.dumps(reports))
     torch.save(
