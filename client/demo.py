@@ -71,19 +71,24 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
     )
     procs: list[subprocess.Popen] = []
     outputs: list[list[str]] = []
-    threads = []
-    try:
-        first = subprocess.Popen(
-            _peer_command(root, 0, epochs, ["start", "--preset", "tiny"]),
+    threads: list[threading.Thread] = []
+
+    def spawn(index: int, args: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            _peer_command(root, index, epochs, args),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        procs.append(first)
+        procs.append(proc)
         outputs.append([])
-        threads.append(threading.Thread(target=_pump, args=(first, "peer0", console, outputs[0]), daemon=True))
-        threads[0].start()
+        threads.append(threading.Thread(target=_pump, args=(proc, f"peer{index}", console, outputs[-1]), daemon=True))
+        threads[-1].start()
+        return proc
+
+    try:
+        first = spawn(0, ["start", "--preset", "tiny"])
         deadline = time.monotonic() + START_TIMEOUT
         join = None
         while join is None:
@@ -92,20 +97,7 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
             join = next((m for line in outputs[0] if (m := _JOIN_LINE.match(line))), None)
             time.sleep(0.1)
         for index in range(1, peers):
-            args = ["join", "--initial-peers", *join["maddrs"].split(), "--run", join["run"]]
-            proc = subprocess.Popen(
-                _peer_command(root, index, epochs, args),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            procs.append(proc)
-            outputs.append([])
-            threads.append(
-                threading.Thread(target=_pump, args=(proc, f"peer{index}", console, outputs[-1]), daemon=True)
-            )
-            threads[-1].start()
+            spawn(index, ["join", "--initial-peers", *join["maddrs"].split(), "--run", join["run"]])
         codes = [proc.wait() for proc in procs]
     finally:
         for proc in procs:

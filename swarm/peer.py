@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,7 +112,6 @@ class Peer:
         self._started = self._stopped = self._stop_requested = False
         self._next_round_check = 0.0
         self._manifest_published_at = 0.0
-        self._lock = threading.Lock()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -167,7 +165,12 @@ class Peer:
             declare_state_period=10,
         )
         self.reporter = ProgressReporter(
-            self.dht, self.run_id, self._initial_record(), interval=self._progress_interval, ttl=self._progress_ttl
+            self.dht,
+            self.run_id,
+            self._initial_record(),
+            interval=self._progress_interval,
+            ttl=self._progress_ttl,
+            on_tick=self._republish_manifest_when_due,
         )
         self.reporter.start()
         self._started = True
@@ -230,7 +233,6 @@ class Peer:
         if loss is not None and loss == loss:  # not NaN
             fields["last_loss"] = float(loss)
         self.reporter.update(**fields)
-        self._maybe_republish_manifest(now)
         if self.inner_step >= self.manifest.inner_steps or self._round_started_without_us(now):
             return self.run_outer_round()
         return None
@@ -453,33 +455,29 @@ class Peer:
         """Fetch the state held by most peers at the global epoch from one of them, verified by its hash."""
         assert self.outer is not None and self.averager is not None
         avg = self.manifest.averaging
-        sharing = self.averager.allow_state_sharing
-        self.averager.allow_state_sharing = False  # nobody should copy a state we are replacing
-        try:
-            for attempt in range(DOWNLOAD_ATTEMPTS):
-                view = self.view()
-                if view.global_epoch is None:
-                    return False
-                agreed = consensus(view.peers, view.global_epoch)
-                if agreed is None:
-                    time.sleep(1.0)
-                    continue
-                donors = [
-                    p.peer_id
-                    for p in view.peers
-                    if p.peer_id in agreed.holders and p.peer_id != self.peer_id and not p.client_mode
-                ]
-                if not donors:
-                    return agreed.agrees(self.outer.checksum()) and self.outer.epoch == agreed.epoch
-                random.shuffle(donors)  # spread joiners over donors
-                for donor in donors:
-                    if self._download_from(donor, avg.chunk_timeout, avg.allreduce_timeout):
-                        return True
-                time.sleep(min(5.0, 1.0 * (attempt + 1)))
-            return False
-        finally:
-            if sharing or not self.client_mode:
-                self.averager.allow_state_sharing = not self.client_mode
+        # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
+        self.averager.allow_state_sharing = False
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            view = self.view()
+            if view.global_epoch is None:
+                return False
+            agreed = consensus(view.peers, view.global_epoch)
+            if agreed is None:
+                time.sleep(1.0)
+                continue
+            donors = [
+                p.peer_id
+                for p in view.peers
+                if p.peer_id in agreed.holders and p.peer_id != self.peer_id and not p.client_mode
+            ]
+            if not donors:
+                return agreed.agrees(self.outer.checksum()) and self.outer.epoch == agreed.epoch
+            random.shuffle(donors)  # spread joiners over donors
+            for donor in donors:
+                if self._download_from(donor, avg.chunk_timeout, avg.allreduce_timeout):
+                    return True
+            time.sleep(min(5.0, 1.0 * (attempt + 1)))
+        return False
 
     def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
         try:
@@ -525,7 +523,6 @@ class Peer:
         self.reporter.add_checksum(self.outer.epoch, self.outer.checksum())
         self.reporter.update(epoch=self.outer.epoch, inner_step=self.inner_step, publish_now=True)
         if not self.client_mode:
-            self.averager.state_sharing_priority = float(self.outer.epoch)
             self.averager.allow_state_sharing = True
 
     def _set_state(self, state: PeerState, publish: bool = False) -> None:
@@ -552,10 +549,10 @@ class Peer:
         publish_manifest(self.dht, self.manifest)
         self._manifest_published_at = time.monotonic()
 
-    def _maybe_republish_manifest(self, now: float) -> None:
-        if now - self._manifest_published_at > MANIFEST_TTL / 3:
-            self._manifest_published_at = now
-            threading.Thread(target=publish_manifest, args=(self.dht, self.manifest), daemon=True).start()
+    def _republish_manifest_when_due(self) -> None:
+        """Runs on the reporter's thread, so the manifest stays alive even while a round blocks training."""
+        if time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
+            self._publish_manifest()
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
         try:

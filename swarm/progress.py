@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +44,11 @@ class ProgressReporter:
         *,
         interval: float = PUBLISH_INTERVAL,
         ttl: float = RECORD_TTL,
+        on_tick: Callable[[], object] = lambda: None,
     ):
+        """``on_tick`` runs on the refresh thread after each refresh, for other periodic announcements."""
         self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
+        self._on_tick = on_tick
         self._subkey = RSASignatureValidator().local_public_key
         self._lock = threading.Lock()
         self._fields: dict[str, Any] = dict(initial)
@@ -88,6 +92,7 @@ class ProgressReporter:
             self._wake.clear()
             if not self._stop.is_set():
                 self._publish()
+                self._on_tick()
 
     def stop(self, final_state: PeerState = PeerState.left, ttl: float = 5.0) -> None:
         """Mark this peer as gone: a short-lived final record, then no more refreshes."""
