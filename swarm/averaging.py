@@ -66,6 +66,8 @@ class AllReduceOutcome:
     gathered: dict[str, Any]  # each groupmate's ``gather`` payload
     dropped_fraction: float  # share of values whose reducer vanished (set to zero)
     excluded_senders: int  # groupmates whose contribution was left out of some parts
+    bytes_sent: int = 0  # tensor payload this peer sent (parts to reducers, averages back to senders)
+    bytes_received: int = 0  # tensor payload this peer received
 
 
 class RoundAborted(RuntimeError):
@@ -76,8 +78,44 @@ class RoundAborted(RuntimeError):
         self.reason = reason
 
 
+class _CountingStub:
+    """Wraps a groupmate's stub so the averaged parts it streams back are counted as received bytes."""
+
+    def __init__(self, stub: Any, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterator[averaging_pb2.AveragingData]):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._runner._count(stream, received=True)
+
+
 class ExactAllReduceRunner(AllReduceRunner):
-    """An AllReduceRunner whose outputs are the averaged values, identical for every groupmate."""
+    """An AllReduceRunner whose outputs are the averaged values, identical for every groupmate.
+
+    It also counts the tensor payload it sends and receives (protobuf and libp2p
+    framing excluded), which the dashboard and the benchmarks report per round.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.bytes_sent = self.bytes_received = 0
+
+    async def _count(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], *, received: bool
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in stream:
+            size = len(message.tensor_part.buffer)
+            if received:
+                self.bytes_received += size
+            else:
+                self.bytes_sent += size
+            yield message
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        return self._count(super()._generate_input_for_peer(peer_index), received=False)
 
     def _round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
         compression = self.tensor_part_container.compression
@@ -104,7 +142,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
                 lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                stream,
+                self._count(stream, received=True),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
@@ -115,6 +153,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break
                 serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
+                self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -128,7 +167,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self, averaged_tensors: Sequence[torch.Tensor], dht, *, state_provider: Callable[[], tuple], **kwargs: Any
     ):
         self._state_provider = state_provider
-        self._round_stats: dict[bytes, tuple[float, int]] = {}
+        self._round_stats: dict[bytes, tuple[float, int, int, int]] = {}
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -156,16 +195,23 @@ class PseudoGradientAverager(DecentralizedAverager):
         for tensor, result in zip(tensors, results):  # commit only after the whole all-reduce succeeded
             tensor.copy_(result.reshape(tensor.shape))
         total = max(1, runner.tensor_part_container.total_size)
-        self._round_stats[group_id] = (runner.tensor_part_container.failed_size / total, len(runner.banned_senders))
+        self._round_stats[group_id] = (
+            runner.tensor_part_container.failed_size / total,
+            len(runner.banned_senders),
+            runner.bytes_sent,
+            runner.bytes_received,
+        )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        dropped, excluded = self._round_stats.pop(group_info.group_id, (0.0, 0))
+        dropped, excluded, sent, received = self._round_stats.pop(group_info.group_id, (0.0, 0, 0, 0))
         return dict(
             group=tuple(p.to_base58() for p in group_info.peer_ids),
             gathered={peer.to_base58(): data for peer, data in gathered.items()},
             dropped_fraction=dropped,
             excluded_senders=excluded,
+            bytes_sent=sent,
+            bytes_received=received,
         )
 
     def average(

@@ -57,6 +57,8 @@ class RoundReport:
     checksum: str = ""
     samples: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # compute, matchmaking, allreduce, outer, consistency
+    bytes_sent: int = 0  # all-reduce tensor payload, framing excluded
+    bytes_received: int = 0
 
 
 @dataclass
@@ -270,6 +272,7 @@ class Peer:
         fallback: str | None = None
         group: tuple[str, ...] = (self.peer_id,)
         dropped = 0.0
+        traffic = (0, 0)
 
         def on_stage(stage: str) -> None:
             stage_times.setdefault(stage, time.monotonic())
@@ -292,6 +295,7 @@ class Peer:
                 fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
             else:
                 group, dropped = outcome.group, outcome.dropped_fraction
+            traffic = (outcome.bytes_sent, outcome.bytes_received)
         except RoundAborted as e:
             if e.reason == LEAVING:  # keep the last agreed state: it is what a restart resumes from
                 self._set_state(PeerState.leaving, publish=True)
@@ -338,6 +342,8 @@ class Peer:
             checksum=mine,
             samples=self._round_samples,
             seconds=seconds,
+            bytes_sent=traffic[0],
+            bytes_received=traffic[1],
         )
         self._begin_round()
         self._announce_state()

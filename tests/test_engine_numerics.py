@@ -57,7 +57,19 @@ def run_swarm(make_swarm, manifest: RunManifest) -> list[dict]:
         reports = swarm.reports(rank)
         assert [r["epoch"] for r in reports] == [1, 2, 3]
         assert all(r["averaged"] and r["group_size"] == 3 for r in reports), reports
-    return [swarm.final(rank) for rank in RANKS]
+    return [dict(swarm.final(rank), reports=swarm.reports(rank)) for rank in RANKS]
+
+
+def check_traffic(finals: list[dict], num_values: int, bytes_per_value: int) -> None:
+    """Every byte sent in a closed group is received by someone, and a butterfly all-reduce moves
+    about 2 x bytes_per_value x (k-1)/k per value from each peer (its parts out, the averages back)."""
+    k = len(finals)
+    for epoch in range(ROUNDS):
+        sent = [f["reports"][epoch]["bytes_sent"] for f in finals]
+        received = [f["reports"][epoch]["bytes_received"] for f in finals]
+        assert sum(sent) == sum(received), (sent, received)
+        theory = 2 * bytes_per_value * num_values * (k - 1) / k
+        assert all(0.8 * theory < s < 1.2 * theory for s in sent), (sent, theory)
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -75,6 +87,7 @@ def test_three_peers_match_reference_diloco_without_compression(make_swarm):
         assert final["epoch"] == ROUNDS
         assert max_abs_diff(final["params"], reference) < 1e-6
     assert len({f["checksum"] for f in finals}) == 1
+    check_traffic(finals, sum(t.numel() for t in initial), bytes_per_value=4)
 
 
 def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_swarm):
@@ -94,6 +107,7 @@ def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_sw
     error = max_abs_diff(finals[0]["params"], reference)
     assert error < 2e-4 and error < movement / 50, (error, movement)
     assert error > 0  # fp16 really was on the wire
+    check_traffic(finals, sum(t.numel() for t in initial), bytes_per_value=2)
     assert len({f["checksum"] for f in finals}) == 1
     for final in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(final["params"], finals[0]["params"]))
