@@ -1,0 +1,98 @@
+"""What every benchmark shares: machine facts, the JSON record, optional plots and a table.
+
+Results carry the exact command line and the machine so a figure can always be
+traced back to the run that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs end to end")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write the JSON and PNG results")
+
+
+def command_line() -> str:
+    """The command as typed, so docs/benchmarks.md can quote it verbatim."""
+    module = Path(sys.argv[0]).stem
+    return shlex.join(["python", "-m", f"benchmarks.{module}", *sys.argv[1:]])
+
+
+def machine_info() -> dict[str, Any]:
+    return dict(
+        hostname=platform.node(),
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cpu_count_logical=psutil.cpu_count(logical=True),
+        cpu_count_physical=psutil.cpu_count(logical=False),
+        memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+        load_average_at_start=list(os.getloadavg()),
+        torch_threads=torch.get_num_threads(),
+    )
+
+
+def finite(value: float | None) -> float | None:
+    """JSON has no NaN: a non-finite figure is recorded as null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def write_json(out_dir: Path, name: str, record: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(record, indent=2, sort_keys=False, allow_nan=False) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a note) when the `bench` extra is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install -e '.[bench]'); JSON written, plots skipped.")
+        return None
+    return plt
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(str(column))
+    for row in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+    Console(width=160).print(table)
+
+
+class Stopwatch:
+    """Wall time since construction, for the record's ``wall_seconds``."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    @property
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.start, 2)
