@@ -1,0 +1,332 @@
+"""Real peers on slow links: how busy does the compute stay, and where does a round's time go?
+
+Four real ``swarm-client`` processes, each in its own network namespace behind a
+``tc tbf``-shaped link (see benchmarks/netns.py). One swarm per wire format (FP32,
+then FP16) runs through phases of link rate: unlimited first, then each
+``--rates`` value, with the limit changed live on every link. A phase counts only
+rounds that started after its limit was set; the first round of the run (start-up,
+state download) is left out.
+
+Per peer and round it records compute utilization (inner-step time over wall
+time), the round's split (compute, matchmaking, all-reduce, outer step, other),
+the all-reduce payload against the butterfly theory, the wire bytes on the veth,
+and the all-reduce goodput as a share of the link rate.
+
+Run (as root): ``python -m benchmarks.wan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, write_json
+from benchmarks.netns import CounterSampler, Lab, require_root
+from benchmarks.peers import PeerProcess, spawn_peer, stop_all, tail, wait_for_join_info
+from client.model import build_model, count_parameters
+from client.presets import build_manifest
+
+NAME = "wan"
+WIRE = {"fp32": "none", "fp16": "fp16"}
+BYTES_PER_VALUE = {"fp32": 4, "fp16": 2}
+PARTS = ("compute", "matchmaking", "allreduce", "outer", "consistency")
+
+
+def butterfly_bytes(numel: int, group_size: int, bytes_per_value: int) -> float:
+    """Payload one peer sends (and receives) in a butterfly all-reduce: scatter-reduce, then all-gather."""
+    return 2 * bytes_per_value * numel * (group_size - 1) / group_size
+
+
+def overrides(args: argparse.Namespace, wire: str) -> list[str]:
+    return [
+        f"inner_steps={args.inner_steps}",
+        f"averaging.compression={WIRE[wire]}",
+        f"averaging.target_group_size={args.peers}",
+        f"averaging.matchmaking_time={args.matchmaking_time}",
+    ]
+
+
+def round_start(record: dict) -> float:
+    return record["time"] - record["wall_seconds"]
+
+
+def wait_until(condition, timeout: float, peers: list[PeerProcess], what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- peer {p.index}\n{tail(p.stdout, 1500)}" for p in peers)
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs}")
+        dead = [p for p in peers if not p.alive()]
+        if dead:
+            raise RuntimeError(f"peer {dead[0].index} exited ({dead[0].proc.returncode}):\n{tail(dead[0].stdout)}")
+        time.sleep(0.5)
+
+
+def run_swarm(args: argparse.Namespace, lab: Lab, wire: str, workdir: Path) -> list[dict]:
+    """One swarm through every rate phase; returns the phases with their rounds."""
+    lab.set_rate(None)
+    peers = [spawn_peer(lab, 0, workdir, overrides(args, wire), threads=args.threads)]
+    try:
+        join = wait_for_join_info(peers[0])
+        peers += [spawn_peer(lab, i, workdir, join=join, threads=args.threads) for i in range(1, args.peers)]
+        wait_until(lambda: all(p.rounds() for p in peers), args.phase_timeout, peers, "every peer's first round")
+        sampler = CounterSampler(lab)
+        sampler.start()
+        phases = []
+        for rate in [None, *args.rates]:
+            lab.set_rate(rate)
+            start = time.time()
+            print(f"  {wire}: links {'unlimited' if rate is None else f'{rate} Mbit/s'}", flush=True)
+
+            def enough(start: float = start) -> bool:
+                return all(len([r for r in p.rounds() if round_start(r) >= start]) >= args.rounds for p in peers)
+
+            wait_until(enough, args.phase_timeout, peers, f"{args.rounds} rounds at {rate} Mbit/s")
+            end = time.time()
+            phases.append(dict(rate_mbit=rate, start=start, end=end))
+        time.sleep(1.0)
+        sampler.stop()
+    finally:
+        stop_all(peers)
+    return [collect_phase(phase, peers, sampler, args.rounds) for phase in phases]
+
+
+def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler, rounds: int) -> dict:
+    """The phase's rounds per peer, each with its wire bytes read off the veth counters."""
+    out = dict(phase, peers={})
+    for p in peers:
+        selected = [r for r in p.rounds() if phase["start"] <= round_start(r) and r["time"] <= phase["end"] + 0.5]
+        rows = []
+        for r in selected[:rounds]:
+            wire = sampler.window(p.index, round_start(r), r["time"])
+            rows.append(
+                dict(
+                    epoch=r["epoch"],
+                    averaged=r["averaged"],
+                    group_size=r["group_size"],
+                    fallback_reason=r.get("fallback_reason"),
+                    wall_seconds=r["wall_seconds"],
+                    seconds={k: r["seconds"].get(k, 0.0) for k in PARTS},
+                    bytes_sent=r.get("bytes_sent"),
+                    bytes_received=r.get("bytes_received"),
+                    wire_tx_bytes=wire[0] if wire else None,
+                    wire_rx_bytes=wire[1] if wire else None,
+                )
+            )
+        out["peers"][p.index] = rows
+    return out
+
+
+def phase_figures(phase: dict, wire: str, numel: int) -> dict:
+    """Utilization, time split, bytes and goodput of one phase, per peer and overall."""
+    rate = phase["rate_mbit"]
+    per_peer, all_rows = {}, []
+    for index, rows in phase["peers"].items():
+        for r in rows:
+            r["utilization"] = r["seconds"]["compute"] / r["wall_seconds"] if r["wall_seconds"] > 0 else None
+            r["other_seconds"] = max(0.0, r["wall_seconds"] - sum(r["seconds"].values()))
+            k = r["group_size"]
+            r["theory_bytes"] = butterfly_bytes(numel, k, BYTES_PER_VALUE[wire]) if r["averaged"] and k > 1 else 0.0
+            ar = r["seconds"]["allreduce"]
+            mbit = r["bytes_sent"] * 8 / ar / 1e6 if r["bytes_sent"] and ar > 0 else None
+            r["allreduce_goodput_mbit"] = mbit
+            r["goodput_share_of_link"] = mbit / rate if mbit is not None and rate else None
+        wall = sum(r["wall_seconds"] for r in rows)
+        per_peer[index] = dict(
+            rounds=len(rows),
+            utilization=sum(r["seconds"]["compute"] for r in rows) / wall if wall else None,
+        )
+        all_rows += rows
+
+    def mean(key: str, source: str | None = None) -> float | None:
+        values = [(r[source][key] if source else r[key]) for r in all_rows]
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+
+    wall = sum(r["wall_seconds"] for r in all_rows)
+    return dict(
+        rate_mbit=rate,
+        rounds=len(all_rows),
+        averaged_rounds=sum(r["averaged"] for r in all_rows),
+        utilization=sum(r["seconds"]["compute"] for r in all_rows) / wall if wall else None,
+        utilization_per_peer=per_peer,
+        round_seconds=mean("wall_seconds"),
+        seconds={k: mean(k, "seconds") for k in PARTS} | {"other": mean("other_seconds")},
+        payload_sent_bytes=mean("bytes_sent"),
+        payload_received_bytes=mean("bytes_received"),
+        theory_bytes=mean("theory_bytes"),
+        wire_tx_bytes=mean("wire_tx_bytes"),
+        wire_rx_bytes=mean("wire_rx_bytes"),
+        allreduce_goodput_mbit=mean("allreduce_goodput_mbit"),
+        goodput_share_of_link=mean("goodput_share_of_link"),
+    )
+
+
+def slowdowns(figures: dict[str, list[dict]]) -> dict:
+    """Each limited phase's mean round time, and its communication time, against the unlimited phase."""
+    out = {}
+    for wire, phases in figures.items():
+        base = phases[0]
+        for ph in phases[1:]:
+            comm = ph["seconds"]["matchmaking"] + ph["seconds"]["allreduce"]
+            base_comm = base["seconds"]["matchmaking"] + base["seconds"]["allreduce"]
+            out[f"{wire}@{ph['rate_mbit']}mbit"] = dict(
+                round_time_ratio=ph["round_seconds"] / base["round_seconds"],
+                extra_seconds_per_round=ph["round_seconds"] - base["round_seconds"],
+                communication_seconds=comm,
+                communication_seconds_unlimited=base_comm,
+            )
+    return out
+
+
+def plot(figures: dict[str, list[dict]], out: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    labels, stacks = [], {k: [] for k in (*PARTS, "other")}
+    utilization = []
+    for wire, phases in figures.items():
+        for ph in phases:
+            labels.append(f"{wire}\n{'unlim.' if ph['rate_mbit'] is None else str(ph['rate_mbit']) + ' Mbit/s'}")
+            for k in stacks:
+                stacks[k].append(ph["seconds"][k] or 0.0)
+            utilization.append(ph["utilization"] or 0.0)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    bottom = [0.0] * len(labels)
+    for k, values in stacks.items():
+        ax1.bar(labels, values, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax1.set_ylabel("seconds per round (mean over peers and rounds)")
+    ax1.set_title("where a round's time goes")
+    ax1.legend(fontsize=8)
+    bars = ax2.bar(labels, [u * 100 for u in utilization], color="tab:green")
+    ax2.bar_label(bars, fmt="%.0f%%")
+    ax2.axhspan(90, 95, color="tab:blue", alpha=0.15, label="OpenDiLoCo 90-95%")
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("compute utilization (%)")
+    ax2.set_title("share of wall time in inner steps")
+    ax2.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = out / f"{NAME}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--rates", type=float, nargs="+", default=[100.0, 10.0], help="link rates in Mbit/s")
+    p.add_argument("--wires", nargs="+", choices=list(WIRE), default=["fp32", "fp16"])
+    p.add_argument("--inner-steps", type=int, default=20, help="H")
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds per peer and phase")
+    p.add_argument("--matchmaking-time", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    p.add_argument("--phase-timeout", type=float, default=240.0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the peers' files here (default: temporary)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.peers, args.rates, args.inner_steps, args.rounds = 2, [20.0], 3, 1
+        args.matchmaking_time, args.phase_timeout = 1.0, 60.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    require_root()
+    clock = Stopwatch()
+    manifest = build_manifest("tiny", overrides=[f"inner_steps={args.inner_steps}"])
+    numel = count_parameters(build_model(manifest))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-wan-"))
+    print(
+        f"wan: {args.peers} peers, tiny preset ({numel / 1e6:.2f}M parameters), H={args.inner_steps}; files in "
+        f"{workdir}"
+    )
+    raw, figures = {}, {}
+    with Lab() as lab:
+        for wire in args.wires:
+            raw[wire] = run_swarm(args, lab, wire, workdir / wire)
+            figures[wire] = [phase_figures(ph, wire, numel) for ph in raw[wire]]
+    record = dict(
+        benchmark=NAME,
+        command=command_line(),
+        smoke=args.smoke,
+        machine=machine_info(),
+        sizes=dict(
+            peers=args.peers,
+            parameters=numel,
+            inner_steps=args.inner_steps,
+            samples_per_step=manifest.samples_per_step,
+            seq_len=manifest.seq_len,
+            rates_mbit=args.rates,
+            rounds_per_phase=args.rounds,
+            threads_per_peer=args.threads,
+            tbf="rate R, burst max(64 KiB, 20 ms at R), latency 100 ms, on both ends of every veth",
+            theory_bytes_per_round={w: butterfly_bytes(numel, args.peers, BYTES_PER_VALUE[w]) for w in args.wires},
+        ),
+        figures=figures,
+        slowdown_vs_unlimited=slowdowns(figures),
+        rounds=raw,
+        wall_seconds=clock.seconds,
+    )
+    rows = []
+    for wire, phases in figures.items():
+        for ph in phases:
+            s = ph["seconds"]
+            rows.append(
+                (
+                    wire,
+                    "unlimited" if ph["rate_mbit"] is None else f"{ph['rate_mbit']:g}",
+                    ph["rounds"],
+                    f"{ph['utilization'] * 100:.1f}%",
+                    ph["round_seconds"],
+                    s["compute"],
+                    s["matchmaking"],
+                    s["allreduce"],
+                    s["outer"],
+                    s["other"],
+                    (ph["payload_sent_bytes"] or 0) / 1e6,
+                    (ph["theory_bytes"] or 0) / 1e6,
+                    (ph["wire_tx_bytes"] or 0) / 1e6,
+                    "-" if ph["goodput_share_of_link"] is None else f"{ph['goodput_share_of_link'] * 100:.0f}%",
+                )
+            )
+    print_table(
+        "per round, mean over peers (seconds; MB = 1e6 bytes sent per peer)",
+        [
+            "wire",
+            "Mbit/s",
+            "rounds",
+            "util.",
+            "round",
+            "compute",
+            "match.",
+            "all-red.",
+            "outer",
+            "other",
+            "payload MB",
+            "theory MB",
+            "wire tx MB",
+            "goodput/link",
+        ],
+        rows,
+    )
+    print_table(
+        "outer round vs unlimited links",
+        ["phase", "round time ratio", "extra s/round"],
+        [(k, v["round_time_ratio"], v["extra_seconds_per_round"]) for k, v in record["slowdown_vs_unlimited"].items()],
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = plot(figures, args.out)
+    record["plots"] = [png.name] if png else []
+    write_json(args.out, NAME, record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Smoke runs of the benchmarks: tiny sizes, checking only that each produces well-formed output.
+
+The benchmarks themselves are measurements and do not run in CI. wan and churn
+build network namespaces, which needs root; without root they must refuse with a
+clear message, and that is what is checked there instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+IS_ROOT = os.geteuid() == 0
+
+
+def run_smoke(module: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+
+
+def load_result(out: Path, name: str, proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    record = json.loads((out / f"{name}.json").read_text())
+    assert record["benchmark"] == name
+    assert record["smoke"] is True
+    assert record["command"].startswith(f"python -m benchmarks.{name}") and "--smoke" in record["command"]
+    assert record["machine"]["cpu_count_logical"] >= 1 and record["machine"]["torch"]
+    assert record["plots"] == [f"{name}.png"]
+    png = out / f"{name}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    return record
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_convergence_smoke(tmp_path: Path):
+    record = load_result(tmp_path, "convergence", run_smoke("convergence", tmp_path, timeout=120))
+    runs = {r["name"]: r for r in record["runs"]}
+    assert {"ddp", "single", "diloco-h2-fp32", "diloco-h3-fp32", "diloco-h3-fp16"} <= set(runs)
+    for run in runs.values():
+        assert all(positive_finite(v) for v in run["eval_loss"])
+        assert run["tokens"][0] == 0 and run["tokens"][-1] == record["sizes"]["tokens_per_run"]
+        assert run["eval_loss"][-1] < run["eval_loss"][0], f"{run['name']} did not learn at all"
+    assert runs["diloco-h3-fp32"]["communication_rounds"] == 2 and runs["ddp"]["communication_rounds"] == 6
+    assert len(set(record["sizes"]["worker_shards"])) == record["sizes"]["workers"]  # disjoint shards
+    for key in ("diloco-h2-fp32/ddp", "diloco-h3-fp16/diloco-h3-fp32"):
+        assert positive_finite(record["ratios"][key]["eval_loss_ratio"])
+    # FP16 rounding changes the outcome by far less than the algorithm does
+    assert abs(record["ratios"]["diloco-h3-fp16/diloco-h3-fp32"]["eval_loss_ratio"] - 1) < 0.01
+
+
+def assert_refuses_without_root(module: str, tmp_path: Path) -> None:
+    proc = run_smoke(module, tmp_path, timeout=60)
+    assert proc.returncode != 0 and "root" in proc.stderr + proc.stdout
+    assert not (tmp_path / f"{module}.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_wan_smoke(tmp_path: Path):
+    if not IS_ROOT:
+        return assert_refuses_without_root("wan", tmp_path)
+    record = load_result(tmp_path, "wan", run_smoke("wan", tmp_path, timeout=200))
+    assert set(record["figures"]) == {"fp32", "fp16"}
+    theory = record["sizes"]["theory_bytes_per_round"]
+    assert theory["fp32"] == pytest.approx(2 * theory["fp16"])
+    for wire, phases in record["figures"].items():
+        assert [p["rate_mbit"] for p in phases] == [None, 20.0]
+        for phase in phases:
+            assert phase["rounds"] >= 2 and phase["averaged_rounds"] >= 1
+            assert 0 < phase["utilization"] <= 1
+            assert all(positive_finite(phase["seconds"][k]) for k in ("compute", "allreduce"))
+            assert positive_finite(phase["payload_sent_bytes"]) and positive_finite(phase["wire_tx_bytes"])
+            # the payload is the butterfly's, give or take headers; the wire carries at least the payload
+            assert 0.8 < phase["payload_sent_bytes"] / phase["theory_bytes"] < 1.3
+            assert phase["wire_tx_bytes"] >= 0.9 * phase["payload_sent_bytes"]
+        limited = phases[1]
+        assert 0 < limited["goodput_share_of_link"] <= 1.1
+    assert record["slowdown_vs_unlimited"]["fp32@20.0mbit"]["round_time_ratio"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_churn_smoke(tmp_path: Path):
+    if not IS_ROOT:
+        return assert_refuses_without_root("churn", tmp_path)
+    record = load_result(tmp_path, "churn", run_smoke("churn", tmp_path, timeout=200))
+    assert len(record["joins"]) == 2
+    for join in record["joins"]:
+        assert positive_finite(join["to_first_step"]) and positive_finite(join["to_first_averaged_round"])
+        assert join["to_first_step"] <= join["to_first_averaged_round"]
+    churn = record["churn"]
+    assert len(churn["kills"]) == 1
+    killed = [p for p in churn["per_peer"].values() if p["killed"]]
+    assert len(killed) == 1 and len(churn["per_peer"]) == 4
+    assert churn["rounds_total"] > 0 and churn["local_rounds"] >= 0
+    assert positive_finite(churn["longest_stall"]["seconds"])
+    cs = churn["checksums"]
+    assert cs["epochs_compared"] >= 1 and 0 <= cs["repaired"] <= cs["disagreements"]
