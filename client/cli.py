@@ -36,6 +36,9 @@ ENV_VARS = {
     "manifest": "SWARM_MANIFEST",
     "eval_sequences": "SWARM_EVAL_SEQUENCES",
     "verbose": "SWARM_VERBOSE",
+    "no_dashboard": "SWARM_NO_DASHBOARD",
+    "log_json": "SWARM_LOG_JSON",
+    "max_age": "SWARM_HEALTH_MAX_AGE",
 }
 
 
@@ -62,16 +65,29 @@ def _micro_batch(text: str) -> int | None:
     return value
 
 
-def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -> None:
+def _add_initial_peers(p: argparse.ArgumentParser, required: bool) -> None:
     peers = _env("initial_peers", [])
     p.add_argument(
         "--initial-peers",
         nargs="+",
         metavar="MADDR",
         default=peers,
-        required=initial_peers_required and not peers,
+        required=required and not peers,
         help="multiaddrs of peers already in the swarm, ending in /p2p/<id> [SWARM_INITIAL_PEERS]",
     )
+
+
+def _add_workdir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(_env("workdir", str(DEFAULT_WORKDIR))),
+        help="checkpoints, identity and caches [SWARM_WORKDIR]",
+    )
+
+
+def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -> None:
+    _add_initial_peers(p, initial_peers_required)
     p.add_argument("--name", default=_env("name", ""), help="display name shown to others [SWARM_NAME]")
     p.add_argument(
         "--identity",
@@ -79,12 +95,7 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         default=_env("identity", None),
         help="key file that keeps this peer's id across restarts (default: WORKDIR/identity.key)",
     )
-    p.add_argument(
-        "--workdir",
-        type=Path,
-        default=Path(_env("workdir", str(DEFAULT_WORKDIR))),
-        help="checkpoints, identity and caches [SWARM_WORKDIR]",
-    )
+    _add_workdir(p)
     p.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
     p.add_argument(
         "--host-port",
@@ -122,6 +133,19 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         default=int(_env("eval_sequences", 0)),
         help="held-out sequences to score at start and end (0: none)",
     )
+    p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        default=_env("no_dashboard", False),
+        help="plain log lines even on a terminal [SWARM_NO_DASHBOARD]",
+    )
+    p.add_argument(
+        "--log-json",
+        type=Path,
+        default=_env("log_json", None),
+        metavar="FILE",
+        help="append one JSON object per step, round and event to FILE [SWARM_LOG_JSON]",
+    )
     p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true", default=_env("verbose", False), help="show hivemind's own logs")
 
@@ -131,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="swarm-client",
         description="Pool your GPU with other volunteers to train a language model with DiLoCo.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{start,join,demo,export}")
+    sub = parser.add_subparsers(dest="command", metavar="{start,join,status,doctor,demo,export,health}")
 
     start = sub.add_parser("start", help="create a new run and become its first peer")
     start.add_argument("--preset", default=_env("preset", "tiny"), help="tiny, 150m or 1b [SWARM_PRESET]")
@@ -155,15 +179,48 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--run", default=_env("run", None), help="run id, when the swarm hosts several [SWARM_RUN]")
     _add_peer_options(join, initial_peers_required=True)
 
+    status = sub.add_parser("status", help="watch a run without training: peers, epochs, speed")
+    _add_initial_peers(status, required=True)
+    status.add_argument("--run", default=_env("run", None), help="run id, when the swarm hosts several [SWARM_RUN]")
+    status.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (for scripts)")
+    status.add_argument("--verbose", action="store_true", default=_env("verbose", False), help=argparse.SUPPRESS)
+
+    doctor = sub.add_parser("doctor", help="check this machine and the network before joining")
+    _add_initial_peers(doctor, required=False)
+    _add_workdir(doctor)
+    doctor.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
+    doctor.add_argument(
+        "--host-port", type=int, default=int(_env("host_port", 31337)), help="port to test [SWARM_HOST_PORT]"
+    )
+    doctor.add_argument("--announce-ip", default=_env("announce_ip", None), help="public address [SWARM_ANNOUNCE_IP]")
+    doctor.add_argument("--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu")
+    doctor.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the initial peers")
+    doctor.add_argument("--verbose", action="store_true", default=_env("verbose", False), help=argparse.SUPPRESS)
+
     demo = sub.add_parser("demo", help="train a tiny model with N local peers (no network needed)")
     demo.add_argument("--peers", type=int, default=2, help="number of peer processes (default 2)")
     demo.add_argument("--epochs", type=int, default=3, help="outer rounds each peer trains (default 3)")
     demo.add_argument("--workdir", type=Path, default=None, help="keep the demo's files here (default: temporary)")
+    demo.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        default=_env("no_dashboard", False),
+        help="stream the peers' log lines even on a terminal [SWARM_NO_DASHBOARD]",
+    )
 
     export = sub.add_parser("export", help="write the latest checkpoint's model in Hugging Face format")
     export.add_argument("--workdir", type=Path, default=Path(_env("workdir", str(DEFAULT_WORKDIR))))
     export.add_argument("--out", type=Path, required=True, help="directory to write the model to")
     export.add_argument("--run", default=_env("run", None), help="run id, when the workdir holds several")
+
+    health = sub.add_parser("health", help="exit 0 if the peer using WORKDIR is alive and progressing (Docker)")
+    _add_workdir(health)
+    health.add_argument(
+        "--max-age",
+        type=float,
+        default=float(_env("max_age", 60.0)),
+        help="seconds since the status file's last refresh before the peer counts as hung [SWARM_HEALTH_MAX_AGE]",
+    )
     return parser
 
 
@@ -204,17 +261,30 @@ def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
     return f"swarm-client join --initial-peers {' '.join(maddrs)} --run {run_id}"
 
 
+def _use_dashboard(args: argparse.Namespace) -> bool:
+    return sys.stdout.isatty() and not getattr(args, "no_dashboard", False)
+
+
 def _train(args: argparse.Namespace, creating: bool) -> int:
+    from client.dashboard import DashboardSource, LiveDashboard
     from client.hardware import detect
+    from client.monitoring import TrainingTick, gpu_memory, own_state
     from client.presets import build_manifest
+    from client.swarm_watch import SwarmWatch
+    from client.telemetry import Telemetry
     from client.trainer import Trainer, TrainerSettings
+    from swarm.progress import read_peers
 
     _quiet_hivemind(args.verbose)
     workdir = _ensure_workdir(args.workdir)
     hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
     network = _network(args, workdir)
+    dashboard = _use_dashboard(args)
+    say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
     dht = start_dht(network)
+    telemetry = Telemetry(args.log_json, echo=None if dashboard else say)
+    watch = None
     try:
         if manifest is None:
             manifest = choose_run(dht, args.run)
@@ -230,10 +300,36 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
             max_epochs=args.max_epochs,
             eval_sequences=args.eval_sequences,
         )
-        trainer = Trainer(manifest, dht, hardware, settings, log=lambda line: print(line, flush=True))
-        result = trainer.run()
+        trainer = Trainer(manifest, dht, hardware, settings, log=say, telemetry=telemetry)
+        run_id = manifest.run_id
+        watch = SwarmWatch(
+            lambda: read_peers(dht, run_id),
+            manifest,
+            telemetry,
+            self_id=dht.peer_id.to_base58(),
+            on_tick=TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say),
+        ).start()
+        if dashboard:
+            source = DashboardSource(
+                manifest=manifest,
+                parameters=lambda: trainer.parameters,
+                telemetry=telemetry,
+                watch=watch,
+                own=lambda: own_state(trainer, bool(args.initial_peers)),
+                gpu_memory=gpu_memory(hardware),
+                title=f"swarm-client {args.command}",
+            )
+            with LiveDashboard(source):
+                result = trainer.run()
+        else:
+            result = trainer.run()
     finally:
+        if watch is not None:
+            watch.stop()
+        telemetry.close()
         dht.shutdown()
+    if dashboard:
+        print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
     if args.result_file:
         args.result_file.write_text(
             json.dumps(
@@ -250,6 +346,42 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
             )
         )
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from client.status import run_status
+
+    _quiet_hivemind(args.verbose)
+    network = NetworkConfig(initial_peers=args.initial_peers, host_ip="0.0.0.0", host_port=0, client_mode=True)
+    return run_status(network, args.run, as_json=args.json, live=sys.stdout.isatty())
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from client.doctor import DoctorOptions, print_check, run_checks
+
+    _quiet_hivemind(args.verbose)
+    options = DoctorOptions(
+        workdir=args.workdir,
+        initial_peers=args.initial_peers,
+        host_ip=args.host_ip,
+        host_port=args.host_port,
+        announce_ip=args.announce_ip,
+        device=args.device,
+        timeout=args.timeout,
+    )
+    checks = run_checks(options, print_check)
+    failed = [c for c in checks if c.outcome == "fail"]
+    warned = [c for c in checks if c.outcome == "warn"]
+    print(f"{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warnings, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from client.health import check_health
+
+    healthy, reason = check_health(args.workdir, args.max_age)
+    print(f"{'healthy' if healthy else 'unhealthy'}: {reason}")
+    return 0 if healthy else 1
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -271,10 +403,16 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, creating=True)
         if args.command == "join":
             return _train(args, creating=False)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "doctor":
+            return _doctor(args)
+        if args.command == "health":
+            return _health(args)
         if args.command == "demo":
             from client.demo import run_demo
 
-            return run_demo(args.peers, args.epochs, args.workdir)
+            return run_demo(args.peers, args.epochs, args.workdir, dashboard=_use_dashboard(args))
         return _export(args)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -15,12 +15,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from swarm import SwarmError
+from client.dashboard import DashboardSource, LiveDashboard
+from client.model import manifest_parameters
+from client.swarm_watch import SwarmWatch
+from client.telemetry import Telemetry
+from swarm import NetworkConfig, SwarmError
+from swarm.observer import Observer
 
 START_TIMEOUT = 120.0
 EVAL_SEQUENCES = 32
@@ -52,14 +58,17 @@ def _peer_command(workdir: Path, index: int, epochs: int, extra: list[str]) -> l
     ]
 
 
-def _pump(proc: subprocess.Popen, prefix: str, console: Console, lines: list[str]) -> None:
+def _pump(proc: subprocess.Popen, prefix: str, show: Callable[[str, str], None], lines: list[str]) -> None:
     for line in proc.stdout:
         line = line.rstrip("\n")
         lines.append(line)
-        console.print(f"[dim]{prefix}[/dim] {line}", markup=True, highlight=False, soft_wrap=True)
+        show(prefix, line)
 
 
-def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Console | None = None) -> int:
+def run_demo(
+    peers: int, epochs: int, workdir: Path | None = None, console: Console | None = None, dashboard: bool = False
+) -> int:
+    """``dashboard``: watch the swarm live (as `status` does) instead of streaming the peers' log lines."""
     if peers < 1 or epochs < 1:
         raise SwarmError("demo needs --peers >= 1 and --epochs >= 1.")
     console = console or Console()
@@ -72,6 +81,13 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
     procs: list[subprocess.Popen] = []
     outputs: list[list[str]] = []
     threads: list[threading.Thread] = []
+    telemetry = Telemetry()
+
+    def show(prefix: str, line: str) -> None:
+        if not dashboard:
+            console.print(f"[dim]{prefix}[/dim] {line}", markup=True, highlight=False, soft_wrap=True)
+        elif "round ->" in line or "error" in line.lower():
+            telemetry.event("round" if "averaged" in line else "log", f"{prefix}: {line}")
 
     def spawn(index: int, args: list[str]) -> subprocess.Popen:
         proc = subprocess.Popen(
@@ -83,7 +99,7 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
         )
         procs.append(proc)
         outputs.append([])
-        threads.append(threading.Thread(target=_pump, args=(proc, f"peer{index}", console, outputs[-1]), daemon=True))
+        threads.append(threading.Thread(target=_pump, args=(proc, f"peer{index}", show, outputs[-1]), daemon=True))
         threads[-1].start()
         return proc
 
@@ -98,6 +114,8 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
             time.sleep(0.1)
         for index in range(1, peers):
             spawn(index, ["join", "--initial-peers", *join["maddrs"].split(), "--run", join["run"]])
+        if dashboard:
+            _watch_live(join["maddrs"].split(), join["run"], procs, telemetry, console)
         codes = [proc.wait() for proc in procs]
     finally:
         for proc in procs:
@@ -110,6 +128,33 @@ def run_demo(peers: int, epochs: int, workdir: Path | None = None, console: Cons
     for thread in threads:
         thread.join(timeout=5)
     return _summarize(root, peers, codes, console)
+
+
+def _watch_live(
+    maddrs: list[str], run_id: str, procs: list[subprocess.Popen], telemetry: Telemetry, console: Console
+) -> None:
+    """The demo's swarm as `status` shows it, until every peer has exited."""
+    try:
+        observer = Observer.connect(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0), run_id)
+    except SwarmError as e:  # the demo still works without its view
+        console.print(f"(no live view: {e})")
+        return
+    watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True).start()
+    parameters = manifest_parameters(observer.manifest)
+    source = DashboardSource(
+        manifest=observer.manifest,
+        parameters=lambda: parameters,
+        telemetry=telemetry,
+        watch=watch,
+        title="swarm-client demo",
+    )
+    try:
+        with LiveDashboard(source, console=console):
+            while any(proc.poll() is None for proc in procs):
+                time.sleep(0.5)
+    finally:
+        watch.stop()
+        observer.close()
 
 
 def _summarize(root: Path, peers: int, codes: list[int], console: Console) -> int:

@@ -26,3 +26,10 @@ def build_model(manifest: RunManifest) -> torch.nn.Module:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def manifest_parameters(manifest: RunManifest) -> int:
+    """The model's size without allocating it (on the meta device): for observers that train nothing."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(manifest))
+    return count_parameters(model)

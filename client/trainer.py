@@ -24,6 +24,7 @@ from client.data import DataPosition, SequenceStream, eval_batches, load_tokeniz
 from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, is_out_of_memory, search
 from client.model import build_model, count_parameters, model_config
+from client.telemetry import Telemetry
 from swarm import Peer, RoundReport, RunManifest, SwarmError
 from swarm.peer import LEAVING, NON_FINITE
 
@@ -64,21 +65,32 @@ def lr_at(manifest: RunManifest, step: int) -> float:
 
 
 class StopRequest:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, leave. Second: exit at once."""
+    """First SIGTERM/SIGINT: finish the step, checkpoint, leave. Second: exit at once.
 
-    def __init__(self, on_first: Callable[[str], None]):
+    SIGUSR1 asks for a gentler exit: finish this outer round (so this peer's work
+    is averaged in), then checkpoint and leave; ``docker kill --signal=SIGUSR1``.
+    """
+
+    def __init__(self, on_first: Callable[[str], None], on_after_round: Callable[[], None] = lambda: None):
         self.requested = False
-        self._on_first = on_first
+        self.after_round = False
+        self._on_first, self._on_after_round = on_first, on_after_round
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGUSR1, self._handle_after_round)
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.requested:
             raise SystemExit(130)
         self.requested = True
         self._on_first(signal.Signals(signum).name)
+
+    def _handle_after_round(self, _signum: int, _frame: Any) -> None:
+        if not self.after_round:
+            self.after_round = True
+            self._on_after_round()
 
 
 class Trainer:
@@ -89,20 +101,30 @@ class Trainer:
         hardware: Hardware,
         settings: TrainerSettings,
         log: Callable[[str], None] = print,
+        telemetry: Telemetry | None = None,
     ):
+        """``log`` prints the per-window step lines; events go to ``telemetry`` (dashboard, --log-json, echo)."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
+        self.telemetry = telemetry or Telemetry(echo=log)
         self.precision: Precision = choose_precision(hardware, manifest.mixed_precision == "bf16")
         self.result = TrainerResult()
-        self.stop = StopRequest(
-            lambda name: self.log(
-                f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once)."
-            )
-        )
+        self.peer: Peer | None = None
+        self.parameters = 0
+        self.stop = StopRequest(self._on_stop_signal, self._on_leave_after_round)
+
+    def note(self, kind: str, message: str) -> None:
+        """An event: into the dashboard's event log, --log-json, and the plain log lines."""
+        self.telemetry.event(kind, message)
 
     def _on_stop_signal(self, name: str) -> None:
-        self.log(f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once).")
-        if getattr(self, "peer", None) is not None:
-            self.peer.request_stop()
+        self.note(
+            "log", f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once)."
+        )
+        if self.peer is not None:
+            self.peer.request_stop()  # also abandons a round that is looking for a group
+
+    def _on_leave_after_round(self) -> None:
+        self.note("log", "SIGUSR1 received: finishing this outer round, then writing a checkpoint and leaving.")
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -116,11 +138,13 @@ class Trainer:
                 f"{config.vocab_size}; fix the manifest."
             )
         self.model = build_model(m).to(self.hardware.device)
+        self.parameters = count_parameters(self.model)
         self.micro_batch = s.micro_batch or self._auto_micro_batch(config)
+        self.telemetry.micro_batch = self.micro_batch
         self.ckpt_dir = checkpoint.checkpoint_dir(s.workdir, m.run_id)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         (self.ckpt_dir.parent / "manifest.json").write_text(m.canonical_json())
-        self.loaded = checkpoint.load_latest(self.ckpt_dir, m.run_id, warn=self.log)
+        self.loaded = checkpoint.load_latest(self.ckpt_dir, m.run_id, warn=lambda text: self.note("log", text))
 
     def _auto_micro_batch(self, config) -> int:
         key = f"{self.hardware.name}|{self.manifest.run_id}|{self.manifest.seq_len}"
@@ -147,7 +171,7 @@ class Trainer:
         self._prepare()
         state = self.loaded.state if self.loaded else None
         if self.loaded:
-            self.log(f"Resuming from {self.loaded.path.name} (epoch {state['epoch']}).")
+            self.note("log", f"Resuming from {self.loaded.path.name} (epoch {state['epoch']}).")
         self.peer = Peer(
             m, self.model, dht=self.dht, name=self.settings.name, device=self.hardware.label, listener=self._on_event
         )
@@ -171,15 +195,15 @@ class Trainer:
         self.stream = SequenceStream(
             m.dataset, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position
         )
-        self.log(
+        self.note(
+            "log",
             f"Peer {self.peer.peer_id} on {self.hardware.label}, {self.precision.label}, "
-            f"{count_parameters(self.model) / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, "
-            f"epoch {self.peer.epoch}."
+            f"{self.parameters / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, epoch {self.peer.epoch}.",
         )
         if self.settings.eval_sequences:
             self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
             self.result.eval_loss_start = self.evaluate()
-            self.log(f"held-out loss at start: {self.result.eval_loss_start:.4f}")
+            self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")
         try:
             self._loop()
         finally:
@@ -192,23 +216,37 @@ class Trainer:
         while not self.stop.requested:
             if self.settings.max_epochs is not None and self.result.rounds >= self.settings.max_epochs:
                 break
+            lr = lr_at(m, peer.epoch * m.inner_steps + peer.inner_step)
             for group in self.optimizer.param_groups:
-                group["lr"] = lr_at(m, peer.epoch * m.inner_steps + peer.inner_step)
+                group["lr"] = lr
             batch = self.stream.next_batch(m.samples_per_step)
             t0 = time.monotonic()
             loss = self._inner_step(batch)
             elapsed = time.monotonic() - t0
             if not math.isfinite(loss):
                 self.result.nan_steps += 1
+                self.telemetry.nan_steps = self.result.nan_steps
                 nan_streak += 1
-                self.log(f"non-finite loss ({loss}) at epoch {peer.epoch} step {peer.inner_step}: step skipped.")
+                self.note(
+                    "log", f"non-finite loss ({loss}) at epoch {peer.epoch} step {peer.inner_step}: step skipped."
+                )
                 if nan_streak >= NAN_STREAK_TO_RESYNC:
-                    self.log(f"{nan_streak} non-finite losses in a row: re-syncing the model from the swarm.")
+                    self.note(
+                        "resync", f"{nan_streak} non-finite losses in a row: re-syncing the model from the swarm."
+                    )
                     peer.resync_now("repeated non-finite losses")
                     self.optimizer.state.clear()  # its moments may hold the non-finite values too
                     nan_streak = 0
                 continue
             nan_streak = 0
+            self.telemetry.step(
+                loss=loss,
+                seconds=elapsed,
+                lr=lr,
+                tokens=m.tokens_per_step,
+                epoch=peer.epoch,
+                inner_step=peer.inner_step + 1,
+            )
             window.append((loss, elapsed))
             if time.monotonic() - last_log > self.settings.log_every:
                 self._log_steps(window, peer.inner_step + 1)
@@ -216,6 +254,8 @@ class Trainer:
             report = peer.report_step(m.samples_per_step, loss, compute_seconds=elapsed)
             if report is not None:
                 self._after_round(report)
+                if self.stop.after_round and report.fallback_reason != LEAVING:
+                    break
 
     def _inner_step(self, batch: torch.Tensor) -> float:
         """One optimizer step over ``samples_per_step`` samples, accumulated over micro-batches."""
@@ -244,6 +284,7 @@ class Trainer:
                 self.scaler.update()
                 if self.precision.use_scaler and self.scaler.get_scale() < scale:
                     self.result.skipped_scaler_steps += 1
+                    self.telemetry.skipped_scaler_steps = self.result.skipped_scaler_steps
                 self.optimizer.zero_grad(set_to_none=True)
                 return value
             except Exception as e:
@@ -258,8 +299,9 @@ class Trainer:
                         "or use a machine with more memory."
                     ) from None
                 self.micro_batch = max(1, self.micro_batch // 2)
+                self.telemetry.micro_batch = self.micro_batch
                 self.peer.reporter.update(micro_batch=self.micro_batch)
-                self.log(f"Out of memory: micro-batch halved to {self.micro_batch}; the step is retried.")
+                self.note("log", f"Out of memory: micro-batch halved to {self.micro_batch}; the step is retried.")
 
     def evaluate(self) -> float:
         self.model.eval()
@@ -277,27 +319,32 @@ class Trainer:
         loss = sum(w[0] for w in window) / len(window)
         compute = sum(w[1] for w in window)
         tokens_per_s = len(window) * self.manifest.tokens_per_step / max(compute, 1e-9)
+        util = self.telemetry.utilization()
         self.log(
-            f"epoch {self.peer.epoch} step {self.peer.inner_step}/{self.manifest.inner_steps} "
+            f"epoch {self.peer.epoch} step {step}/{self.manifest.inner_steps} "
             f"loss {loss:.4f} {tokens_per_s:,.0f} tok/s lr {self.optimizer.param_groups[0]['lr']:.2e}"
+            + (f" utilization {100 * util:.0f}%" if util is not None else "")
         )
 
     def _after_round(self, report: RoundReport) -> None:
         if report.fallback_reason == LEAVING:
-            self.log("round abandoned: this peer is leaving")
+            self.note("log", "round abandoned: this peer is leaving")
             return
         if report.fallback_reason == NON_FINITE:
             self.optimizer.state.clear()  # its moments hold the non-finite values that caused it
         self.result.rounds += 1
         self.result.epoch = report.epoch
         self.result.reports.append(report)
+        self.telemetry.round(report)
         s = report.seconds
         how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
-        self.log(
+        self.note(
+            "round" if report.averaged else "fallback",
             f"round -> epoch {report.epoch}: {how}{', re-synced' if report.resynced else ''}; "
             f"compute {s.get('compute', 0):.1f}s matchmaking {s.get('matchmaking', 0):.1f}s "
             f"all-reduce {s.get('allreduce', 0):.1f}s outer {s.get('outer', 0):.2f}s "
-            f"checksum {report.checksum[:10]}"
+            f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
+            f"checksum {report.checksum[:10]}",
         )
         self._save_checkpoint()
 
@@ -318,25 +365,31 @@ class Trainer:
         self.result.checkpoint = checkpoint.save(self.ckpt_dir, outer.epoch, self.peer.inner_step, state)
 
     def _leave(self) -> None:
-        if getattr(self, "peer", None) is None or self.peer.outer is None:
+        if self.peer is None or self.peer.outer is None:
             return
         try:
             if self.settings.eval_sequences:
                 self.result.eval_loss_end = self.evaluate()
-                self.log(f"held-out loss at end: {self.result.eval_loss_end:.4f}")
+                self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
             self._save_checkpoint()
-            self.log(f"Checkpoint written: {self.result.checkpoint}")
+            self.note("log", f"Checkpoint written: {self.result.checkpoint}")
         finally:
             self.result.epoch = self.peer.epoch
             self.result.checksum = self.peer.outer.checksum()
             self.peer.leave()
 
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "resync":
-            self.log(f"re-syncing: {data['reason']}")
+        """The peer's events (on the training thread, or the peer's own while it catches up)."""
+        if kind == "state":
+            self.telemetry.set_state(data["state"])
+        elif kind == "resync":
+            self.note("resync", f"re-syncing: {data['reason']}")
+        elif kind == "download_started":
+            self.telemetry.download_donor = data["donor"]
+            self.note("download", f"downloading the training state from peer {data['donor'][-8:]}")
         elif kind == "state_loaded":
-            self.log(f"state of epoch {data['epoch']} loaded from {data['donor'][-8:]}")
+            self.note("state_loaded", f"state of epoch {data['epoch']} loaded from {data['donor'][-8:]}")
         elif kind == "download_failed":
-            self.log(f"state download from {data['donor'][-8:]} failed: {data['reason']}")
+            self.note("download_failed", f"state download from {data['donor'][-8:]} failed: {data['reason']}")
         elif kind == "initialized":
-            self.log(f"starting at epoch {data['epoch']}: {data['reason']}")
+            self.note("initialized", f"starting at epoch {data['epoch']}: {data['reason']}")

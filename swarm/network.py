@@ -8,8 +8,13 @@ bootstrap address is wrong or dead.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
@@ -115,3 +120,49 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """Addresses other peers can join with, loopback last."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
     return sorted(addrs, key=lambda a: ("/127.0.0.1/" in a or "/::1/" in a, a))
+
+
+@dataclass(frozen=True)
+class PeerProbe:
+    """One ping of a peer, asking it to dial us back: for the preflight check."""
+
+    peer_id: str
+    responded: bool
+    dialed_back: bool  # the peer could open a connection to us: we are directly reachable
+    clock_offset: float | None  # the peer's DHT (wall) clock minus ours, in seconds
+    round_trip: float | None
+
+
+def probe_peers(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float = 10.0) -> list[PeerProbe]:
+    """Ping each initial peer, asking it to dial back; hivemind's DHT time is wall time, so this also
+    measures clock skew, which makes records expire early or late."""
+    peer_ids = [parse_initial_peer(m).value_for_protocol("p2p") for m in maddrs]
+    try:
+        rows = dht.run_coroutine(partial(_probe, peer_ids=peer_ids, timeout=timeout), return_future=True).result(
+            timeout=timeout + 5
+        )
+    except Exception:
+        rows = [(peer_id, False, False, None, None) for peer_id in peer_ids]
+    return [PeerProbe(*row) for row in rows]
+
+
+async def _probe(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout: float) -> list[tuple]:
+    """Runs inside the DHT process."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+    from hivemind.utils import get_dht_time
+
+    rows = []
+    for peer_id in peer_ids:
+        request = dht_pb2.PingRequest(peer=node.protocol.node_info, validate=True)
+        try:
+            t0 = get_dht_time()
+            stub = node.protocol.get_stub(PeerID.from_base58(peer_id))
+            response = await asyncio.wait_for(stub.rpc_ping(request, timeout=timeout), timeout)
+            t1 = get_dht_time()
+        except Exception:
+            rows.append((peer_id, False, False, None, None))
+            continue
+        offset = response.dht_time - (t0 + t1) / 2 if response.dht_time else None
+        rows.append((peer_id, True, bool(response.available), offset, t1 - t0))
+    return rows

@@ -32,7 +32,7 @@ from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
 from swarm.outer import OuterState, checksum
-from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, ProgressReporter, read_peers
+from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, ProgressReporter, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
 from swarm.registry import MANIFEST_TTL, publish_manifest
 from swarm.swarm_view import SwarmView, build_view, consensus
@@ -172,7 +172,7 @@ class Peer:
             self._initial_record(),
             interval=self._progress_interval,
             ttl=self._progress_ttl,
-            on_tick=self._republish_manifest_when_due,
+            on_tick=self._on_reporter_tick,
         )
         self.reporter.start()
         self._started = True
@@ -371,6 +371,10 @@ class Peer:
         entries = read_peers(self.dht, self.run_id)
         return build_view(entries, get_dht_time(), self.manifest.inner_steps, self.manifest.samples_per_step)
 
+    def entries(self) -> list[PeerEntry]:
+        """Every live record of the run, including peers that are leaving: for dashboards."""
+        return read_peers(self.dht, self.run_id)
+
     # ---- catching up and staying consistent -----------------------------------------------------
 
     def _catch_up(self, resumed: bool) -> None:
@@ -486,6 +490,7 @@ class Peer:
         return False
 
     def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
+        self._emit("download_started", dict(donor=donor))
         try:
             metadata, tensors = self.averager.download_state(donor, chunk_timeout=chunk_timeout, timeout=timeout)
         except Exception as e:
@@ -547,18 +552,27 @@ class Peer:
             state=PeerState.starting.value,
             last_loss=None,
             client_mode=self.client_mode,
-            relayed=False,
+            relayed=self._relayed(),
             checksums=[],
         )
+
+    def _relayed(self) -> bool:
+        """True when others can reach us only through a relay (a /p2p-circuit/ address)."""
+        try:
+            return any("/p2p-circuit" in str(a) for a in self.dht.get_visible_maddrs())
+        except Exception:
+            return False
 
     def _publish_manifest(self) -> None:
         publish_manifest(self.dht, self.manifest)
         self._manifest_published_at = time.monotonic()
 
-    def _republish_manifest_when_due(self) -> None:
-        """Runs on the reporter's thread, so the manifest stays alive even while a round blocks training."""
+    def _on_reporter_tick(self) -> None:
+        """Runs on the reporter's thread, so the manifest stays alive even while a round blocks training,
+        and others see how far a state download has got."""
         if time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
             self._publish_manifest()
+        self.reporter.update(download_progress=min(1.0, max(0.0, self.download_progress)))
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
         try:

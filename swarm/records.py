@@ -62,6 +62,7 @@ class ProgressRecord(pv1.BaseModel):
     client_mode: pv1.StrictBool
     relayed: pv1.StrictBool
     micro_batch: pv1.conint(ge=0, strict=True) = 0
+    download_progress: pv1.confloat(ge=0.0, le=1.0, strict=True) = 0.0  # while downloading state or re-syncing
     checksums: list[EpochChecksum] = []
     time: pv1.StrictFloat
 

@@ -57,16 +57,25 @@ ENV_VALUES = {
     "client_mode": ("true", True),
     "eval_sequences": ("5", 5),
     "verbose": ("1", True),
+    "no_dashboard": ("yes", True),
+    "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),
 }
 
 
-@pytest.mark.parametrize("dest", sorted(set(ENV_VARS) - {"preset", "manifest"}))
+@pytest.mark.parametrize("dest", sorted(set(ENV_VARS) - {"preset", "manifest", "max_age"}))
 def test_every_join_option_reads_its_environment_variable(monkeypatch, dest):
     raw, expected = ENV_VALUES[dest]
     monkeypatch.setenv(ENV_VARS[dest], raw)
     args = build_parser().parse_args(["join"] + ([] if dest == "initial_peers" else ["--initial-peers", PEER]))
     value = getattr(args, dest)
-    assert (str(value) if dest in ("identity", "workdir") else value) == expected
+    assert (str(value) if dest in ("identity", "workdir", "log_json") else value) == expected
+
+
+def test_health_reads_its_max_age_variable(monkeypatch):
+    monkeypatch.setenv("SWARM_HEALTH_MAX_AGE", "90")
+    monkeypatch.setenv("SWARM_WORKDIR", "/data")
+    args = build_parser().parse_args(["health"])
+    assert args.max_age == 90.0 and str(args.workdir) == "/data"
 
 
 def test_start_reads_preset_and_manifest_variables(monkeypatch):

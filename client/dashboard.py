@@ -1,0 +1,255 @@
+"""The terminal dashboard: header, peers table, this peer, the idle line and recent events.
+
+``render`` is a pure function of what the training loop and the swarm watcher
+already hold, so it can be tested with a recording Console and drawn by rich's
+own refresh thread: the training loop never waits for the screen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from client.idle import OwnState, why_idle
+from client.swarm_watch import SwarmWatch, TrackedPeer
+from client.telemetry import Telemetry
+from swarm import RunManifest
+
+REFRESH_PER_SECOND = 2
+SPARK = "▁▂▃▄▅▆▇█"
+EVENT_LINES = 8
+
+
+@dataclass
+class DashboardSource:
+    """Everything the dashboard reads. ``own`` is None for observers (status, demo), which train nothing."""
+
+    manifest: RunManifest
+    parameters: Callable[[], int]
+    telemetry: Telemetry
+    watch: SwarmWatch
+    own: Callable[[], OwnState] | None = None
+    gpu_memory: Callable[[], str] | None = None
+    title: str = "swarm"
+
+
+def render(source: DashboardSource, now: float | None = None) -> RenderableType:
+    now = time.time() if now is None else now
+    parts: list[RenderableType] = [_header(source, now), _peers_table(source, now)]
+    if source.own is not None:
+        parts.append(_this_peer(source, now))
+    parts.append(_events(source))
+    return Group(*parts)
+
+
+# ---- header ----------------------------------------------------------------------------------------
+
+
+def _header(source: DashboardSource, now: float) -> Panel:
+    m, snap = source.manifest, source.watch.snapshot
+    view = snap.view
+    grid = Table.grid(padding=(0, 3))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_column(style="bold")
+    grid.add_column()
+    global_epoch = str(view.global_epoch) if view and view.global_epoch is not None else "-"
+    alive = str(view.num_alive) if view else "-"
+    sps = view.samples_per_second if view else 0.0
+    eta = view.eta_next_round if view else None
+    own = source.own() if source.own else None
+    mine = f"epoch {own.epoch}, step {own.inner_step}/{m.inner_steps}" if own else f"H = {m.inner_steps} steps"
+    grid.add_row("run", f"{m.run_id}  {m.name}", "model", f"{_count(source.parameters())} parameters")
+    grid.add_row("global epoch", global_epoch, "this peer" if own else "inner steps", mine)
+    grid.add_row("peers alive", alive, "swarm speed", f"{sps:,.1f} samples/s  {sps * m.seq_len:,.0f} tokens/s")
+    grid.add_row(
+        "tokens trained",
+        _count(view.tokens_processed) if view else "-",
+        "next round",
+        f"in ~{_duration(eta)}" if eta is not None else "-",
+    )
+    body: list[RenderableType] = [grid]
+    if own is not None:
+        body.append(Text.assemble(("why am I idle? ", "bold yellow"), (why_idle(own, view), "yellow")))
+    elif view is not None:
+        body.append(Text(_observer_line(view, m.inner_steps), style="yellow"))
+    stale = f" · swarm view {now - snap.updated_at:.0f} s old" if snap.updated_at and now - snap.updated_at > 5 else ""
+    return Panel(Group(*body), title=f"[bold]{source.title}[/bold]{stale}", title_align="left")
+
+
+def _observer_line(view, inner_steps: int) -> str:
+    if not view.peers:
+        return "no live peers in this run"
+    states: dict[str, int] = {}
+    for p in view.peers:
+        states[p.state] = states.get(p.state, 0) + 1
+    return "peers: " + ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+
+
+# ---- peers -----------------------------------------------------------------------------------------
+
+
+def _peers_table(source: DashboardSource, now: float) -> Table:
+    own_id = source.own().peer_id if source.own else None
+    table = Table(title="peers", title_justify="left", expand=True, header_style="bold")
+    for column, justify in (
+        ("name", "left"),
+        ("id", "left"),
+        ("device", "left"),
+        ("micro-batch", "right"),
+        ("samples/s", "right"),
+        ("epoch/step", "right"),
+        ("state", "left"),
+        ("link", "left"),
+        ("last seen", "right"),
+    ):
+        table.add_column(column, justify=justify, overflow="ellipsis", no_wrap=column != "device")
+    for peer in source.watch.snapshot.peers:
+        table.add_row(*_peer_row(peer, own_id, source.manifest.inner_steps, now), style="dim" if peer.gone else None)
+    if not source.watch.snapshot.peers:
+        table.add_row("(no peers seen yet)", *[""] * 8)
+    return table
+
+
+def _peer_row(peer: TrackedPeer, own_id: str | None, inner_steps: int, now: float) -> list[str]:
+    r = peer.record
+    name = f"{r.name} (you)" if r.peer_id == own_id else r.name
+    if peer.gone:
+        state = f"{peer.gone_reason} {now - (peer.gone_since or now):.0f} s ago"
+    elif r.state in ("downloading state", "re-syncing"):
+        state = f"{r.state} {100 * r.download_progress:.0f}%"
+    else:
+        state = r.state
+    link = "client mode" if r.client_mode else "relayed" if r.relayed else "direct"
+    return [
+        name,
+        r.peer_id[-8:],
+        r.device,
+        str(r.micro_batch or "-"),
+        f"{r.samples_per_second:,.1f}",
+        f"{r.epoch}/{r.inner_step}",
+        state,
+        link,
+        f"{max(0.0, now - r.time):.0f} s ago",
+    ]
+
+
+# ---- this peer -------------------------------------------------------------------------------------
+
+
+def _this_peer(source: DashboardSource, now: float) -> Panel:
+    tel = source.telemetry
+    grid = Table.grid(padding=(0, 3))
+    for style in ("bold", None, "bold", None):
+        grid.add_column(style=style)
+    losses = list(tel.losses)
+    loss = f"{losses[-1]:.4f}" if losses else "-"
+    util = tel.utilization(now)
+    grid.add_row("loss", f"{loss}  {sparkline(losses[-60:])}", "lr", f"{tel.lr:.2e}")
+    grid.add_row(
+        "tokens/s",
+        f"{tel.tokens_per_second:,.0f}",
+        "compute utilization",
+        f"{100 * util:.1f}% of wall time in inner steps" if util is not None else "-",
+    )
+    grid.add_row("last round", _round_line(tel), "traffic", _traffic_line(tel))
+    grid.add_row(
+        "rounds",
+        f"{tel.rounds} ({tel.averaged_rounds} averaged)",
+        "skipped scaler steps",
+        f"{tel.skipped_scaler_steps}  (non-finite losses {tel.nan_steps})",
+    )
+    grid.add_row("GPU memory", source.gpu_memory() if source.gpu_memory else "-", "micro-batch", str(tel.micro_batch))
+    return Panel(grid, title="this peer", title_align="left")
+
+
+def _round_line(tel: Telemetry) -> str:
+    r = tel.last_round
+    if r is None:
+        return "none yet"
+    s = r.seconds
+    how = f"group of {r.group_size}" if r.averaged else f"local ({r.fallback_reason})"
+    return (
+        f"{how}: matchmaking {s.get('matchmaking', 0):.1f} s, all-reduce {s.get('allreduce', 0):.1f} s, "
+        f"outer {s.get('outer', 0):.2f} s"
+    )
+
+
+def _traffic_line(tel: Telemetry) -> str:
+    r = tel.last_round
+    if r is None:
+        return "-"
+    return f"sent {_bytes(r.bytes_sent)}, received {_bytes(r.bytes_received)}"
+
+
+# ---- events ----------------------------------------------------------------------------------------
+
+
+def _events(source: DashboardSource) -> Panel:
+    styles = {"left": "red", "joined": "green", "fallback": "yellow", "resync": "magenta", "round": "cyan"}
+    lines = Text()
+    for event in source.telemetry.recent_events(EVENT_LINES):
+        stamp = datetime.fromtimestamp(event.time).strftime("%H:%M:%S")
+        if lines:
+            lines.append("\n")
+        lines.append(f"{stamp} ", style="dim")
+        lines.append(event.message, style=styles.get(event.kind))
+    return Panel(lines or Text("nothing yet", style="dim"), title="events", title_align="left")
+
+
+# ---- formatting ------------------------------------------------------------------------------------
+
+
+def sparkline(values: Sequence[float]) -> str:
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = high - low or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in values)
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+class LiveDashboard:
+    """rich's Live, redrawn by its own thread about twice a second."""
+
+    def __init__(self, source: DashboardSource, console: Console | None = None):
+        self.source = source
+        self.live = Live(
+            console=console or Console(),
+            get_renderable=lambda: render(source),
+            refresh_per_second=REFRESH_PER_SECOND,
+            redirect_stdout=True,
+            redirect_stderr=False,
+        )
+
+    def __enter__(self) -> LiveDashboard:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)

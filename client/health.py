@@ -1,0 +1,71 @@
+"""The status file a running peer refreshes, and the check Docker's HEALTHCHECK runs on it.
+
+A container whose peer hangs (a wedged GPU driver, a deadlock) still looks
+"running" to Docker; the file tells a live process from a stuck one: ``updated_at``
+proves the process is alive, ``progress_at`` that training or catching up moves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from swarm import RunManifest
+
+STATUS_FILE = "status.json"
+DEFAULT_MAX_AGE = 60.0  # the file is rewritten every few seconds
+MIN_STUCK_AFTER = 300.0
+
+
+class PeerStatus(BaseModel):
+    pid: int
+    peer_id: str
+    run_id: str
+    state: str
+    epoch: int
+    inner_step: int
+    updated_at: float  # unix time of this rewrite
+    progress_at: float  # unix time of the last inner step, round or download progress
+    stuck_after: float  # seconds without progress that mean "stuck"
+
+
+def stuck_after(manifest: RunManifest) -> float:
+    """The longest a healthy peer can go without progress: a whole round's timeouts, twice, plus slack."""
+    avg = manifest.averaging
+    return max(MIN_STUCK_AFTER, 2 * (avg.matchmaking_timeout + avg.allreduce_timeout + avg.consistency_timeout) + 60)
+
+
+def write_status(workdir: Path, status: PeerStatus) -> None:
+    """Atomic: the health check never reads half a file."""
+    path = Path(workdir) / STATUS_FILE
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(status.model_dump_json())
+    os.replace(tmp, path)
+
+
+def check_health(workdir: Path, max_age: float = DEFAULT_MAX_AGE, now: float | None = None) -> tuple[bool, str]:
+    """(healthy, one line saying why) for the peer whose workdir this is."""
+    now = time.time() if now is None else now
+    path = Path(workdir).expanduser() / STATUS_FILE
+    try:
+        status = PeerStatus.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return False, f"no status file at {path}: is the peer running with this workdir?"
+    except (OSError, ValidationError, ValueError) as e:
+        return False, f"unreadable status file {path}: {str(e).splitlines()[0]}"
+    where = f"peer {status.peer_id[-8:]} {status.state}, epoch {status.epoch} step {status.inner_step}"
+    silent = now - status.updated_at
+    if silent > max_age:
+        return False, f"{where}: the status file was last refreshed {silent:.0f} s ago (limit {max_age:.0f} s)"
+    idle = now - status.progress_at
+    if idle > status.stuck_after:
+        return False, f"{where}: no progress for {idle:.0f} s (limit {status.stuck_after:.0f} s)"
+    return True, f"{where}, last progress {idle:.0f} s ago"
+
+
+def status_fields(**fields: Any) -> PeerStatus:
+    return PeerStatus(pid=os.getpid(), updated_at=time.time(), **fields)

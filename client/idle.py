@@ -1,0 +1,70 @@
+"""The "why am I idle?" line: what this peer is waiting for, in plain words.
+
+Volunteers cannot tell a stuck node from one that waits for slower peers; this
+line names the wait and, where it can, how long it should last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm import SwarmView
+
+
+@dataclass(frozen=True)
+class OwnState:
+    peer_id: str | None
+    state: str
+    epoch: int
+    inner_step: int
+    inner_steps: int  # H
+    samples_per_step: int
+    download_fraction: float = 0.0
+    download_donor: str | None = None
+    has_initial_peers: bool = False
+    samples_per_second: float = 0.0
+
+
+def why_idle(me: OwnState, view: SwarmView | None) -> str:
+    others = [p for p in view.peers if p.peer_id != me.peer_id] if view is not None else []
+    if me.state == "starting":
+        return "starting: loading the model and joining the swarm"
+    if me.state in ("downloading state", "re-syncing"):
+        source = f" from peer {me.download_donor[-8:]}" if me.download_donor else ""
+        prefix = "re-syncing: " if me.state == "re-syncing" else ""
+        return f"{prefix}downloading state {100 * me.download_fraction:.0f}%{source}"
+    if me.state == "leaving":
+        return "leaving: finishing the step and writing a checkpoint"
+    if view is not None and not others:
+        if me.has_initial_peers:
+            return "no peers reachable: check --initial-peers (training alone meanwhile)"
+        if me.state == "matchmaking":
+            return "alone in the swarm: this round falls back to a local outer step"
+        return "training alone: nobody else has joined this run yet"
+    if me.state == "averaging":
+        return "averaging pseudo-gradients with the group"
+    if me.state == "matchmaking":
+        mates = [p for p in others if p.epoch == me.epoch]
+        behind = [p for p in mates if p.state == "training" and p.inner_step < me.inner_steps]
+        if behind:
+            eta = _eta(behind, me.inner_steps, me.samples_per_step)
+            plural = "peer" if len(behind) == 1 else "peers"
+            when = f" (ETA {eta:.0f} s)" if eta is not None else ""
+            return f"waiting for {len(behind)} {plural} to reach step {me.inner_steps}{when}"
+        if not mates:
+            return f"looking for a group: no other peer is at epoch {me.epoch} yet"
+        return f"matchmaking with {len(mates)} peer(s) at epoch {me.epoch}"
+    if me.state == "training":
+        eta = _eta([me], me.inner_steps, me.samples_per_step)
+        when = f", round in ~{eta:.0f} s" if eta is not None else ""
+        return f"not idle: training step {me.inner_step}/{me.inner_steps}{when}"
+    return me.state
+
+
+def _eta(peers: list, inner_steps: int, samples_per_step: int) -> float | None:
+    times = [
+        (inner_steps - p.inner_step) * samples_per_step / p.samples_per_second
+        for p in peers
+        if p.samples_per_second > 0
+    ]
+    return max(times) if times else None
