@@ -185,6 +185,8 @@ def sample_value(action) -> tuple[str, object]:
         return f"{PEER},{PEER}", [PEER, PEER]
     if action.type is int or getattr(action.type, "__name__", "") == "_micro_batch":
         return "7", 7
+    if action.type is float:
+        return "7.5", 7.5
     if action.type is Path or isinstance(action.default, Path):
         return "/tmp/from-env", Path("/tmp/from-env")
     if action.choices:
