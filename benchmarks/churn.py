@@ -199,11 +199,11 @@ def checksum_agreement(peers: list[PeerProcess]) -> dict:
 
 def churn_figures(swarm: Swarm, kills: list[dict], end: float) -> dict:
     a = swarm.args.averaging
-    per_peer, fallbacks, resyncs, failures = {}, Counter(), 0, 0
+    per_peer, fallbacks, resyncs, failures = {}, Counter(), Counter(), 0
     for p in swarm.all:
         rounds = p.rounds()
         events = p.records("event")
-        resyncs += sum(e["kind"] == "resync" for e in events)
+        resyncs.update(e["message"].removeprefix("re-syncing: ") for e in events if e["kind"] == "resync")
         failures += sum(e["kind"] == "download_failed" for e in events)
         for r in rounds:
             if not r["averaged"]:
@@ -225,7 +225,8 @@ def churn_figures(swarm: Swarm, kills: list[dict], end: float) -> dict:
         rounds_total=sum(v["rounds"] for v in per_peer.values()),
         local_rounds=sum(v["local"] for v in per_peer.values()),
         fallback_reasons=dict(fallbacks),
-        resync_events=resyncs,
+        resync_events=sum(resyncs.values()),
+        resync_reasons=dict(resyncs),
         download_failures=failures,
         longest_stall=worst,
         stalls=stalls,
@@ -280,12 +281,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="extra_overrides", action="append", default=[], help="extra manifest overrides")
     p.add_argument("--seed", type=int, default=0, help="chooses the victims")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
-    p.add_argument("--join-timeout", type=float, default=180.0)
+    p.add_argument("--join-timeout", type=float, default=120.0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the peers' files here (default: temporary)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.join_rates, args.churn_rate, args.kills, args.every, args.inner_steps = [0.0, 20.0], 20.0, 1, 1, 3
-        args.join_timeout = 60.0
+        args.join_rates, args.churn_rate, args.kills, args.every, args.inner_steps = [0.0], 20.0, 1, 1, 5
+        args.join_timeout = 120.0
         args.extra_overrides = [
             "averaging.matchmaking_time=1.0",
             "averaging.matchmaking_timeout=6.0",
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(matchmaking + all-reduce timeouts: {churn['timeouts']['matchmaking_plus_allreduce']} s); "
         f"local rounds {churn['local_rounds']} {churn['fallback_reasons']}; "
         f"checksum disagreements {cs['disagreements']} of {cs['epochs_compared']} epochs, repaired {cs['repaired']}; "
+        f"re-syncs {churn['resync_reasons']}; "
         f"last epoch agreed: {cs['last_epoch_agreed']}"
     )
     args.out.mkdir(parents=True, exist_ok=True)

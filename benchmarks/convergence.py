@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--workers", type=int, default=4, help="M: DiLoCo workers, and the DDP batch multiple")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps of each DiLoCo worker and of DDP")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each DiLoCo worker and of DDP")
     p.add_argument("--batch", type=int, default=None, help="sequences per worker step (default: the preset's)")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50], help="H values for fp32 DiLoCo")
     p.add_argument("--fp16-inner-steps", type=int, nargs="*", default=[50], help="H values also run with FP16")

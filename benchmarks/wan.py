@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.peers, args.rates, args.inner_steps, args.rounds = 2, [20.0], 3, 1
-        args.matchmaking_time, args.phase_timeout = 1.0, 60.0
+        args.matchmaking_time, args.phase_timeout = 1.0, 150.0
     return args
 
 

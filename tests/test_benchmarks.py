@@ -70,11 +70,11 @@ def assert_refuses_without_root(module: str, tmp_path: Path) -> None:
     assert not (tmp_path / f"{module}.json").exists()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_wan_smoke(tmp_path: Path):
     if not IS_ROOT:
         return assert_refuses_without_root("wan", tmp_path)
-    record = load_result(tmp_path, "wan", run_smoke("wan", tmp_path, timeout=200))
+    record = load_result(tmp_path, "wan", run_smoke("wan", tmp_path, timeout=400))
     assert set(record["figures"]) == {"fp32", "fp16"}
     theory = record["sizes"]["theory_bytes_per_round"]
     assert theory["fp32"] == pytest.approx(2 * theory["fp16"])
@@ -93,20 +93,21 @@ def test_wan_smoke(tmp_path: Path):
     assert record["slowdown_vs_unlimited"]["fp32@20.0mbit"]["round_time_ratio"] > 0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_churn_smoke(tmp_path: Path):
     if not IS_ROOT:
         return assert_refuses_without_root("churn", tmp_path)
-    record = load_result(tmp_path, "churn", run_smoke("churn", tmp_path, timeout=200))
-    assert len(record["joins"]) == 2
+    record = load_result(tmp_path, "churn", run_smoke("churn", tmp_path, timeout=400))
+    assert len(record["joins"]) == 1
     for join in record["joins"]:
         assert positive_finite(join["to_first_step"]) and positive_finite(join["to_first_averaged_round"])
         assert join["to_first_step"] <= join["to_first_averaged_round"]
     churn = record["churn"]
     assert len(churn["kills"]) == 1
     killed = [p for p in churn["per_peer"].values() if p["killed"]]
-    assert len(killed) == 1 and len(churn["per_peer"]) == 4
+    assert len(killed) == 1 and len(churn["per_peer"]) == 3
     assert churn["rounds_total"] > 0 and churn["local_rounds"] >= 0
     assert positive_finite(churn["longest_stall"]["seconds"])
     cs = churn["checksums"]
     assert cs["epochs_compared"] >= 1 and 0 <= cs["repaired"] <= cs["disagreements"]
+    assert churn["resync_events"] == sum(churn["resync_reasons"].values())
