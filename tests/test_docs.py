@@ -164,3 +164,48 @@ def test_the_docs_exist():
     readme = (ROOT / "README.md").read_text()
     for name in ("volunteer.md", "operator.md", "architecture.md", "security.md"):
         assert f"docs/{name}" in readme, f"README.md does not link docs/{name}"
+
+
+def test_run_ids_in_the_docs_are_the_presets_current_ones():
+    """A run id is the hash of the manifest: when a preset or a manifest default changes, so do the quoted ids."""
+    from client.presets import PRESETS, build_manifest
+
+    current = {build_manifest(name).run_id: name for name in PRESETS}
+    for path in DOC_FILES:
+        text = path.read_text()
+        stale = sorted({i for i in re.findall(r"\b[0-9a-f]{16}\b", text) if i not in current})
+        assert not stale, f"{path.name} quotes run ids that no preset has now: {stale}; current: {current}"
+        for run_id, name in re.findall(r"Run ([0-9a-f]{16}) \(([\w-]+)\)", text):
+            preset = current.get(run_id)
+            assert preset and PRESETS[preset]["name"] == name, (path.name, run_id, name)
+
+
+def test_operator_manifest_table_lists_exactly_the_manifest_fields():
+    from pydantic import BaseModel
+
+    from swarm import RunManifest
+
+    def leaves(model: type[BaseModel], prefix: str = "") -> set[str]:
+        out = set()
+        for name, info in model.model_fields.items():
+            kind = info.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                out |= leaves(kind, f"{prefix}{name}.")
+            else:
+                out.add(prefix + name)
+        return out
+
+    text = (ROOT / "docs" / "operator.md").read_text()
+    table = text[text.index("| Field | Default | Meaning |") :].split("\n\n")[0]
+    documented = set()
+    for row in table.splitlines()[2:]:
+        section = ""
+        for name in re.findall(r"`([\w.]+)`", row.split("|")[1]):
+            if name.startswith("."):
+                documented.add(section + name)
+            else:
+                documented.add(name)
+                section = name.rsplit(".", 1)[0] if "." in name else ""
+    assert documented == leaves(RunManifest) - {"version"}, (
+        f"missing: {leaves(RunManifest) - documented - {'version'}}; unknown: {documented - leaves(RunManifest)}"
+    )
