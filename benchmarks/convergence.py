@@ -273,8 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--workers", type=int, default=4, help="M: DiLoCo workers, and the DDP batch multiple")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each DiLoCo worker and of DDP")
-    p.add_argument("--batch", type=int, default=None, help="sequences per worker step (default: the preset's)")
+    p.add_argument("--steps", type=int, default=250, help="optimizer steps of each DiLoCo worker and of DDP")
+    p.add_argument("--batch", type=int, default=4, help="sequences per worker step (the tiny preset has 8)")
     p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50], help="H values for fp32 DiLoCo")
     p.add_argument("--fp16-inner-steps", type=int, nargs="*", default=[50], help="H values also run with FP16")
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
@@ -283,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.workers, args.steps, args.inner_steps, args.fp16_inner_steps = 2, 6, [2, 3], [3]
-        args.eval_sequences, args.eval_every, args.batch = 8, 3, args.batch or 2
+        args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
     for h in {*args.inner_steps, *args.fp16_inner_steps}:
         if args.steps % h or args.steps % args.eval_every:
             p.error(f"--steps {args.steps} must be a multiple of H={h} and of --eval-every {args.eval_every}")
