@@ -302,12 +302,9 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
         )
         trainer = Trainer(manifest, dht, hardware, settings, log=say, telemetry=telemetry)
         run_id = manifest.run_id
+        tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
         watch = SwarmWatch(
-            lambda: read_peers(dht, run_id),
-            manifest,
-            telemetry,
-            self_id=dht.peer_id.to_base58(),
-            on_tick=TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say),
+            lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
         ).start()
         if dashboard:
             source = DashboardSource(
@@ -326,6 +323,7 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
     finally:
         if watch is not None:
             watch.stop()
+            tick.write_status()  # the final state ("left" after a clean exit): the health check says so
         telemetry.close()
         dht.shutdown()
     if dashboard:

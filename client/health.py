@@ -34,9 +34,11 @@ class PeerStatus(BaseModel):
 
 
 def stuck_after(manifest: RunManifest) -> float:
-    """The longest a healthy peer can go without progress: a whole round's timeouts, twice, plus slack."""
+    """The longest a healthy peer can go without progress: waiting for slower peers, then a whole
+    round's timeouts, twice, plus slack."""
     avg = manifest.averaging
-    return max(MIN_STUCK_AFTER, 2 * (avg.matchmaking_timeout + avg.allreduce_timeout + avg.consistency_timeout) + 60)
+    round_timeouts = avg.matchmaking_timeout + avg.allreduce_timeout + avg.consistency_timeout
+    return max(MIN_STUCK_AFTER, avg.wait_for_peers + 2 * round_timeouts + 60)
 
 
 def write_status(workdir: Path, status: PeerStatus) -> None:
@@ -58,6 +60,8 @@ def check_health(workdir: Path, max_age: float = DEFAULT_MAX_AGE, now: float | N
     except (OSError, ValidationError, ValueError) as e:
         return False, f"unreadable status file {path}: {str(e).splitlines()[0]}"
     where = f"peer {status.peer_id[-8:]} {status.state}, epoch {status.epoch} step {status.inner_step}"
+    if status.state == "left":
+        return False, f"{where}: the peer has left (exited at {time.ctime(status.updated_at)})"
     silent = now - status.updated_at
     if silent > max_age:
         return False, f"{where}: the status file was last refreshed {silent:.0f} s ago (limit {max_age:.0f} s)"

@@ -69,9 +69,17 @@ class TrainingTick:
         self.print_line = print_line
         self._stuck_after = stuck_after(trainer.manifest)
         self._last_fraction = 0.0
-        self._last_print = time.monotonic()
+        self._last_print: float | None = None  # the first swarm line goes out as soon as the swarm is seen
 
     def __call__(self, snapshot: SwarmSnapshot) -> None:
+        own = self.write_status()
+        due = self._last_print is None or time.monotonic() - self._last_print > PLAIN_SWARM_EVERY
+        if self.print_line is not None and snapshot.view is not None and own.state == "training" and due:
+            self._last_print = time.monotonic()
+            self.print_line(swarm_line(snapshot, self.trainer.manifest.seq_len))
+            self.print_line(f"why idle: {why_idle(own, snapshot.view)}")
+
+    def write_status(self) -> OwnState:
         own = own_state(self.trainer, self.has_initial_peers)
         tel = self.trainer.telemetry
         if own.download_fraction != self._last_fraction:  # a download that advances is progress
@@ -89,10 +97,7 @@ class TrainingTick:
                 stuck_after=self._stuck_after,
             ),
         )
-        if self.print_line is not None and time.monotonic() - self._last_print > PLAIN_SWARM_EVERY:
-            self._last_print = time.monotonic()
-            self.print_line(swarm_line(snapshot, self.trainer.manifest.seq_len))
-            self.print_line(f"why idle: {why_idle(own, snapshot.view)}")
+        return own
 
 
 def swarm_line(snapshot: SwarmSnapshot, seq_len: int) -> str:

@@ -382,6 +382,8 @@ class Trainer:
         """The peer's events (on the training thread, or the peer's own while it catches up)."""
         if kind == "state":
             self.telemetry.set_state(data["state"])
+        elif kind == "left":
+            self.telemetry.set_state("left")
         elif kind == "resync":
             self.note("resync", f"re-syncing: {data['reason']}")
         elif kind == "download_started":

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from swarm.errors import ManifestError
 
@@ -86,6 +86,9 @@ class AveragingSpec(_Frozen):
     compression: Literal["none", "fp16", "scaled-fp16"] = "fp16"
     matchmaking_time: PositiveFloat = 5.0  # a leader gathers followers for this long
     matchmaking_timeout: PositiveFloat = 60.0  # give up finding a group after this long
+    # while epoch-mates are still training towards step H, keep looking for a group up to this long in all,
+    # rather than step alone and run ahead of the swarm
+    wait_for_peers: NonNegativeFloat = 600.0
     allreduce_timeout: PositiveFloat = 120.0  # give up a formed group's all-reduce after this long
     chunk_timeout: PositiveFloat = 20.0  # a peer silent this long in all-reduce is dropped
     target_group_size: PositiveInt = 64

@@ -114,6 +114,7 @@ class Peer:
         self._started = self._stopped = self._stop_requested = False
         self._next_round_check = 0.0
         self._manifest_published_at = 0.0
+        self._last_round_local = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -280,37 +281,46 @@ class Peer:
                 self._set_state(PeerState.averaging, publish=True)
 
         self._set_state(PeerState.matchmaking, publish=True)
-        try:
-            outcome = self.averager.average(
-                weight=float(max(1, self._round_samples)),
-                gather=dict(epoch=start_epoch, samples=self._round_samples),
-                group_bits=epoch_group_bits(start_epoch),
-                timeout=avg.matchmaking_timeout,
-                hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
-                on_stage=on_stage,
-                abort_if=lambda: self._abort_reason(start_epoch),
-            )
-            epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
-            if epochs != {start_epoch}:
-                fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
-            else:
-                group, dropped = outcome.group, outcome.dropped_fraction
-            traffic = (outcome.bytes_sent, outcome.bytes_received)
-        except RoundAborted as e:
-            if e.reason == LEAVING:  # keep the last agreed state: it is what a restart resumes from
-                self._set_state(PeerState.leaving, publish=True)
-                return RoundReport(
-                    epoch=start_epoch,
-                    averaged=False,
-                    group_size=1,
-                    fallback_reason=LEAVING,
-                    checksum=self.outer.checksum(),
-                    seconds=seconds,
+        wait_until = time.monotonic() + avg.wait_for_peers
+        while True:
+            fallback = None
+            stage_times.clear()
+            try:
+                outcome = self.averager.average(
+                    weight=float(max(1, self._round_samples)),
+                    gather=dict(epoch=start_epoch, samples=self._round_samples),
+                    group_bits=epoch_group_bits(start_epoch),
+                    timeout=avg.matchmaking_timeout,
+                    hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
+                    on_stage=on_stage,
+                    abort_if=lambda: self._abort_reason(start_epoch),
                 )
-            # our pseudo-gradient is for a round that is over: take the swarm's state
-            return self._resync_round(seconds, "the swarm finished this round without us")
-        except Exception as e:  # no group, a vanished groupmate, a timeout: go on alone
-            fallback = _short_reason(e)
+                epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
+                if epochs != {start_epoch}:
+                    fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
+                else:
+                    group, dropped = outcome.group, outcome.dropped_fraction
+                traffic = (outcome.bytes_sent, outcome.bytes_received)
+            except RoundAborted as e:
+                if e.reason == LEAVING:  # keep the last agreed state: it is what a restart resumes from
+                    self._set_state(PeerState.leaving, publish=True)
+                    return RoundReport(
+                        epoch=start_epoch,
+                        averaged=False,
+                        group_size=1,
+                        fallback_reason=LEAVING,
+                        checksum=self.outer.checksum(),
+                        seconds=seconds,
+                    )
+                # our pseudo-gradient is for a round that is over: take the swarm's state
+                return self._resync_round(seconds, "the swarm finished this round without us")
+            except Exception as e:  # no group, a vanished groupmate, a timeout
+                fallback = _short_reason(e)
+                # epoch-mates still on their way to step H: wait for them rather than step alone and run
+                # ahead of the swarm (a failed attempt leaves our pseudo-gradient untouched)
+                if time.monotonic() < wait_until and self._mates_coming(start_epoch) and not self._stop_requested:
+                    continue
+            break
         t1 = time.monotonic()
         t_allreduce = stage_times.get("RUNNING_ALLREDUCE", t1)
         seconds["matchmaking"] = t_allreduce - t0
@@ -329,6 +339,7 @@ class Peer:
         seconds["outer"] = time.monotonic() - t1
 
         self.stats.rounds += 1
+        self._last_round_local = fallback is not None
         if fallback is None:
             self.stats.averaged_rounds += 1
         else:
@@ -417,11 +428,20 @@ class Peer:
         view = self.view()
         return "moved on" if view.global_epoch is not None and view.global_epoch > epoch else None
 
+    def _mates_coming(self, epoch: int) -> bool:
+        """True while other live peers are still working towards the end of ``epoch``."""
+        active = (PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value)
+        view = self.view()
+        return any(p.peer_id != self.peer_id and p.epoch == epoch and p.state in active for p in view.peers)
+
     def _needs_resync(self, epoch: int) -> bool:
-        """True if the swarm is ahead of us, or most peers hold another checksum for ``epoch``."""
+        """True if the swarm is ahead of us, or most peers hold another checksum for ``epoch``, or we ran
+        ahead of the swarm on our own (a local round took us past the epoch most peers are at)."""
         view = self.view()
         if view.global_epoch is not None and view.global_epoch > epoch:
             return True
+        if self._last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
+            return any(p.peer_id != self.peer_id and p.epoch == view.global_epoch for p in view.peers)
         agreed = consensus(view.peers, epoch)
         mine = self.outer.checksum() if self.outer.epoch == epoch else None
         return agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1
@@ -455,6 +475,7 @@ class Peer:
         ok = self._download_consensus_state()
         if ok:
             self.stats.resyncs += 1
+            self._last_round_local = False
         self.outer.write_to(self.params)  # whatever happened, the model restarts from the global copy
         self._begin_round()
         self._announce_state()

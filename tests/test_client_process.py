@@ -72,3 +72,21 @@ def test_corrupt_checkpoint_falls_back_to_peers_and_sigterm_leaves_cleanly(tmp_p
     text = a_log.read_text()
     assert "SIGTERM received" in text and "Checkpoint written" in text
     assert list((tmp_path / "a" / "runs" / run_id / "checkpoints").glob("checkpoint-*.pt"))
+
+
+def test_sigusr1_finishes_the_round_then_leaves_and_health_says_left(tmp_path):
+    log = tmp_path / "peer.log"
+    workdir = tmp_path / "w"
+    proc = spawn("start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(workdir), log=log)
+    wait_for_line(log, "round -> epoch 1", proc, timeout=180)
+    healthy = cli("health", "--workdir", str(workdir))
+    assert healthy.returncode == 0 and healthy.stdout.startswith("healthy: "), healthy.stdout
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+    lines = log.read_text().splitlines()
+    signalled = next(i for i, line in enumerate(lines) if "SIGUSR1 received" in line)
+    finished = [line for line in lines[signalled:] if line.startswith("round -> epoch")]
+    assert len(finished) == 1, lines[signalled:]  # exactly the round in progress, then out
+    assert any("Checkpoint written" in line for line in lines[signalled:])
+    left = cli("health", "--workdir", str(workdir))
+    assert left.returncode == 1 and "the peer has left" in left.stdout, left.stdout

@@ -1,0 +1,274 @@
+"""The dashboard, `status`, `doctor` and the log output against a real 3-process swarm on 127.0.0.1.
+
+One swarm serves the whole module: two peers print plain lines and --log-json,
+the third runs under a pseudo-terminal so it draws the real rich Live dashboard.
+The last test kills that third peer and watches it fade out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from client_helpers import FAST, LOCAL, cli, spawn, wait_for_line
+from rich.console import Console
+
+from client.dashboard import DashboardSource, render
+from client.idle import OwnState, why_idle
+from client.swarm_watch import SwarmWatch
+from client.telemetry import Telemetry
+from swarm import NetworkConfig
+from swarm.observer import Observer
+from swarm.progress import RECORD_TTL
+
+MAX_EPOCHS = "200"
+SNAPSHOT_FIELDS = {
+    "peer_id",
+    "name",
+    "epoch",
+    "inner_step",
+    "state",
+    "samples_per_second",
+    "checksum",
+    "last_seen",
+}  # they train until the module is done with them
+
+
+class Swarm:
+    def __init__(self, root: Path):
+        self.root, self.procs, self.logs = root, [], []
+        self.pty_output = bytearray()
+
+    def start(self) -> None:
+        log = self.root / "peer0.log"
+        self.procs.append(spawn("start", "--preset", "tiny", *FAST, *self.common(0), "--name", "alpha", log=log))
+        self.logs.append(log)
+        join = wait_for_line(log, "swarm-client join", self.procs[0], timeout=120).split()
+        self.maddr, self.run_id = join[3], join[5]
+        log1 = self.root / "peer1.log"
+        self.procs.append(spawn("join", "--initial-peers", self.maddr, *self.common(1), "--name", "beta", log=log1))
+        self.logs.append(log1)
+        self.start_with_terminal()
+
+    def common(self, i: int) -> list[str]:
+        return [
+            *LOCAL,
+            "--workdir",
+            str(self.root / f"w{i}"),
+            "--max-epochs",
+            MAX_EPOCHS,
+            "--log-json",
+            str(self.root / f"peer{i}.jsonl"),
+        ]
+
+    def start_with_terminal(self) -> None:
+        """The third peer's stdout is a pty: it must choose the live dashboard by itself."""
+        leader, follower = pty.openpty()
+        os.set_blocking(leader, True)
+        args = ["join", "--initial-peers", self.maddr, *self.common(2), "--name", "gamma"]
+        env = dict(os.environ, COLUMNS="160", LINES="60", TERM="xterm-256color")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", *args], stdin=follower, stdout=follower, stderr=follower, env=env
+        )
+        os.close(follower)
+        self.procs.append(proc)
+
+        def pump() -> None:
+            while True:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                self.pty_output.extend(chunk)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = Swarm(tmp_path_factory.mktemp("dash"))
+    try:
+        s.start()
+        wait_for_line(s.logs[0], "averaged with 3 peers", s.procs[0], timeout=240)
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def observer(swarm):
+    obs = Observer.connect(NetworkConfig(initial_peers=[swarm.maddr], host_ip="127.0.0.1", host_port=0))
+    yield obs
+    obs.close()
+
+
+def _source(observer: Observer, own=None) -> tuple[DashboardSource, SwarmWatch]:
+    telemetry = Telemetry()
+    watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True)
+    source = DashboardSource(observer.manifest, lambda: 1_300_000, telemetry, watch, own=own)
+    return source, watch
+
+
+def _text(renderable) -> str:
+    console = Console(record=True, width=200, force_terminal=False)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_json_lists_every_peer_with_its_epoch(swarm):
+    result = cli("status", "--initial-peers", swarm.maddr, "--json", timeout=90)
+    assert result.returncode == 0, result.stderr
+    snapshot = json.loads(result.stdout)
+    assert snapshot["run_id"] == swarm.run_id
+    names = {p["name"]: p for p in snapshot["peers"]}
+    assert set(names) == {"alpha", "beta", "gamma"}
+    assert isinstance(snapshot["global_epoch"], int) and snapshot["global_epoch"] >= 1
+    for peer in snapshot["peers"]:
+        assert set(peer) == {
+            "peer_id",
+            "name",
+            "epoch",
+            "inner_step",
+            "state",
+            "samples_per_second",
+            "checksum",
+            "last_seen",
+        }
+        assert abs(peer["epoch"] - snapshot["global_epoch"]) <= 1
+        assert re.fullmatch(r"[0-9a-f]{64}", peer["checksum"]["checksum"])
+        assert peer["checksum"]["epoch"] <= peer["epoch"]
+        assert abs(time.time() - peer["last_seen"]) < RECORD_TTL
+    alpha_id = wait_for_line(swarm.logs[0], "Peer Qm", swarm.procs[0]).split()[1]
+    assert names["alpha"]["peer_id"] == alpha_id
+
+
+def test_header_table_and_idle_line_show_the_real_swarm(observer):
+    entries = observer.entries()
+    records = {e.record.peer_id: e.record for e in entries}
+    me = next(r for r in records.values() if r.name == "beta")
+    own = OwnState(
+        peer_id=me.peer_id,
+        state=me.state,
+        epoch=me.epoch,
+        inner_step=me.inner_step,
+        inner_steps=observer.manifest.inner_steps,
+        samples_per_step=observer.manifest.samples_per_step,
+        samples_per_second=me.samples_per_second,
+        has_initial_peers=True,
+    )
+    source, watch = _source(observer, own=lambda: own)
+    watch.tracker.update(entries, time.time())  # the very records used below, not a later read
+    snapshot = watch.poll()
+    text = _text(render(source))
+    view = snapshot.view
+    assert observer.manifest.run_id in text and observer.manifest.name in text
+    assert re.search(rf"peers alive\s+{view.num_alive}\b", text) and view.num_alive == 3
+    assert re.search(rf"global epoch\s+{view.global_epoch}\b", text)
+    assert f"{view.samples_per_second:,.1f} samples/s" in text
+    assert "1.3M parameters" in text
+    for record in view.peers:
+        row = next(line for line in text.splitlines() if record.peer_id[-8:] in line)
+        assert record.name in row and f"{record.epoch}/{record.inner_step}" in row
+        assert record.device.split()[0] in row and "direct" in row
+    assert "beta (you)" in text
+    idle = why_idle(own, view)
+    assert f"why am I idle? {idle}" in " ".join(text.split())
+
+
+def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
+    text = swarm.logs[1].read_text()
+    round_lines = [line for line in text.splitlines() if line.startswith("round -> epoch")]
+    assert round_lines, text[-2000:]
+    timing = re.compile(
+        r"compute (\d+\.\d)s matchmaking (\d+\.\d)s all-reduce (\d+\.\d)s outer (\d+\.\d\d)s "
+        r"sent (\d+\.\d\d)MB received (\d+\.\d\d)MB checksum [0-9a-f]{10}"
+    )
+    assert all(timing.search(line) for line in round_lines), round_lines
+    assert re.search(r"^swarm: \d+ peers alive, global epoch \d+", text, re.M), text[-2000:]
+    records = [json.loads(line) for line in (swarm.root / "peer1.jsonl").read_text().splitlines()]
+    kinds = {r["type"] for r in records}
+    assert kinds == {"step", "round", "event"}
+    steps = [r for r in records if r["type"] == "step"]
+    assert all(r["loss"] > 0 and r["step_seconds"] > 0 and 1 <= r["inner_step"] <= 5 for r in steps)
+    rounds = [r for r in records if r["type"] == "round"]
+    assert len(rounds) == len(round_lines)
+    for r in rounds:
+        assert set(r["seconds"]) >= {"compute", "matchmaking", "allreduce", "outer"}
+        assert r["wall_seconds"] >= r["seconds"]["compute"] * 0.5
+    averaged = [r for r in rounds if r["averaged"]]
+    assert averaged and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in averaged)
+
+
+def test_the_terminal_peer_draws_the_live_dashboard(swarm):
+    deadline = time.monotonic() + 60
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = swarm.pty_output.decode("utf-8", "replace")
+        if "why am I idle?" in screen and "this peer" in screen and "gamma (you)" in screen:
+            break
+        time.sleep(0.5)
+    assert "why am I idle?" in screen and "gamma (you)" in screen, screen[-3000:]
+    for label in ("global epoch", "peers alive", "swarm speed", "tokens trained", "next round", "compute utilization"):
+        assert label in screen
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    rounds = [line for line in plain.splitlines() if "round -> epoch" in line]
+    assert rounds and all(line.lstrip().startswith("│") for line in rounds)  # inside the events panel, not printed
+
+
+def test_doctor_passes_against_the_live_swarm(swarm, tmp_path):
+    result = cli("doctor", "--initial-peers", swarm.maddr, "--host-port", "0", "--workdir", str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ("initial peers", "reachability", "clock", "runs", "p2pd", "python"):
+        assert re.search(rf"^PASS {check}:", result.stdout, re.M), result.stdout
+    assert swarm.run_id in result.stdout
+
+
+def test_doctor_fails_on_a_dead_address_with_the_fix(swarm, tmp_path):
+    dead = re.sub(r"/tcp/\d+/", "/tcp/9/", swarm.maddr)
+    result = cli("doctor", "--initial-peers", dead, "--host-port", "0", "--workdir", str(tmp_path), timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"^FAIL initial peers", result.stdout, re.M), result.stdout
+    assert "fix: None of the initial peers answered" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_killed_peer_is_shown_gone_within_the_record_expiry(swarm, observer):
+    source, watch = _source(observer)
+    watch.poll()
+    gamma = next(p for p in watch.snapshot.peers if p.record.name == "gamma")
+    swarm.procs[2].kill()
+    killed_at = time.monotonic()
+    while time.monotonic() - killed_at < RECORD_TTL + 10:
+        watch.poll()
+        row = next((p for p in watch.snapshot.peers if p.record.peer_id == gamma.record.peer_id), None)
+        if row is not None and row.gone:
+            break
+        time.sleep(1)
+    assert row is not None and row.gone and row.gone_reason == "vanished", row
+    assert time.monotonic() - killed_at <= RECORD_TTL + 10
+    text = _text(render(source))
+    line = next(line for line in text.splitlines() if gamma.record.peer_id[-8:] in line)
+    assert "vanished" in line
+    assert "gamma" in text and "vanished (its record expired)" in text
+    assert re.search(r"peers alive\s+2\b", text)
