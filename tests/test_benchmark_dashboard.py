@@ -22,6 +22,6 @@ def test_dashboard_benchmark_smoke(tmp_path):
     assert all(p["end"] > p["start"] and p["steps"] >= 0 for p in record["phases"])
     summary = record["summary"]
     assert summary["bare"]["steps"] > 0 and summary["dashboard"]["steps"] > 0
-    assert summary["ratio_dashboard_to_bare"] > 0
+    assert summary["ratio_dashboard_to_bare"] > 0  # the loop kept training with the dashboard drawing
     assert (tmp_path / "dashboard.png").stat().st_size > 1000
     assert "dashboard / plain:" in done.stdout
