@@ -134,11 +134,17 @@ def _watch_live(
     maddrs: list[str], run_id: str, procs: list[subprocess.Popen], telemetry: Telemetry, console: Console
 ) -> None:
     """The demo's swarm as `status` shows it, until every peer has exited."""
-    try:
-        observer = Observer.connect(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0), run_id)
-    except SwarmError as e:  # the demo still works without its view
-        console.print(f"(no live view: {e})")
-        return
+    network = NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:  # the first peer announces its run only once its model is built
+        try:
+            observer = Observer.connect(network, run_id)
+            break
+        except SwarmError as e:
+            if time.monotonic() > deadline or all(proc.poll() is not None for proc in procs):
+                console.print(f"(no live view: {e})")  # the demo still works without its view
+                return
+            time.sleep(1.0)
     watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True).start()
     parameters = manifest_parameters(observer.manifest)
     source = DashboardSource(
