@@ -93,7 +93,7 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         "--identity",
         type=Path,
         default=_env("identity", None),
-        help="key file that keeps this peer's id across restarts (default: WORKDIR/identity.key)",
+        help="key file that keeps this peer's id across restarts (default: WORKDIR/identity.key) [SWARM_IDENTITY]",
     )
     _add_workdir(p)
     p.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
@@ -108,7 +108,7 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         default=_env("announce_ip", None),
         help="public address to announce when behind NAT [SWARM_ANNOUNCE_IP]",
     )
-    p.add_argument("--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu")
+    p.add_argument("--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]")
     p.add_argument(
         "--micro-batch",
         type=_micro_batch,
@@ -131,7 +131,7 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         "--eval-sequences",
         type=int,
         default=int(_env("eval_sequences", 0)),
-        help="held-out sequences to score at start and end (0: none)",
+        help="held-out sequences to score at start and end (0: none) [SWARM_EVAL_SEQUENCES]",
     )
     p.add_argument(
         "--no-dashboard",
@@ -147,7 +147,12 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         help="append one JSON object per step, round and event to FILE [SWARM_LOG_JSON]",
     )
     p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--verbose", action="store_true", default=_env("verbose", False), help="show hivemind's own logs")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        default=_env("verbose", False),
+        help="show hivemind's own logs [SWARM_VERBOSE]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-port", type=int, default=int(_env("host_port", 31337)), help="port to test [SWARM_HOST_PORT]"
     )
     doctor.add_argument("--announce-ip", default=_env("announce_ip", None), help="public address [SWARM_ANNOUNCE_IP]")
-    doctor.add_argument("--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu")
+    doctor.add_argument(
+        "--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]"
+    )
     doctor.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the initial peers")
     doctor.add_argument("--verbose", action="store_true", default=_env("verbose", False), help=argparse.SUPPRESS)
 
