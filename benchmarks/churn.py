@@ -157,43 +157,64 @@ def run_churn(swarm: Swarm) -> list[dict]:
     return kills
 
 
-def longest_stall(peer: PeerProcess, until: float) -> dict | None:
-    """The longest gap between consecutive inner steps of a peer while it lived."""
+def longest_stall(peer: PeerProcess, start: float, until: float) -> dict | None:
+    """The longest gap between consecutive inner steps of a peer that ends inside [start, until]."""
     times = [r["time"] for r in peer.records("step") if r["time"] <= until]
-    if len(times) < 2:
+    gaps = [(b - a, a) for a, b in zip(times, times[1:]) if b >= start]
+    if not gaps:
         return None
-    gaps = [(b - a, a) for a, b in zip(times, times[1:])]
     gap, at = max(gaps)
     return dict(peer=peer.index, seconds=round(gap, 2), started=at)
 
 
+def majority_checksums(peers: list[PeerProcess]) -> dict[int, tuple[str, int]]:
+    """For each epoch, the checksum most peers reported after their round, and how many reported it."""
+    by_epoch: dict[int, Counter] = defaultdict(Counter)
+    for p in peers:
+        for r in p.rounds():
+            by_epoch[r["epoch"]][r["checksum"]] += 1
+    return {e: c.most_common(1)[0] for e, c in by_epoch.items()}
+
+
 def checksum_agreement(peers: list[PeerProcess]) -> dict:
-    """For every epoch, did all peers that reached it hold the same parameters? Was each split healed later?"""
+    """How often peers held different parameters, and whether each difference was repaired.
+
+    Two views: (1) a peer's own consistency check found its checksum differed from
+    its groupmates' (a "disagreed" re-sync): repaired if its next round record
+    carries the checksum most peers hold at that epoch; (2) after the rounds, did
+    all peers that reached an epoch report the same checksum?
+    """
+    majority = majority_checksums(peers)
+    detected = []
+    for p in peers:
+        rounds = p.rounds()
+        for e in p.records("event"):
+            if e["kind"] != "resync" or "disagree" not in e["message"]:
+                continue
+            after = next((r for r in rounds if r["time"] >= e["time"]), None)
+            ok = after is not None and majority.get(after["epoch"], ("", 0))[0] == after["checksum"]
+            reason = e["message"].removeprefix("re-syncing: ")
+            detected.append(dict(peer=p.index, time=e["time"], reason=reason, repaired=ok))
+    strict = [d for d in detected if d["reason"].startswith("disagreed")]
     by_epoch: dict[int, dict[int, str]] = defaultdict(dict)
     for p in peers:
         for r in p.rounds():
             by_epoch[r["epoch"]][p.index] = r["checksum"]
-    epochs = sorted(by_epoch)
-    agreed = {e: len(set(by_epoch[e].values())) == 1 for e in epochs if len(by_epoch[e]) > 1}
-    splits = []
-    for e, ok in agreed.items():
-        if ok:
-            continue
-        counts = Counter(by_epoch[e].values())
-        majority = counts.most_common(1)[0][0]
-        dissenters = sorted(i for i, c in by_epoch[e].items() if c != majority)
-        later = [x for x in agreed if x > e]
-        healed_at = next((x for x in later if agreed[x] and set(dissenters) <= set(by_epoch[x])), None)
-        healed_at = healed_at or next((x for x in later if agreed[x]), None)
-        splits.append(dict(epoch=e, checksums=len(counts), dissenters=dissenters, agreed_again_at_epoch=healed_at))
-    last = max(agreed) if agreed else None
+    shared = {e: v for e, v in by_epoch.items() if len(v) > 1}
+    split_epochs = sorted(e for e, v in shared.items() if len(set(v.values())) > 1)
+    last = max(shared) if shared else None
     return dict(
-        epochs_compared=len(agreed),
-        disagreements=len(splits),
-        repaired=sum(s["agreed_again_at_epoch"] is not None for s in splits),
+        # the consistency check right after a round: this peer's checksum differed from its groupmates'
+        disagreements_detected=len(strict),
+        disagreements_repaired=sum(d["repaired"] for d in strict),
+        # the re-check at the next round's start: behind the swarm's epoch *or* a different checksum
+        behind_or_disagreeing=len(detected) - len(strict),
+        behind_or_disagreeing_repaired=sum(d["repaired"] for d in detected) - sum(d["repaired"] for d in strict),
+        detected=detected,
+        epochs_compared=len(shared),
+        epochs_split_after_round=split_epochs,
         last_compared_epoch=last,
-        last_epoch_agreed=agreed.get(last) if last is not None else None,
-        splits=splits,
+        last_epoch_agreed=(len(set(shared[last].values())) == 1) if last is not None else None,
     )
 
 
@@ -216,7 +237,9 @@ def churn_figures(swarm: Swarm, kills: list[dict], end: float) -> dict:
             killed=p.index in swarm.killed,
         )
     survivors = [p for p in swarm.all if p.index not in swarm.killed]
-    stalls = [s for p in survivors if (s := longest_stall(p, end))]
+    churn_start = min((k["time"] for k in kills), default=end)
+    stalls = [s for p in survivors if (s := longest_stall(p, churn_start, end))]
+    join_stalls = [s for p in swarm.all if (s := longest_stall(p, 0.0, churn_start))]
     worst = max(stalls, key=lambda s: s["seconds"]) if stalls else None
     budget = a.matchmaking_timeout + a.allreduce_timeout
     return dict(
@@ -230,6 +253,7 @@ def churn_figures(swarm: Swarm, kills: list[dict], end: float) -> dict:
         download_failures=failures,
         longest_stall=worst,
         stalls=stalls,
+        longest_stall_before_churn=max(join_stalls, key=lambda s: s["seconds"]) if join_stalls else None,
         timeouts=dict(
             matchmaking=a.matchmaking_timeout,
             allreduce=a.allreduce_timeout,
@@ -365,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     stall, cs = churn["longest_stall"], churn["checksums"]
     print(
-        f"longest stall of a survivor: {stall['seconds'] if stall else '-'} s "
+        f"longest stall of a survivor during churn: {stall['seconds'] if stall else '-'} s "
         f"(matchmaking + all-reduce timeouts: {churn['timeouts']['matchmaking_plus_allreduce']} s); "
         f"local rounds {churn['local_rounds']} {churn['fallback_reasons']}; "
-        f"checksum disagreements {cs['disagreements']} of {cs['epochs_compared']} epochs, repaired {cs['repaired']}; "
+        f"checksum disagreements detected {cs['disagreements_detected']}, repaired {cs['disagreements_repaired']}; "
+        f"behind or disagreeing {cs['behind_or_disagreeing']}, repaired {cs['behind_or_disagreeing_repaired']}; "
+        f"epochs split after the round {cs['epochs_split_after_round']} of {cs['epochs_compared']}; "
         f"re-syncs {churn['resync_reasons']}; "
         f"last epoch agreed: {cs['last_epoch_agreed']}"
     )

@@ -110,5 +110,6 @@ def test_churn_smoke(tmp_path: Path):
     assert churn["rounds_total"] > 0 and churn["local_rounds"] >= 0
     assert positive_finite(churn["longest_stall"]["seconds"])
     cs = churn["checksums"]
-    assert cs["epochs_compared"] >= 1 and 0 <= cs["repaired"] <= cs["disagreements"]
+    assert cs["epochs_compared"] >= 1 and 0 <= cs["disagreements_repaired"] <= cs["disagreements_detected"]
+    assert cs["last_epoch_agreed"] in (True, False)
     assert churn["resync_events"] == sum(churn["resync_reasons"].values())
