@@ -199,7 +199,9 @@ def plot(figures: dict[str, list[dict]], out: Path) -> Path | None:
     utilization = []
     for wire, phases in figures.items():
         for ph in phases:
-            labels.append(f"{wire}\n{'unlim.' if ph['rate_mbit'] is None else str(ph['rate_mbit']) + ' Mbit/s'}")
+            labels.append(
+                f"{wire}\n{'unlimited' if ph['rate_mbit'] is None else format(ph['rate_mbit'], 'g') + ' Mb/s'}"
+            )
             for k in stacks:
                 stacks[k].append(ph["seconds"][k] or 0.0)
             utilization.append(ph["utilization"] or 0.0)
