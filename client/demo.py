@@ -21,9 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from client.dashboard import DashboardSource, LiveDashboard
-from client.model import manifest_parameters
-from client.swarm_watch import SwarmWatch
+from client.dashboard import LiveDashboard
+from client.status import observer_dashboard
 from client.telemetry import Telemetry
 from swarm import NetworkConfig, SwarmError
 from swarm.observer import Observer
@@ -145,15 +144,8 @@ def _watch_live(
                 console.print(f"(no live view: {e})")  # the demo still works without its view
                 return
             time.sleep(1.0)
-    watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True).start()
-    parameters = manifest_parameters(observer.manifest)
-    source = DashboardSource(
-        manifest=observer.manifest,
-        parameters=lambda: parameters,
-        telemetry=telemetry,
-        watch=watch,
-        title="swarm-client demo",
-    )
+    source = observer_dashboard(observer, telemetry, "swarm-client demo")
+    watch = source.watch.start()
     try:
         with LiveDashboard(source, console=console):
             while any(proc.poll() is None for proc in procs):

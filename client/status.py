@@ -24,17 +24,9 @@ def run_status(network: NetworkConfig, run_id: str | None, *, as_json: bool, liv
         if as_json:
             print(json.dumps(snapshot(observer.manifest, entries), indent=2))
             return 0
-        telemetry = Telemetry()
-        watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True)
+        source = observer_dashboard(observer, Telemetry(), "swarm-client status")
+        watch = source.watch
         watch.poll()
-        parameters = manifest_parameters(observer.manifest)
-        source = DashboardSource(
-            manifest=observer.manifest,
-            parameters=lambda: parameters,
-            telemetry=telemetry,
-            watch=watch,
-            title="swarm-client status",
-        )
         if not live:
             Console(width=160).print(render(source))
             return 0
@@ -49,6 +41,13 @@ def run_status(network: NetworkConfig, run_id: str | None, *, as_json: bool, liv
             watch.stop()
     finally:
         observer.close()
+
+
+def observer_dashboard(observer: Observer, telemetry: Telemetry, title: str) -> DashboardSource:
+    """The dashboard of someone who trains nothing: header, peers and events, no "this peer" panel."""
+    watch = SwarmWatch(observer.entries, observer.manifest, telemetry, announce_epochs=True)
+    parameters = manifest_parameters(observer.manifest)  # before the first read, so the view is fresh
+    return DashboardSource(observer.manifest, lambda: parameters, telemetry, watch, title=title)
 
 
 def _first_entries(observer: Observer) -> list:

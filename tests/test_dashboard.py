@@ -163,6 +163,13 @@ def test_status_json_lists_every_peer_with_its_epoch(swarm):
     assert names["alpha"]["peer_id"] == alpha_id
 
 
+def test_status_without_a_terminal_prints_the_view_once(swarm):
+    result = cli("status", "--initial-peers", swarm.maddr, timeout=90)
+    assert result.returncode == 0, result.stderr
+    for needle in (swarm.run_id, "peers alive", "global epoch", "alpha", "beta", "gamma", "events"):
+        assert needle in result.stdout, result.stdout
+
+
 def test_header_table_and_idle_line_show_the_real_swarm(observer):
     entries = observer.entries()
     records = {e.record.peer_id: e.record for e in entries}
