@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 
 from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, write_json
@@ -46,8 +47,8 @@ WARMUP_STEPS = 10
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
-    parser.add_argument("--phase-seconds", type=float, default=10.0, help="length of each phase")
-    parser.add_argument("--cycles", type=int, default=6, help="bare/plain/dashboard cycles")
+    parser.add_argument("--phase-seconds", type=float, default=6.0, help="length of each phase")
+    parser.add_argument("--cycles", type=int, default=12, help="bare/plain/dashboard cycles")
     args = parser.parse_args()
     if args.smoke:
         args.phase_seconds, args.cycles = 4.0, 1
@@ -103,6 +104,16 @@ def main() -> None:
     ratios = {k: summary[f"ratio_dashboard_to_{k}"] for k in ("plain", "bare")}
     shown = {k: f"{v:.3f}" if v is not None else "n/a (no steps)" for k, v in ratios.items()}
     print(f"dashboard / plain: {shown['plain']}   dashboard / bare: {shown['bare']}   (goal: >= 0.99)")
+    for thread in ("watcher", "renderer"):
+        share = summary[f"{thread}_cpu_share_of_one_core"]
+        if share is not None:
+            print(f"{thread} thread CPU: {1000 * share:.1f} ms per second ({100 * share:.2f}% of one core)")
+    paired = {k: summary[f"paired_ratio_dashboard_to_{k}_median"] for k in ("plain", "bare")}
+    print(
+        "paired within cycles (median): "
+        + "   ".join(f"dashboard / {k}: {v:.3f}" if v is not None else f"/ {k}: n/a" for k, v in paired.items())
+        + f"   (spread of one phase across cycles: {summary['phase_spread_steps_per_second']:.2f} steps/s)"
+    )
     write_json(args.out, NAME, record)
     _plot(args.out, phases)
 
@@ -139,13 +150,24 @@ def _cycle(trainer, dht, hardware, work: Path, seconds: float, cycles: int, phas
                 start = time.time()
                 time.sleep(seconds)
                 end = time.time()
+                cpu = _thread_cpu_seconds(
+                    watcher=watch._thread if watch is not None else None,
+                    renderer=live.live._refresh_thread if live is not None else None,
+                )
                 if live is not None:
                     live.__exit__(None, None, None)
                 if watch is not None:
                     watch.stop()
-                phases.append(dict(cycle=cycle, phase=name, start=start, end=end))
+                phases.append(dict(cycle=cycle, phase=name, start=start, end=end, thread_cpu_seconds=cpu))
     finally:
         trainer.stop.requested = True
+
+
+def _thread_cpu_seconds(**threads: threading.Thread | None) -> dict[str, float]:
+    """CPU seconds each helper thread used so far (they start with their phase): a cost the noisy
+    throughput figures cannot resolve, read from the kernel's per-thread accounting."""
+    times = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    return {name: times.get(t.native_id, 0.0) for name, t in threads.items() if t is not None}
 
 
 def _summarize(phases: list[dict], steps: list[dict], samples_per_step: int) -> dict:
@@ -164,10 +186,25 @@ def _summarize(phases: list[dict], steps: list[dict], samples_per_step: int) -> 
             steps_per_second=statistics.median(p["steps_per_second"] for p in items),
             samples_per_compute_second=statistics.median(p["samples_per_compute_second"] for p in items),
         )
-    summary["ratio_dashboard_to_plain"] = (
-        summary["dashboard"]["steps_per_second"] / summary["plain"]["steps_per_second"]
+    rate = {name: summary[name]["steps_per_second"] for name in PHASES}
+    cycles = sorted({p["cycle"] for p in phases})
+    for base in ("plain", "bare"):
+        summary[f"ratio_dashboard_to_{base}"] = rate["dashboard"] / rate[base] if rate[base] else None
+        # paired within each cycle, so slow drift of the shared machine cancels out
+        pairs = []
+        for cycle in cycles:
+            by = {p["phase"]: p["steps_per_second"] for p in phases if p["cycle"] == cycle}
+            if by.get(base):
+                pairs.append(by["dashboard"] / by[base])
+        summary[f"paired_ratios_dashboard_to_{base}"] = pairs
+        summary[f"paired_ratio_dashboard_to_{base}_median"] = statistics.median(pairs) if pairs else None
+    for thread in ("watcher", "renderer"):
+        used = [p["thread_cpu_seconds"].get(thread) for p in phases if thread in p.get("thread_cpu_seconds", {})]
+        wall = [p["end"] - p["start"] for p in phases if thread in p.get("thread_cpu_seconds", {})]
+        summary[f"{thread}_cpu_share_of_one_core"] = sum(used) / sum(wall) if wall else None
+    summary["phase_spread_steps_per_second"] = max(
+        statistics.pstdev(p["steps_per_second"] for p in items) for items in per_phase.values()
     )
-    summary["ratio_dashboard_to_bare"] = summary["dashboard"]["steps_per_second"] / summary["bare"]["steps_per_second"]
     return summary
 
 
