@@ -179,23 +179,25 @@ def majority_checksums(peers: list[PeerProcess]) -> dict[int, tuple[str, int]]:
 def checksum_agreement(peers: list[PeerProcess]) -> dict:
     """How often peers held different parameters, and whether each difference was repaired.
 
-    Two views: (1) a peer's own consistency check found its checksum differed from
-    its groupmates' (a "disagreed" re-sync): repaired if its next round record
-    carries the checksum most peers hold at that epoch; (2) after the rounds, did
-    all peers that reached an epoch report the same checksum?
+    Two views: (1) a peer found its checksum differed from the majority's (a
+    "disagreed with the majority's checksum" re-sync, after a round or at the next
+    round's start): repaired if its next round record carries the checksum most
+    peers hold at that epoch; (2) after the rounds, did all peers that reached an
+    epoch report the same checksum? Re-syncs of peers that were merely behind (or
+    ran ahead on local rounds) are counted apart.
     """
     majority = majority_checksums(peers)
     detected = []
     for p in peers:
         rounds = p.rounds()
         for e in p.records("event"):
-            if e["kind"] != "resync" or "disagree" not in e["message"]:
+            if e["kind"] != "resync" or not any(w in e["message"] for w in ("disagreed", "behind", "ran ahead")):
                 continue
             after = next((r for r in rounds if r["time"] >= e["time"]), None)
             ok = after is not None and majority.get(after["epoch"], ("", 0))[0] == after["checksum"]
             reason = e["message"].removeprefix("re-syncing: ")
             detected.append(dict(peer=p.index, time=e["time"], reason=reason, repaired=ok))
-    strict = [d for d in detected if d["reason"].startswith("disagreed")]
+    strict = [d for d in detected if "disagreed with the majority" in d["reason"]]
     by_epoch: dict[int, dict[int, str]] = defaultdict(dict)
     for p in peers:
         for r in p.rounds():
@@ -204,12 +206,12 @@ def checksum_agreement(peers: list[PeerProcess]) -> dict:
     split_epochs = sorted(e for e, v in shared.items() if len(set(v.values())) > 1)
     last = max(shared) if shared else None
     return dict(
-        # the consistency check right after a round: this peer's checksum differed from its groupmates'
+        # this peer's checksum differed from the majority's at its epoch (after a round or at the next start)
         disagreements_detected=len(strict),
         disagreements_repaired=sum(d["repaired"] for d in strict),
-        # the re-check at the next round's start: behind the swarm's epoch *or* a different checksum
-        behind_or_disagreeing=len(detected) - len(strict),
-        behind_or_disagreeing_repaired=sum(d["repaired"] for d in detected) - sum(d["repaired"] for d in strict),
+        # re-syncs of a peer that was at another epoch than the swarm (behind it, or ahead on local rounds)
+        behind_or_ahead=len(detected) - len(strict),
+        behind_or_ahead_repaired=sum(d["repaired"] for d in detected) - sum(d["repaired"] for d in strict),
         detected=detected,
         epochs_compared=len(shared),
         epochs_split_after_round=split_epochs,
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(matchmaking + all-reduce timeouts: {churn['timeouts']['matchmaking_plus_allreduce']} s); "
         f"local rounds {churn['local_rounds']} {churn['fallback_reasons']}; "
         f"checksum disagreements detected {cs['disagreements_detected']}, repaired {cs['disagreements_repaired']}; "
-        f"behind or disagreeing {cs['behind_or_disagreeing']}, repaired {cs['behind_or_disagreeing_repaired']}; "
+        f"behind or ahead {cs['behind_or_ahead']}, repaired {cs['behind_or_ahead_repaired']}; "
         f"epochs split after the round {cs['epochs_split_after_round']} of {cs['epochs_compared']}; "
         f"re-syncs {churn['resync_reasons']}; "
         f"last epoch agreed: {cs['last_epoch_agreed']}"

@@ -389,6 +389,12 @@ class Trainer:
         elif kind == "download_started":
             self.telemetry.download_donor = data["donor"]
             self.note("download", f"downloading the training state from peer {data['donor'][-8:]}")
+        elif kind == "download_deferred":
+            self.note(
+                "download",
+                f"waiting ~{data['eta']:.0f} s for the swarm's round to end before downloading: at the last "
+                f"download's speed it takes ~{data['expected']:.0f} s, more than is left of this round",
+            )
         elif kind == "state_loaded":
             self.note("state_loaded", f"state of epoch {data['epoch']} loaded from {data['donor'][-8:]}")
         elif kind == "download_failed":

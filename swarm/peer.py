@@ -40,6 +40,7 @@ from swarm.swarm_view import SwarmView, build_view, consensus
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_ATTEMPTS = 3
+MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
 LEAVING = "leaving: round abandoned"
 NON_FINITE = "non-finite pseudo-gradient"  # the loop should also reset its inner optimizer
 
@@ -115,6 +116,7 @@ class Peer:
         self._next_round_check = 0.0
         self._manifest_published_at = 0.0
         self._last_round_local = False
+        self._download_rate: float | None = None  # bytes/s of our last state download
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -258,8 +260,9 @@ class Peer:
         start_epoch = self.outer.epoch
 
         # a late re-check of the previous epoch, now that every peer had time to publish it
-        if self._needs_resync(start_epoch):
-            return self._resync_round(seconds, "behind or disagreeing with the swarm")
+        why = self._resync_reason(start_epoch)
+        if why is not None:
+            return self._resync_round(seconds, why)
 
         pseudo = self.outer.pseudo_gradient(self.params)
         if not _all_finite(pseudo):  # never send NaN/inf to others: take the swarm's state instead
@@ -363,8 +366,9 @@ class Peer:
 
         t2 = time.monotonic()
         self._await_groupmates(group, self.outer.epoch, avg.consistency_timeout)
-        if self._needs_resync(self.outer.epoch):
-            report.resynced = self._resync("disagreed with the swarm after the round")
+        why = self._resync_reason(self.outer.epoch)
+        if why is not None:
+            report.resynced = self._resync(f"after the round: {why}")
             report.checksum = self.outer.checksum()
             report.epoch = self.outer.epoch
         seconds["consistency"] = time.monotonic() - t2
@@ -434,17 +438,20 @@ class Peer:
         view = self.view()
         return any(p.peer_id != self.peer_id and p.epoch == epoch and p.state in active for p in view.peers)
 
-    def _needs_resync(self, epoch: int) -> bool:
-        """True if the swarm is ahead of us, or most peers hold another checksum for ``epoch``, or we ran
-        ahead of the swarm on our own (a local round took us past the epoch most peers are at)."""
+    def _resync_reason(self, epoch: int) -> str | None:
+        """Why we must take the swarm's state, or None: the swarm is ahead of us, most peers hold another
+        checksum for ``epoch``, or we ran ahead of the swarm on our own (local rounds past the majority)."""
         view = self.view()
         if view.global_epoch is not None and view.global_epoch > epoch:
-            return True
+            return f"behind the swarm (epoch {epoch}, the swarm is at {view.global_epoch})"
         if self._last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
-            return any(p.peer_id != self.peer_id and p.epoch == view.global_epoch for p in view.peers)
+            if any(p.peer_id != self.peer_id and p.epoch == view.global_epoch for p in view.peers):
+                return f"ran ahead of the swarm on local rounds (epoch {epoch}, the swarm is at {view.global_epoch})"
         agreed = consensus(view.peers, epoch)
         mine = self.outer.checksum() if self.outer.epoch == epoch else None
-        return agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1
+        if agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1:
+            return f"disagreed with the majority's checksum at epoch {epoch}"
+        return None
 
     def _await_groupmates(self, group: Sequence[str], epoch: int, timeout: float) -> None:
         """Give groupmates a moment to publish their checksum for ``epoch`` before comparing."""
@@ -489,7 +496,7 @@ class Peer:
         # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
         self.averager.allow_state_sharing = False
         for attempt in range(DOWNLOAD_ATTEMPTS):
-            view = self.view()
+            view = self._view_after_round_if_download_is_too_slow()
             if view.global_epoch is None:
                 return False
             agreed = consensus(view.peers, view.global_epoch)
@@ -510,13 +517,37 @@ class Peer:
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
 
+    def _view_after_round_if_download_is_too_slow(self) -> SwarmView:
+        """On a slow link a download can outlast what is left of the swarm's round; the state would be stale
+        on arrival and we would download again, forever. Knowing how fast our last download went, wait for
+        the swarm's next round to end and download then: a whole round's time for the transfer, and the
+        early-join rule lets us average in that same round."""
+        view = self.view()
+        if self._download_rate is None or view.global_epoch is None or view.eta_next_round is None:
+            return view
+        expected = sum(t.numel() * t.element_size() for t in self.outer.tensors()) / self._download_rate
+        if expected < MIN_DEFERRED_DOWNLOAD or view.eta_next_round >= expected:
+            return view
+        avg = self.manifest.averaging
+        self._emit("download_deferred", dict(eta=view.eta_next_round, expected=expected))
+        epoch, deadline = view.global_epoch, time.monotonic() + view.eta_next_round + avg.matchmaking_timeout
+        while time.monotonic() < deadline and not self._stop_requested:
+            time.sleep(0.5)
+            view = self.view()
+            if view.global_epoch is None or view.global_epoch > epoch:
+                break
+        return view
+
     def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
         self._emit("download_started", dict(donor=donor))
+        started = time.monotonic()
         try:
             metadata, tensors = self.averager.download_state(donor, chunk_timeout=chunk_timeout, timeout=timeout)
         except Exception as e:
             self._emit("download_failed", dict(donor=donor, reason=_short_reason(e)))
             return False
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._download_rate = nbytes / max(time.monotonic() - started, 1e-3)  # bytes/s, for timing the next one
         n = len(self.outer.params)
         epoch, claimed = metadata.get("epoch"), metadata.get("checksum")
         if metadata.get("run_id") != self.run_id or not isinstance(epoch, int) or len(tensors) != 2 * n:
