@@ -464,7 +464,9 @@ class Peer:
             time.sleep(0.2)
 
     def _resync_round(self, seconds: dict[str, float], why: str) -> RoundReport:
+        t0 = time.monotonic()
         resynced = self._resync(why)
+        seconds.update(matchmaking=0.0, allreduce=0.0, outer=0.0, resync=time.monotonic() - t0)
         self._begin_round()
         return RoundReport(
             epoch=self.epoch,

@@ -324,7 +324,7 @@ def test_healthcheck_reports_a_live_peer_healthy_and_a_stale_one_unhealthy(tmp_p
     result = health(workdir)
     assert result.returncode == 1 and "unhealthy" in result.stdout + result.stderr, result.stdout + result.stderr
 
-    fresh = dict(last, updated_at=now, progress_at=now)
+    fresh = dict(last, state="training", updated_at=now, progress_at=now)  # (the real last state is "left")
     status_file.write_text(json.dumps(fresh))
     assert health(workdir).returncode == 0
     status_file.write_text(json.dumps(dict(fresh, updated_at=now - 120)))

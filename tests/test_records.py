@@ -45,6 +45,7 @@ def progress_value(peer_id: str, **override) -> dict:
         client_mode=False,
         relayed=False,
         micro_batch=4,
+        download_progress=0.0,  # hivemind's schema check wants every field present, defaults included
         checksums=[],
         time=time.time(),
     )
