@@ -27,7 +27,16 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, write_json
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from benchmarks.netns import Lab, require_root
 from benchmarks.peers import JoinInfo, PeerProcess, spawn_peer, stop_all, tail, wait_for_join_info
 from client.model import build_model, count_parameters
@@ -288,12 +297,7 @@ def plot(swarm: Swarm, kills: list[dict], joins: list[dict], out: Path) -> Path 
     ax.set_yticks(range(len(swarm.all)), [f"peer {p.index}" for p in swarm.all])
     ax.set_xlabel("seconds since the first peer started")
     ax.set_title("inner steps (|), averaged rounds (o), local rounds (x), SIGKILL (*); grey: process alive")
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return path
+    return save_figure(fig, out, NAME)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -96,3 +96,15 @@ class Stopwatch:
     @property
     def seconds(self) -> float:
         return round(time.monotonic() - self.start, 2)
+
+
+def save_figure(fig: Any, out: Path, name: str) -> Path:
+    """Write the figure as out/NAME.png and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path

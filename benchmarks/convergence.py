@@ -36,6 +36,7 @@ from benchmarks.common import (
     machine_info,
     print_table,
     pyplot,
+    save_figure,
     write_json,
 )
 from client.data import SequenceStream, eval_batches, load_tokenizer, shard_order
@@ -260,12 +261,7 @@ def plot(curves: list[Curve], out: Path, title: str) -> Path | None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return path
+    return save_figure(fig, out, NAME)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -28,7 +28,16 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, write_json
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from client.dashboard import DashboardSource, LiveDashboard
 from client.hardware import detect
 from client.monitoring import TrainingTick, gpu_memory, own_state
@@ -223,10 +232,7 @@ def _plot(out: Path, phases: list[dict]) -> None:
     ax.set_ylabel("inner steps per second")
     ax.set_title("Training throughput with and without the dashboard (tiny, CPU)")
     ax.legend()
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, out, NAME)
 
 
 if __name__ == "__main__":

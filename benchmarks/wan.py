@@ -24,7 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, write_json
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
 from benchmarks.netns import CounterSampler, Lab, require_root
 from benchmarks.peers import PeerProcess, spawn_peer, stop_all, tail, wait_for_join_info
 from client.model import build_model, count_parameters
@@ -220,12 +229,7 @@ def plot(figures: dict[str, list[dict]], out: Path) -> Path | None:
     ax2.set_ylabel("compute utilization (%)")
     ax2.set_title("share of wall time in inner steps")
     ax2.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = out / f"{NAME}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return path
+    return save_figure(fig, out, NAME)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,7 +21,7 @@ from rich.text import Text
 from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
-from swarm import RunManifest
+from swarm import RunManifest, SwarmView
 
 REFRESH_PER_SECOND = 2
 SPARK = "▁▂▃▄▅▆▇█"
@@ -80,12 +80,12 @@ def _header(source: DashboardSource, now: float) -> Panel:
     if own is not None:
         body.append(Text.assemble(("why am I idle? ", "bold yellow"), (why_idle(own, view), "yellow")))
     elif view is not None:
-        body.append(Text(_observer_line(view, m.inner_steps), style="yellow"))
+        body.append(Text(_observer_line(view), style="yellow"))
     stale = f" · swarm view {now - snap.updated_at:.0f} s old" if snap.updated_at and now - snap.updated_at > 5 else ""
     return Panel(Group(*body), title=f"[bold]{source.title}[/bold]{stale}", title_align="left")
 
 
-def _observer_line(view, inner_steps: int) -> str:
+def _observer_line(view: SwarmView) -> str:
     if not view.peers:
         return "no live peers in this run"
     states: dict[str, int] = {}

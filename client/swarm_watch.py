@@ -18,10 +18,10 @@ from client.telemetry import Telemetry
 from swarm import ProgressRecord, RunManifest, SwarmView
 from swarm.observer import view_of
 from swarm.progress import PeerEntry
+from swarm.swarm_view import GONE_STATES
 
 FADE_SECONDS = 60.0  # how long a departed peer stays (dimmed) in the table
 POLL_INTERVAL = 1.0
-_GONE = {"left", "leaving"}
 
 
 @dataclass
@@ -51,7 +51,7 @@ class PeerTracker:
         present = {e.record.peer_id: e.record for e in entries}
         for peer_id, record in present.items():
             known = self.peers.get(peer_id)
-            leaving = record.state in _GONE
+            leaving = record.state in GONE_STATES
             if known is None:
                 if leaving:
                     continue

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from swarm.progress import PeerEntry
 from swarm.records import PeerState, ProgressRecord
 
-_GONE = {PeerState.left.value, PeerState.leaving.value}
+GONE_STATES = frozenset({PeerState.left.value, PeerState.leaving.value})  # said goodbye
 _ACTIVE = {PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value}
 
 
@@ -52,7 +52,7 @@ class SwarmView:
 
 def alive(entries: Sequence[PeerEntry], now: float) -> list[ProgressRecord]:
     """Peers whose record has not expired and who have not said they are leaving."""
-    return [e.record for e in entries if e.expiration >= now and e.record.state not in _GONE]
+    return [e.record for e in entries if e.expiration >= now and e.record.state not in GONE_STATES]
 
 
 def global_epoch(peers: Sequence[ProgressRecord]) -> int | None:

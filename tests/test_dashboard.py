@@ -30,17 +30,8 @@ from swarm import NetworkConfig
 from swarm.observer import Observer
 from swarm.progress import RECORD_TTL
 
-MAX_EPOCHS = "200"
-SNAPSHOT_FIELDS = {
-    "peer_id",
-    "name",
-    "epoch",
-    "inner_step",
-    "state",
-    "samples_per_second",
-    "checksum",
-    "last_seen",
-}  # they train until the module is done with them
+MAX_EPOCHS = "200"  # they train until the module is done with them
+SNAPSHOT_FIELDS = {"peer_id", "name", "epoch", "inner_step", "state", "samples_per_second", "checksum", "last_seen"}
 
 
 class Swarm:
@@ -145,16 +136,7 @@ def test_status_json_lists_every_peer_with_its_epoch(swarm):
     assert set(names) == {"alpha", "beta", "gamma"}
     assert isinstance(snapshot["global_epoch"], int) and snapshot["global_epoch"] >= 1
     for peer in snapshot["peers"]:
-        assert set(peer) == {
-            "peer_id",
-            "name",
-            "epoch",
-            "inner_step",
-            "state",
-            "samples_per_second",
-            "checksum",
-            "last_seen",
-        }
+        assert set(peer) == SNAPSHOT_FIELDS
         assert abs(peer["epoch"] - snapshot["global_epoch"]) <= 1
         assert re.fullmatch(r"[0-9a-f]{64}", peer["checksum"]["checksum"])
         assert peer["checksum"]["epoch"] <= peer["epoch"]
