@@ -58,7 +58,7 @@ class RoundReport:
     checksum: str = ""
     samples: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # compute, matchmaking, allreduce, outer, consistency
-    bytes_sent: int = 0  # all-reduce tensor payload, framing excluded
+    bytes_sent: int = 0  # all-reduce tensor payload, framing excluded, as of when our own results were complete
     bytes_received: int = 0
 
 

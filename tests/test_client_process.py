@@ -3,6 +3,7 @@
 import json
 import re
 import signal
+import time
 
 import torch
 from client_helpers import FAST, LOCAL, cli, spawn, wait_for_line
@@ -54,9 +55,13 @@ def test_corrupt_checkpoint_falls_back_to_peers_and_sigterm_leaves_cleanly(tmp_p
     b_args = ["join", "--initial-peers", maddr, *LOCAL, "--workdir", str(tmp_path / "b"), "--name", "b"]
     b = spawn(*b_args, log=b_log)
     wait_for_line(b_log, "round -> epoch 2", b, timeout=180)
+    ckpt_dir = tmp_path / "b" / "runs" / run_id / "checkpoints"
+    deadline = time.monotonic() + 60  # the round's checkpoint is written just after its log line
+    while not list(ckpt_dir.glob("checkpoint-*.pt")) and time.monotonic() < deadline:
+        time.sleep(0.2)
     b.send_signal(signal.SIGKILL)
     b.wait(timeout=10)
-    checkpoints = sorted((tmp_path / "b" / "runs" / run_id / "checkpoints").glob("checkpoint-*.pt"))
+    checkpoints = sorted(ckpt_dir.glob("checkpoint-*.pt"))
     assert checkpoints
     for path in checkpoints:
         path.write_bytes(b"\x00" * 100)  # a disk that lost them

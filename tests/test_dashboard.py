@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -137,10 +138,12 @@ def test_status_json_lists_every_peer_with_its_epoch(swarm):
     assert isinstance(snapshot["global_epoch"], int) and snapshot["global_epoch"] >= 1
     for peer in snapshot["peers"]:
         assert set(peer) == SNAPSHOT_FIELDS
-        assert abs(peer["epoch"] - snapshot["global_epoch"]) <= 1
+        assert 0 <= peer["epoch"] <= snapshot["global_epoch"] + 1
         assert re.fullmatch(r"[0-9a-f]{64}", peer["checksum"]["checksum"])
         assert peer["checksum"]["epoch"] <= peer["epoch"]
         assert abs(time.time() - peer["last_seen"]) < RECORD_TTL
+    epochs = Counter(p["epoch"] for p in snapshot["peers"])  # the global epoch is the majority, ties to the later
+    assert snapshot["global_epoch"] == max(epochs, key=lambda e: (epochs[e], e))
     alpha_id = wait_for_line(swarm.logs[0], "Peer Qm", swarm.procs[0]).split()[1]
     assert names["alpha"]["peer_id"] == alpha_id
 

@@ -61,13 +61,16 @@ def run_swarm(make_swarm, manifest: RunManifest) -> list[dict]:
 
 
 def check_traffic(finals: list[dict], num_values: int, bytes_per_value: int) -> None:
-    """Every byte sent in a closed group is received by someone, and a butterfly all-reduce moves
-    about 2 x bytes_per_value x (k-1)/k per value from each peer (its parts out, the averages back)."""
+    """Every byte sent in a closed group is received by someone (up to averages still in flight), and a
+    butterfly all-reduce moves about 2 x bytes_per_value x (k-1)/k per value from each peer (parts out,
+    averages back)."""
     k = len(finals)
     for epoch in range(ROUNDS):
         sent = [f["reports"][epoch]["bytes_sent"] for f in finals]
         received = [f["reports"][epoch]["bytes_received"] for f in finals]
-        assert sum(sent) == sum(received), (sent, received)
+        # a reducer's count is read once its own results are in; a last average it is still streaming to a
+        # slower groupmate is then counted by the receiver only, so received may exceed sent by that much
+        assert 0 <= sum(received) - sum(sent) <= 0.02 * sum(sent), (sent, received)
         theory = 2 * bytes_per_value * num_values * (k - 1) / k
         assert all(0.8 * theory < s < 1.2 * theory for s in sent), (sent, theory)
 
