@@ -1,63 +1,78 @@
-"""Checkpoints that survive being killed at any line.
+"""Checkpoints: the peer's state files, plus this peer's own inner optimizer state when it leaves.
 
-Each is written to a temporary file and renamed into place, so a reader sees a
-whole checkpoint or none; the last two are kept, so a checkpoint that turns out
-corrupt (a full disk, a bad sector) still leaves the one before it.
+After every round the peer writes the outer state (global parameters and momentum,
+8 bytes per parameter) to ``WORKDIR/runs/RUN/checkpoints/state-SEQ.safetensors`` in
+the background (``swarm.state_store``), with this peer's data position and gradient
+scaler in ``state-SEQ.json`` beside it; the newest two are kept. That is what a
+restart resumes from, and the model is rebuilt from it: after a round the model
+*is* the outer parameters, so it is not saved again.
+
+On a graceful exit, time allowing, the inner AdamW state is saved too
+(``inner.pt``), tagged with the checksum of the outer state it goes with; a restart
+from that same state picks it up. Without it (after a crash, say) the peer starts
+its inner optimizer afresh, as every joiner does.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-KEEP = 2
-PATTERN = "checkpoint-*.pt"
+from swarm.state_store import FoundState, find_latest
 
-
-@dataclass
-class LoadedCheckpoint:
-    path: Path
-    state: dict[str, Any]
+INNER_FILE = "inner.pt"
 
 
 def checkpoint_dir(workdir: Path, run_id: str) -> Path:
     return Path(workdir) / "runs" / run_id / "checkpoints"
 
 
-def save(directory: Path, epoch: int, inner_step: int, state: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"checkpoint-{epoch:07d}-{inner_step:06d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".pt")
+def find(directory: Path, run_id: str, shapes=None, warn=lambda message: None) -> FoundState | None:
+    """The newest checkpoint that passes its checks; damaged ones are reported (once each) and skipped."""
+
+    def explain(message: str) -> None:
+        warn(f"{message} An older checkpoint or the swarm's state will be used instead.")
+
+    return find_latest(directory, run_id, shapes, explain)
+
+
+@dataclass
+class InnerState:
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    data: dict[str, int]
+
+
+def save_inner(directory: Path, checksum: str, optimizer: dict, scaler: dict, data: dict[str, int]) -> Path:
+    """Write the inner optimizer's state for the outer state with ``checksum`` (atomic: temp file, rename)."""
+    final = Path(directory) / INNER_FILE
+    tmp = final.with_name(f".tmp-{INNER_FILE}-{os.getpid()}")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+        with open(tmp, "wb") as f:
+            torch.save(dict(checksum=checksum, optimizer=optimizer, scaler=scaler, data=data), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    for old in sorted(directory.glob(PATTERN))[:-KEEP]:
-        old.unlink(missing_ok=True)
     return final
 
 
-def load_latest(directory: Path, run_id: str, warn=lambda message: None) -> LoadedCheckpoint | None:
-    """The newest readable checkpoint of ``run_id``; corrupt ones are reported and skipped, never fatal."""
-    for path in sorted(Path(directory).glob(PATTERN), reverse=True):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or state.get("run_id") != run_id:
-                raise ValueError("it belongs to another run or is not a swarm checkpoint")
-            return LoadedCheckpoint(path, state)
-        except Exception as e:
-            warn(
-                f"Checkpoint {path.name} is unreadable ({type(e).__name__}: {str(e)[:120]}); it is skipped. "
-                "An older checkpoint or the swarm's state will be used instead."
-            )
-    return None
+def load_inner(directory: Path, checksum: str, warn=lambda message: None) -> InnerState | None:
+    """The saved inner state if it belongs to the outer state with ``checksum``; else None."""
+    path = Path(directory) / INNER_FILE
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("checksum") != checksum:
+            return None
+        return InnerState(saved["optimizer"], saved["scaler"], {k: int(v) for k, v in saved["data"].items()})
+    except Exception as e:
+        warn(f"The inner optimizer state {path.name} is unreadable ({type(e).__name__}); starting it afresh.")
+        return None

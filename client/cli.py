@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from swarm import NetworkConfig, SwarmError, choose_run, start_dht, visible_maddrs
+from client.signals import STOP
+from swarm.errors import LeaveRequested, SwarmError
+
+if TYPE_CHECKING:  # the heavy modules (torch, hivemind) are imported where a command needs them
+    from swarm import NetworkConfig
 
 DEFAULT_WORKDIR = Path("~/.cache/swarm").expanduser()
 
@@ -77,6 +81,26 @@ def _add_initial_peers(p: argparse.ArgumentParser, required: bool) -> None:
     )
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a port number from 0 to 65535") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number from 0 to 65535")
+    return value
+
+
+def _add_host_port(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host-port",
+        type=_port,
+        default=_env("host_port", None),  # a string default goes through _port, with argparse's error if bad
+        help="TCP port to listen on; forward it for others to reach you. Default: 31337, or the next free port "
+        "when another peer on this machine has it (one peer per GPU) [SWARM_HOST_PORT]",
+    )
+
+
 def _add_workdir(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workdir",
@@ -97,12 +121,7 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
     )
     _add_workdir(p)
     p.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
-    p.add_argument(
-        "--host-port",
-        type=int,
-        default=int(_env("host_port", 31337)),
-        help="TCP port to listen on; forward it for others to reach you [SWARM_HOST_PORT]",
-    )
+    _add_host_port(p)
     p.add_argument(
         "--announce-ip",
         default=_env("announce_ip", None),
@@ -194,9 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_initial_peers(doctor, required=False)
     _add_workdir(doctor)
     doctor.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
-    doctor.add_argument(
-        "--host-port", type=int, default=int(_env("host_port", 31337)), help="port to test [SWARM_HOST_PORT]"
-    )
+    _add_host_port(doctor)
     doctor.add_argument("--announce-ip", default=_env("announce_ip", None), help="public address [SWARM_ANNOUNCE_IP]")
     doctor.add_argument(
         "--device", default=_env("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]"
@@ -231,13 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_hivemind(verbose: bool) -> None:
-    level = logging.INFO if verbose else logging.CRITICAL
-    for name in ("hivemind", "swarm"):
-        logging.getLogger(name).setLevel(level)
-    os.environ.setdefault("GOLOG_LOG_LEVEL", "info" if verbose else "fatal")
-
-
 def _ensure_workdir(workdir: Path) -> Path:
     workdir = workdir.expanduser()
     try:
@@ -254,6 +264,8 @@ def _ensure_workdir(workdir: Path) -> Path:
 
 
 def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
+    from swarm import NetworkConfig
+
     return NetworkConfig(
         initial_peers=args.initial_peers,
         host_ip=args.host_ip,
@@ -280,18 +292,27 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
     from client.swarm_watch import SwarmWatch
     from client.telemetry import Telemetry
     from client.trainer import Trainer, TrainerSettings
+    from swarm import choose_run, claim_port, start_dht, visible_maddrs
+    from swarm.network import DEFAULT_PORT
     from swarm.progress import read_peers
 
-    _quiet_hivemind(args.verbose)
     workdir = _ensure_workdir(args.workdir)
+    setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
     hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
     network = _network(args, workdir)
     dashboard = _use_dashboard(args)
     say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
-    dht = start_dht(network)
+    claim = claim_port(network.host_ip, network.host_port)
+    if claim.moved:
+        print(
+            f"Port {DEFAULT_PORT} is in use on this machine (another peer?); listening on {claim.port} instead. "
+            "Forward that port for others to reach you, or choose one with --host-port.",
+            flush=True,
+        )
+    dht = start_dht(network, claim)
     telemetry = Telemetry(args.log_json, echo=None if dashboard else say)
-    watch = None
+    watch = tick = None
     try:
         if manifest is None:
             manifest = choose_run(dht, args.run)
@@ -328,11 +349,12 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
         else:
             result = trainer.run()
     finally:
-        if watch is not None:
-            watch.stop()
-            tick.write_status()  # the final state ("left" after a clean exit): the health check says so
-        telemetry.close()
-        dht.shutdown()
+        with STOP.shielded():
+            if watch is not None:
+                watch.stop()
+                tick.write_status()  # the final state ("left" after a clean exit): the health check says so
+            telemetry.close()
+            dht.shutdown()
     if dashboard:
         print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
     if args.result_file:
@@ -355,8 +377,9 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from client.status import run_status
+    from swarm import NetworkConfig
 
-    _quiet_hivemind(args.verbose)
+    setup_logging(None, args.verbose)
     network = NetworkConfig(initial_peers=args.initial_peers, host_ip="0.0.0.0", host_port=0, client_mode=True)
     return run_status(network, args.run, as_json=args.json, live=sys.stdout.isatty())
 
@@ -364,7 +387,7 @@ def _status(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from client.doctor import DoctorOptions, print_check, run_checks
 
-    _quiet_hivemind(args.verbose)
+    setup_logging(None, args.verbose)
     options = DoctorOptions(
         workdir=args.workdir,
         initial_peers=args.initial_peers,
@@ -397,6 +420,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def setup_logging(log_file: Path | None, verbose: bool) -> None:
+    from client.logs import setup_logging as setup
+
+    setup(log_file, verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -422,12 +451,16 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except LeaveRequested:
+        return 0  # asked to stop (SIGTERM, Ctrl-C) before or while starting: nothing went wrong
     except KeyboardInterrupt:
         return 130
 
 
 def entry_point() -> None:
-    """Console script: exit without interpreter teardown, which hivemind's helper threads can abort."""
+    """Console script: stop signals are handled from here on (before anything heavy is imported), and the
+    process exits without interpreter teardown, which hivemind's helper threads can abort."""
+    STOP.install()
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

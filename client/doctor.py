@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from swarm import NetworkConfig, SwarmError, list_runs, start_dht
-from swarm.network import probe_peers
+from swarm import NetworkConfig, SwarmError, claim_port, list_runs, start_dht
+from swarm.errors import PortTakenError
+from swarm.network import DEFAULT_PORT, probe_peers
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_SHM = 1 << 30
@@ -43,7 +44,7 @@ class DoctorOptions:
     workdir: Path
     initial_peers: list[str]
     host_ip: str = "0.0.0.0"
-    host_port: int = 31337
+    host_port: int | None = None  # None: the default port, or the next free one, as `join` picks it
     announce_ip: str | None = None
     device: str = "auto"
     timeout: float = 15.0
@@ -185,10 +186,8 @@ def _network(options: DoctorOptions) -> list[Check]:
     )
     checks: list[Check] = []
     try:
-        dht = start_dht(config)
-    except SwarmError as e:
-        if "is taken" not in str(e):
-            return [Check("initial peers", FAIL, "no answer", str(e))]
+        claim = claim_port(options.host_ip, options.host_port)
+    except PortTakenError:
         checks.append(
             Check(
                 "port",
@@ -197,11 +196,25 @@ def _network(options: DoctorOptions) -> list[Check]:
                 "checked reachability on a random port instead; stop the other peer to test the real one",
             )
         )
-        config = config.model_copy(update=dict(host_port=0, announce_ip=None))
-        try:
-            dht = start_dht(config)
-        except SwarmError as e2:
-            return [*checks, Check("initial peers", FAIL, "no answer", str(e2))]
+        claim = claim_port(options.host_ip, 0)
+        config = config.model_copy(update=dict(announce_ip=None))
+    except SwarmError as e:
+        return [Check("port", FAIL, "cannot listen", str(e))]
+    if claim.moved:
+        checks.append(
+            Check(
+                "port",
+                WARN,
+                f"port {DEFAULT_PORT} is in use on this machine (another peer?); a peer started now listens on "
+                f"{claim.port}",
+                f"forward port {claim.port} too, or give each peer its own --host-port",
+            )
+        )
+    config = config.model_copy(update=dict(host_port=claim.port))
+    try:
+        dht = start_dht(config, claim)
+    except SwarmError as e:
+        return [*checks, Check("initial peers", FAIL, "no answer", str(e))]
     try:
         probes = probe_peers(dht, options.initial_peers, timeout=options.timeout)
         answered = [p for p in probes if p.responded]

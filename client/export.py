@@ -1,4 +1,7 @@
-"""`swarm-client export`: the latest checkpoint's global model in Hugging Face format."""
+"""`swarm-client export`: the latest checkpoint's global model in Hugging Face format.
+
+The checkpoint's parameters are checked (sha256, CRC32) and read straight into a freshly built model.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ from pathlib import Path
 import torch
 
 from client import checkpoint
-from client.model import build_model
-from swarm import RunManifest, SwarmError
+from client.model import build_model, parameter_shapes
+from swarm import RunManifest, SwarmError, state_file
 
 
 def export_model(workdir: Path, out: Path, run_id: str | None = None) -> Path:
@@ -21,15 +24,13 @@ def export_model(workdir: Path, out: Path, run_id: str | None = None) -> Path:
     if run_id not in runs:
         raise SwarmError(f"No run {run_id} in {workdir}; runs there: {', '.join(runs) or 'none'}.")
     manifest = RunManifest.from_json((workdir / "runs" / run_id / "manifest.json").read_text())
-    loaded = checkpoint.load_latest(checkpoint.checkpoint_dir(workdir, run_id), run_id)
-    if loaded is None:
+    shapes = parameter_shapes(manifest)
+    found = checkpoint.find(checkpoint.checkpoint_dir(workdir, run_id), run_id, shapes)
+    if found is None:
         raise SwarmError(f"Run {run_id} in {workdir} has no readable checkpoint yet.")
     model = build_model(manifest)
-    params = list(model.parameters())
-    outer = loaded.state["outer"][: len(params)]
     with torch.no_grad():
-        for p, g in zip(params, outer):
-            p.copy_(g)
+        state_file.load_into(found.path, found.header, [p.detach() for p in model.parameters()])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     return out

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from swarm import RunManifest
+if TYPE_CHECKING:  # `swarm-client health` runs every 30 s in Docker: it imports neither torch nor hivemind
+    from swarm.manifest import RunManifest
 
 STATUS_FILE = "status.json"
 DEFAULT_MAX_AGE = 60.0  # the file is rewritten every few seconds

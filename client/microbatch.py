@@ -18,6 +18,9 @@ import torch
 from client.hardware import Hardware, Precision
 
 SAFETY = 0.9  # use 90% of the largest micro-batch that fit
+# activations of one CPU micro-batch: a CPU's matrix kernels are already efficient at a few sequences, while
+# memory spent here is memory the run's state (36 bytes per parameter on the CPU) cannot have
+CPU_ACTIVATION_BUDGET = 1 << 30
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -89,10 +92,12 @@ def gpu_trial(
 
 
 def cpu_estimate(hardware: Hardware, config, seq_len: int, limit: int) -> int:
-    """From free host memory: a generous activation estimate per sample, half the free memory as budget."""
+    """A generous activation estimate per sample against CPU_ACTIVATION_BUDGET (or a quarter of the free
+    memory, if that is less)."""
     hidden, layers = config.hidden_size, config.num_hidden_layers
     per_sample = seq_len * (layers * hidden * 40 + config.vocab_size * 12) * 4
-    return max(1, min(limit, int(hardware.memory_bytes * 0.5 // max(1, per_sample))))
+    budget = min(CPU_ACTIVATION_BUDGET, hardware.memory_bytes // 4)
+    return max(1, min(limit, int(budget // max(1, per_sample))))
 
 
 def cached_or_search(cache: Path, key: str, compute: Callable[[], int]) -> int:

@@ -28,8 +28,16 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _meta_model(manifest: RunManifest) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config(manifest))
+
+
 def manifest_parameters(manifest: RunManifest) -> int:
     """The model's size without allocating it (on the meta device): for observers that train nothing."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config(manifest))
-    return count_parameters(model)
+    return count_parameters(_meta_model(manifest))
+
+
+def parameter_shapes(manifest: RunManifest) -> list[tuple[int, ...]]:
+    """The shapes of ``model.parameters()``, in order, without allocating the model."""
+    return [tuple(p.shape) for p in _meta_model(manifest).parameters()]

@@ -51,6 +51,7 @@ class Telemetry:
         self.last_round: RoundReport | None = None
         self.last_round_wall = 0.0  # seconds between the end of the previous round and the end of this one
         self.download_donor: str | None = None
+        self.last_checkpoint: tuple[int, int, float] | None = None  # epoch, bytes, seconds to write
         self.progress_at = time.time()  # last time anything moved: the health check's signal
         self.events: deque[Event] = deque(maxlen=EVENT_HISTORY)
         self._round_mark = time.time()
@@ -122,6 +123,11 @@ class Telemetry:
             self.echo(message)
         self._write(dict(type="event", time=event.time, kind=kind, message=message))
 
+    def checkpoint(self, epoch: int, nbytes: int, seconds: float) -> None:
+        """A state file reached the disk (written in the background, or a download adopted as it is)."""
+        self.last_checkpoint = (epoch, nbytes, seconds)
+        self._write(dict(type="checkpoint", time=time.time(), epoch=epoch, bytes=nbytes, seconds=round(seconds, 3)))
+
     def set_state(self, state: str) -> None:
         self.state, self.progress_at = state, time.time()
 
@@ -143,10 +149,13 @@ class Telemetry:
             return list(self.events)[-n:]
 
     def close(self) -> None:
-        if self._json is not None:
-            self._json.close()
-            self._json = None
+        with self._lock:
+            if self._json is not None:
+                self._json.close()
+                self._json = None
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._json is not None:
-            self._json.write(json.dumps(record, default=str) + "\n")
+        line = json.dumps(record, default=str) + "\n"
+        with self._lock:  # the state writer's thread reports here too
+            if self._json is not None:
+                self._json.write(line)

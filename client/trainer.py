@@ -1,15 +1,17 @@
 """The volunteer's training loop, top to bottom.
 
-Build the model from the manifest, pick a micro-batch, resume or catch up, then
-run inner AdamW steps (under a gradient scaler on CUDA) and hand each one to the
-swarm peer, which runs the outer round every H steps. A checkpoint is written
-after every round and on the way out.
+Join the swarm (the averager's process is forked before the model exists, so it
+shares none of the model's memory), build the model, pick a micro-batch, resume or
+catch up, then run inner AdamW steps (under a gradient scaler on CUDA) and hand each
+one to the swarm peer, which runs the outer round every H steps and writes each new
+outer state to disk in the background. A stop signal cuts short whatever is running
+(``client.signals``); leaving keeps the last round's checkpoint and ends within the
+deadline.
 """
 
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,14 +24,17 @@ import torch
 from client import checkpoint
 from client.data import DataPosition, SequenceStream, eval_batches, load_tokenizer
 from client.hardware import Hardware, Precision, choose_precision
-from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, is_out_of_memory, search
-from client.model import build_model, count_parameters, model_config
+from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
+from client.model import build_model, count_parameters, model_config, parameter_shapes
+from client.signals import STOP, Stopper
+from client.step import InnerStep, evaluate
 from client.telemetry import Telemetry
-from swarm import Peer, RoundReport, RunManifest, SwarmError
-from swarm.peer import LEAVING, NON_FINITE
+from swarm import LeaveRequested, Peer, RoundOutcome, RoundReport, RunManifest, SwarmError
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
+ASSUMED_DISK_BYTES_PER_SECOND = 100e6  # until the first state file tells us how fast this disk is
+UNHURRIED_LEAVE = 300.0  # leaving without a signal (--max-epochs, SIGUSR1): the newest checkpoint may take this long
 
 
 @dataclass
@@ -64,35 +69,6 @@ def lr_at(manifest: RunManifest, step: int) -> float:
     return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class StopRequest:
-    """First SIGTERM/SIGINT: finish the step, checkpoint, leave. Second: exit at once.
-
-    SIGUSR1 asks for a gentler exit: finish this outer round (so this peer's work
-    is averaged in), then checkpoint and leave; ``docker kill --signal=SIGUSR1``.
-    """
-
-    def __init__(self, on_first: Callable[[str], None], on_after_round: Callable[[], None] = lambda: None):
-        self.requested = False
-        self.after_round = False
-        self._on_first, self._on_after_round = on_first, on_after_round
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGUSR1, self._handle_after_round)
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self.requested:
-            raise SystemExit(130)
-        self.requested = True
-        self._on_first(signal.Signals(signum).name)
-
-    def _handle_after_round(self, _signum: int, _frame: Any) -> None:
-        if not self.after_round:
-            self.after_round = True
-            self._on_after_round()
-
-
 class Trainer:
     def __init__(
         self,
@@ -102,6 +78,7 @@ class Trainer:
         settings: TrainerSettings,
         log: Callable[[str], None] = print,
         telemetry: Telemetry | None = None,
+        stopper: Stopper = STOP,
     ):
         """``log`` prints the per-window step lines; events go to ``telemetry`` (dashboard, --log-json, echo)."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
@@ -110,21 +87,26 @@ class Trainer:
         self.result = TrainerResult()
         self.peer: Peer | None = None
         self.parameters = 0
-        self.stop = StopRequest(self._on_stop_signal, self._on_leave_after_round)
+        self.stop = stopper
+        self.stream: SequenceStream | None = None
+        self.ckpt_dir = checkpoint.checkpoint_dir(settings.workdir, manifest.run_id)
+        self._resumed_extra: dict[str, Any] = {}
+        self._disk_rate = ASSUMED_DISK_BYTES_PER_SECOND
+        stopper.on_stop(self._on_stop_signal)
+        stopper.on_leave_after_round(self._on_leave_after_round)
+        stopper.checkpoint_done = lambda: self.peer is None or self.peer.store is None or self.peer.store.idle
 
     def note(self, kind: str, message: str) -> None:
         """An event: into the dashboard's event log, --log-json, and the plain log lines."""
         self.telemetry.event(kind, message)
 
     def _on_stop_signal(self, name: str) -> None:
-        self.note(
-            "log", f"{name} received: finishing this step, writing a checkpoint and leaving (again to quit at once)."
-        )
+        self.note("log", f"{name} received: leaving now; the last round's checkpoint is kept (again to quit at once).")
         if self.peer is not None:
-            self.peer.request_stop()  # also abandons a round that is looking for a group
+            self.peer.request_stop()
 
     def _on_leave_after_round(self) -> None:
-        self.note("log", "SIGUSR1 received: finishing this outer round, then writing a checkpoint and leaving.")
+        self.note("log", "SIGUSR1 received: finishing this outer round, then leaving.")
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -141,10 +123,7 @@ class Trainer:
         self.parameters = count_parameters(self.model)
         self.micro_batch = s.micro_batch or self._auto_micro_batch(config)
         self.telemetry.micro_batch = self.micro_batch
-        self.ckpt_dir = checkpoint.checkpoint_dir(s.workdir, m.run_id)
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         (self.ckpt_dir.parent / "manifest.json").write_text(m.canonical_json())
-        self.loaded = checkpoint.load_latest(self.ckpt_dir, m.run_id, warn=lambda text: self.note("log", text))
 
     def _auto_micro_batch(self, config) -> int:
         key = f"{self.hardware.name}|{self.manifest.run_id}|{self.manifest.seq_len}"
@@ -164,21 +143,62 @@ class Trainer:
 
         return cached_or_search(self.settings.workdir / "microbatch.json", key, compute)
 
+    def _state_extra(self) -> dict[str, Any]:
+        """What this peer keeps beside each state file: where it is in the data, and its gradient scaler."""
+        if self.stream is None:
+            return dict(self._resumed_extra)
+        position = self.stream.position
+        return dict(
+            data=dict(order_index=position.order_index, sequences=position.sequences), scaler=self.scaler.state_dict()
+        )
+
     # ---- the loop ------------------------------------------------------------------------------
 
     def run(self) -> TrainerResult:
         m = self.manifest
-        self._prepare()
-        state = self.loaded.state if self.loaded else None
-        if self.loaded:
-            self.note("log", f"Resuming from {self.loaded.path.name} (epoch {state['epoch']}).")
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.peer = Peer(
-            m, self.model, dht=self.dht, name=self.settings.name, device=self.hardware.label, listener=self._on_event
+            m,
+            dht=self.dht,
+            state_dir=self.ckpt_dir,
+            state_extra=self._state_extra,
+            shield=self.stop.shielded,
+            name=self.settings.name,
+            device=self.hardware.label,
+            listener=self._on_event,
         )
-        self.peer.start(resume=(state["epoch"], state["outer"]) if state else None)
-        self.peer.reporter.update(micro_batch=self.micro_batch)
-        self.stop.install()
+        if self.stop.requested:
+            self.peer.request_stop()
+        try:
+            self.peer.connect(parameter_shapes(m))  # before the model exists: the averager forks small
+            self._prepare()
+            found = checkpoint.find(self.ckpt_dir, m.run_id, parameter_shapes(m), warn=lambda t: self.note("log", t))
+            if found:
+                self._resumed_extra = found.extra
+                self.note("log", f"Resuming from {found.path.name} (epoch {found.header.epoch}).")
+            self.peer.start(self.model, resume=found.path if found else None)
+            self.peer.reporter.update(micro_batch=self.micro_batch)
+            self._build_optimizer()
+            self.note(
+                "log",
+                f"Peer {self.peer.peer_id} on {self.hardware.label}, {self.precision.label}, "
+                f"{self.parameters / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, epoch {self.peer.epoch}.",
+            )
+            if self.settings.eval_sequences:
+                self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
+                self.result.eval_loss_start = evaluate(self.model, self.eval_set, self.hardware.device)
+                self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")
+            self._loop()
+        except LeaveRequested:  # a stop signal: leave below
+            if self.peer.abandoned_round:
+                self.note("log", "round abandoned: this peer is leaving")
+        finally:
+            with self.stop.shielded():
+                self._leave()
+        return self.result
 
+    def _build_optimizer(self) -> None:
+        m = self.manifest
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=m.inner.lr,
@@ -187,33 +207,39 @@ class Trainer:
             weight_decay=m.inner.weight_decay,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision.use_scaler)
-        position = None
-        if state:
-            self.optimizer.load_state_dict(state["inner_optimizer"])
-            self.scaler.load_state_dict(state["scaler"])
-            position = DataPosition(**state["data"])
+        extra = dict(self._resumed_extra)
+        inner = checkpoint.load_inner(self.ckpt_dir, self.peer.outer.checksum(), warn=lambda t: self.note("log", t))
+        if inner is not None:
+            self.optimizer.load_state_dict(inner.optimizer)
+            extra.update(scaler=inner.scaler, data=inner.data)
+            self.note("log", "Inner optimizer state restored.")
+        if extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        position = DataPosition(**extra["data"]) if isinstance(extra.get("data"), dict) else None
         self.stream = SequenceStream(
             m.dataset, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position
         )
-        self.note(
-            "log",
-            f"Peer {self.peer.peer_id} on {self.hardware.label}, {self.precision.label}, "
-            f"{self.parameters / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, epoch {self.peer.epoch}.",
+        self.inner_step = InnerStep(
+            self.model,
+            self.optimizer,
+            self.scaler,
+            self.hardware,
+            self.precision,
+            m.inner.grad_clip,
+            self.micro_batch,
+            self._on_micro_batch,
         )
-        if self.settings.eval_sequences:
-            self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
-            self.result.eval_loss_start = self.evaluate()
-            self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")
-        try:
-            self._loop()
-        finally:
-            self._leave()
-        return self.result
+
+    def _on_micro_batch(self, size: int, why: str) -> None:
+        self.micro_batch = self.telemetry.micro_batch = size
+        self.peer.reporter.update(micro_batch=size)
+        self.note("log", f"Out of memory: micro-batch halved to {size}; the step is retried.")
 
     def _loop(self) -> None:
         m, peer = self.manifest, self.peer
         nan_streak, last_log, window = 0, time.monotonic(), []
-        while not self.stop.requested:
+        while True:
+            self.stop.check()
             if self.settings.max_epochs is not None and self.result.rounds >= self.settings.max_epochs:
                 break
             lr = lr_at(m, peer.epoch * m.inner_steps + peer.inner_step)
@@ -221,8 +247,12 @@ class Trainer:
                 group["lr"] = lr
             batch = self.stream.next_batch(m.samples_per_step)
             t0 = time.monotonic()
-            loss = self._inner_step(batch)
+            step = self.inner_step(batch)
             elapsed = time.monotonic() - t0
+            if step.scaler_skipped:
+                self.result.skipped_scaler_steps += 1
+                self.telemetry.skipped_scaler_steps = self.result.skipped_scaler_steps
+            loss = step.loss
             if not math.isfinite(loss):
                 self.result.nan_steps += 1
                 self.telemetry.nan_steps = self.result.nan_steps
@@ -254,64 +284,8 @@ class Trainer:
             report = peer.report_step(m.samples_per_step, loss, compute_seconds=elapsed)
             if report is not None:
                 self._after_round(report)
-                if self.stop.after_round and report.fallback_reason != LEAVING:
+                if self.stop.after_round and report.outcome != RoundOutcome.abandoned:
                     break
-
-    def _inner_step(self, batch: torch.Tensor) -> float:
-        """One optimizer step over ``samples_per_step`` samples, accumulated over micro-batches."""
-        total = batch.shape[0]
-        while True:
-            try:
-                loss_sum = torch.zeros((), device=self.hardware.device)
-                for chunk in batch.split(self.micro_batch):
-                    x = chunk.to(self.hardware.device, non_blocking=True)
-                    with torch.autocast(
-                        self.hardware.kind if self.hardware.kind != "mps" else "cpu",
-                        dtype=self.precision.autocast_dtype or torch.float32,
-                        enabled=self.precision.autocast_dtype is not None,
-                    ):
-                        loss = self.model(input_ids=x, labels=x).loss * (chunk.shape[0] / total)
-                    self.scaler.scale(loss).backward()
-                    loss_sum += loss.detach().float()
-                value = float(loss_sum)
-                if not math.isfinite(value):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    return value
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.manifest.inner.grad_clip)
-                scale = self.scaler.get_scale() if self.precision.use_scaler else 1.0
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-                if self.precision.use_scaler and self.scaler.get_scale() < scale:
-                    self.result.skipped_scaler_steps += 1
-                    self.telemetry.skipped_scaler_steps = self.result.skipped_scaler_steps
-                self.optimizer.zero_grad(set_to_none=True)
-                return value
-            except Exception as e:
-                if not is_out_of_memory(e):
-                    raise
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.hardware.kind == "cuda":
-                    torch.cuda.empty_cache()
-                if self.micro_batch == 1:
-                    raise SwarmError(
-                        "Out of memory even with a micro-batch of 1. Free the GPU (other processes?) "
-                        "or use a machine with more memory."
-                    ) from None
-                self.micro_batch = max(1, self.micro_batch // 2)
-                self.telemetry.micro_batch = self.micro_batch
-                self.peer.reporter.update(micro_batch=self.micro_batch)
-                self.note("log", f"Out of memory: micro-batch halved to {self.micro_batch}; the step is retried.")
-
-    def evaluate(self) -> float:
-        self.model.eval()
-        losses = []
-        with torch.no_grad():
-            for x in self.eval_set:
-                x = x.to(self.hardware.device)
-                losses.append(float(self.model(input_ids=x, labels=x).loss))
-        self.model.train()
-        return sum(losses) / len(losses)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
@@ -327,10 +301,10 @@ class Trainer:
         )
 
     def _after_round(self, report: RoundReport) -> None:
-        if report.fallback_reason == LEAVING:
+        if report.outcome == RoundOutcome.abandoned:
             self.note("log", "round abandoned: this peer is leaving")
             return
-        if report.fallback_reason == NON_FINITE:
+        if report.outcome == RoundOutcome.non_finite:
             self.optimizer.state.clear()  # its moments hold the non-finite values that caused it
         self.result.rounds += 1
         self.result.epoch = report.epoch
@@ -346,40 +320,59 @@ class Trainer:
             f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
             f"checksum {report.checksum[:10]}",
         )
-        self._save_checkpoint()
-
-    def _save_checkpoint(self) -> None:
-        outer = self.peer.outer
-        with outer.lock:
-            state = dict(
-                run_id=self.manifest.run_id,
-                epoch=outer.epoch,
-                checksum=outer.checksum(),
-                outer=[t.clone() for t in outer.tensors()],
-                model={k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-                inner_optimizer=self.optimizer.state_dict(),
-                scaler=self.scaler.state_dict(),
-                data=dict(order_index=self.stream.position.order_index, sequences=self.stream.position.sequences),
-                saved_at=time.time(),
-            )
-        self.result.checkpoint = checkpoint.save(self.ckpt_dir, outer.epoch, self.peer.inner_step, state)
 
     def _leave(self) -> None:
-        if self.peer is None or self.peer.outer is None:
+        """Within the stop deadline: the inner optimizer's state if there is time, then the peer leaves, which
+        waits for the newest state file (the last round's checkpoint)."""
+        peer = self.peer
+        if peer is None:
             return
+        # after a stop signal everything must fit the deadline (4 s kept for goodbyes); otherwise take the time
+        started = self.stop.signalled_at or time.monotonic()
+        limit = self.stop.deadline - 4.0 if self.stop.requested else UNHURRIED_LEAVE
+        budget = lambda: limit - (time.monotonic() - started)  # noqa: E731
         try:
-            if self.settings.eval_sequences:
-                self.result.eval_loss_end = self.evaluate()
-                self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
-            self._save_checkpoint()
-            self.note("log", f"Checkpoint written: {self.result.checkpoint}")
+            if peer.outer is not None and self.stream is not None:
+                if self.settings.eval_sequences and not self.stop.requested:
+                    self.result.eval_loss_end = evaluate(self.model, self.eval_set, self.hardware.device)
+                    self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
+                self._save_inner(budget())
         finally:
-            self.result.epoch = self.peer.epoch
-            self.result.checksum = self.peer.outer.checksum()
-            self.peer.leave()
+            if peer.outer is not None:
+                self.result.epoch = peer.epoch
+                self.result.checksum = peer.outer.checksum()
+            written = peer.leave(timeout=max(1.0, budget() + 3.0)) if peer.averager is not None else True
+            if peer.store is not None and peer.store.latest is not None:
+                self.result.checkpoint = peer.store.latest.path
+                self.note(
+                    "log",
+                    f"Checkpoint written: {peer.store.latest.path}"
+                    if written
+                    else f"The newest checkpoint was not finished in time; the last complete one is "
+                    f"{peer.store.latest.path}",
+                )
+
+    def _save_inner(self, seconds_left: float) -> None:
+        """The inner AdamW state (2 tensors per parameter), when this disk can write it in the time left."""
+        size = 2 * 4 * self.parameters
+        expected = size / self._disk_rate
+        if not self.stop.requested or expected < seconds_left / 2:
+            checkpoint.save_inner(
+                self.ckpt_dir,
+                self.peer.outer.checksum(),
+                self.optimizer.state_dict(),
+                self.scaler.state_dict(),
+                self._state_extra()["data"],
+            )
+        else:
+            self.note(
+                "log",
+                f"Inner optimizer state not saved: ~{expected:.0f} s to write, {seconds_left:.0f} s left; "
+                "a restart begins it afresh, as a joiner does.",
+            )
 
     def _on_event(self, kind: str, data: dict[str, Any]) -> None:
-        """The peer's events (on the training thread, or the peer's own while it catches up)."""
+        """The peer's events (on the training thread, the state writer's, or the peer's own while it catches up)."""
         if kind == "state":
             self.telemetry.set_state(data["state"])
         elif kind == "left":
@@ -401,3 +394,11 @@ class Trainer:
             self.note("download_failed", f"state download from {data['donor'][-8:]} failed: {data['reason']}")
         elif kind == "initialized":
             self.note("initialized", f"starting at epoch {data['epoch']}: {data['reason']}")
+        elif kind == "state_saved":
+            if data["seconds"] > 0:
+                self._disk_rate = data["bytes"] / data["seconds"]
+            self.telemetry.checkpoint(data["epoch"], data["bytes"], data["seconds"])
+        elif kind == "state_save_failed":
+            self.note("log", f"Writing the checkpoint failed ({data['reason']}); the previous one is kept.")
+        elif kind == "checkpoint_unusable":
+            self.note("log", f"Checkpoint {Path(data['path']).name} is unusable ({data['reason']}); it is skipped.")

@@ -1,31 +1,49 @@
 """swarm: DiLoCo training over a Hivemind DHT, for volunteers.
 
 The package has no terminal and no argument parsing; ``client/`` builds the
-volunteer's application on top of it.
+volunteer's application on top of it. Names are imported on first use, so a tool
+that needs only ``swarm.errors`` or ``swarm.manifest`` (the health check) does not
+pay for torch and hivemind.
 """
 
-from swarm.errors import BootstrapError, ManifestError, NetworkConfigError, StateDownloadError, SwarmError
-from swarm.init import seeded_init
-from swarm.manifest import (
-    AveragingSpec,
-    DatasetSpec,
-    InnerOptimizerSpec,
-    OuterOptimizerSpec,
-    RunManifest,
-    TokenizerSpec,
-)
-from swarm.network import NetworkConfig, parse_initial_peer, start_dht, visible_maddrs
-from swarm.peer import Peer, PeerStats, RoundReport
-from swarm.records import PeerState, ProgressRecord
-from swarm.registry import choose_run, fetch_manifest, list_runs, publish_manifest
-from swarm.swarm_view import Consensus, SwarmView, consensus
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "swarm.errors": [
+        "BootstrapError",
+        "LeaveRequested",
+        "ManifestError",
+        "NetworkConfigError",
+        "PortTakenError",
+        "StateDownloadError",
+        "SwarmError",
+    ],
+    "swarm.init": ["seeded_init"],
+    "swarm.manifest": [
+        "AveragingSpec",
+        "DatasetSpec",
+        "InnerOptimizerSpec",
+        "OuterOptimizerSpec",
+        "RunManifest",
+        "TokenizerSpec",
+    ],
+    "swarm.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
+    "swarm.peer": ["Peer", "PeerStats", "RoundOutcome", "RoundReport"],
+    "swarm.records": ["PeerState", "ProgressRecord"],
+    "swarm.registry": ["choose_run", "fetch_manifest", "list_runs", "publish_manifest"],
+    "swarm.swarm_view": ["Consensus", "SwarmView", "consensus"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = [
     "AveragingSpec",
     "BootstrapError",
     "Consensus",
     "DatasetSpec",
     "InnerOptimizerSpec",
+    "LeaveRequested",
     "ManifestError",
     "NetworkConfig",
     "NetworkConfigError",
@@ -33,7 +51,9 @@ __all__ = [
     "Peer",
     "PeerState",
     "PeerStats",
+    "PortTakenError",
     "ProgressRecord",
+    "RoundOutcome",
     "RoundReport",
     "RunManifest",
     "StateDownloadError",
@@ -41,6 +61,7 @@ __all__ = [
     "SwarmView",
     "TokenizerSpec",
     "choose_run",
+    "claim_port",
     "consensus",
     "fetch_manifest",
     "list_runs",
@@ -50,3 +71,42 @@ __all__ = [
     "start_dht",
     "visible_maddrs",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:
+    from swarm.errors import (
+        BootstrapError,
+        LeaveRequested,
+        ManifestError,
+        NetworkConfigError,
+        PortTakenError,
+        StateDownloadError,
+        SwarmError,
+    )
+    from swarm.init import seeded_init
+    from swarm.manifest import (
+        AveragingSpec,
+        DatasetSpec,
+        InnerOptimizerSpec,
+        OuterOptimizerSpec,
+        RunManifest,
+        TokenizerSpec,
+    )
+    from swarm.network import NetworkConfig, claim_port, parse_initial_peer, start_dht, visible_maddrs
+    from swarm.peer import Peer, PeerStats, RoundOutcome, RoundReport
+    from swarm.records import PeerState, ProgressRecord
+    from swarm.registry import choose_run, fetch_manifest, list_runs, publish_manifest
+    from swarm.swarm_view import Consensus, SwarmView, consensus

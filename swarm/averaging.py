@@ -1,23 +1,15 @@
-"""Pseudo-gradient averaging that leaves every member of a group with identical bits.
+"""The averager process: pseudo-gradient rounds, and the outer state sent to and fetched from other peers.
 
-hivemind's all-reduce returns each peer ``average - own_part`` compressed, and each
-peer adds that to its own tensor. With FP16 on the wire the rounding of that delta
-differs per peer, so groupmates finish about 1e-5 apart and their global models
-drift. Here each reducer sends the (compressed) average itself and keeps the same
-rounding for its own part, so every groupmate receives the very same numbers and
-their outer steps stay bitwise equal, which makes a plain hash a valid
-consistency check.
+A ``PseudoGradientAverager`` is a hivemind ``DecentralizedAverager`` (its own
+process) over shared pseudo-gradient buffers. Its all-reduce is
+``allreduce.ExactAllReduceRunner``: groupmates end bitwise equal, and the buffers
+change only when the whole all-reduce succeeded.
 
-Two more changes make failures safe:
-- results are written into the shared buffers only after the whole all-reduce
-  succeeded, so a failed or retried round leaves this peer's own pseudo-gradient
-  untouched (the local fallback);
-- a part whose reducer vanished comes back as zero (that slice of the
-  pseudo-gradient is dropped this round) rather than as each peer's own values,
-  so survivors still agree. The dropped fraction is reported.
-
-The same averager also serves and fetches the outer state for joiners and
-re-syncing peers, from one chosen donor rather than hivemind's priority list.
+State transfer goes through files rather than memory: a donor streams its newest
+state file (``state_file``) as raw bytes, and a joiner writes what it receives to
+a file of its own, which the host then checks like any checkpoint before loading
+it. Neither side holds the state in RAM, and a donor serves a file that is
+complete and unchanging even while its training moves on.
 """
 
 from __future__ import annotations
@@ -25,42 +17,39 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing as mp
+import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import BannedException
-from hivemind.compression import (
-    CompressionBase,
-    CompressionInfo,
-    Float16Compression,
-    NoCompression,
-    ScaledFloat16Compression,
-    deserialize_torch_tensor,
-    serialize_torch_tensor,
-)
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+
+from swarm.allreduce import ExactAllReduceRunner, decode_into
 
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
     "scaled-fp16": ScaledFloat16Compression,
 }
+SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
+STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file
 
 
 @dataclass(frozen=True)
 class AllReduceOutcome:
-    """What one successful all-reduce did; returned by ``PseudoGradientAverager.step``."""
+    """What one successful all-reduce did; returned by ``PseudoGradientAverager.average``."""
 
     group: tuple[str, ...]  # base58 peer ids, this peer included
     gathered: dict[str, Any]  # each groupmate's ``gather`` payload
@@ -71,107 +60,29 @@ class AllReduceOutcome:
 
 
 class RoundAborted(RuntimeError):
-    """Matchmaking was given up on purpose: ``reason`` says why (the swarm moved on, the peer is leaving)."""
+    """Averaging was given up on purpose: ``leaving`` says whether the peer is on its way out."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, leaving: bool = False):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.leaving = reason, leaving
 
 
-class _CountingStub:
-    """Wraps a groupmate's stub so the averaged parts it streams back are counted as received bytes."""
-
-    def __init__(self, stub: Any, runner: ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
-
-    async def rpc_aggregate_part(self, inputs: AsyncIterator[averaging_pb2.AveragingData]):
-        stream = await self._stub.rpc_aggregate_part(inputs)
-        return self._runner._count(stream, received=True)
-
-
-class ExactAllReduceRunner(AllReduceRunner):
-    """An AllReduceRunner whose outputs are the averaged values, identical for every groupmate.
-
-    It also counts the tensor payload it sends and receives (protobuf and libp2p
-    framing excluded), which the dashboard and the benchmarks report per round.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.bytes_sent = self.bytes_received = 0
-
-    async def _count(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], *, received: bool
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        async for message in stream:
-            size = len(message.tensor_part.buffer)
-            if received:
-                self.bytes_received += size
-            else:
-                self.bytes_sent += size
-            yield message
-
-    def _get_peer_stub(self, peer: PeerID) -> Any:
-        return _CountingStub(super()._get_peer_stub(peer), self)
-
-    def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        return self._count(super()._generate_input_for_peer(peer_index), received=False)
-
-    def _round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
-        compression = self.tensor_part_container.compression
-        return deserialize_torch_tensor(serialize_torch_tensor(tensor, compression.compression_type))
-
-    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
-        if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        sender_index = self.sender_peer_ids.index(peer_id)
-        loop = asyncio.get_event_loop()
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight
-            )
-            rounded = await loop.run_in_executor(None, self._round_trip, averaged_part)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, rounded)
-
-    async def _accumulate_parts_streaming(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        part_index = 0
-        try:
-            loop = asyncio.get_event_loop()
-            async for tensor_part, weight, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                self._count(stream, received=True),
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                try:
-                    averaged_part = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
-                    )
-                    part_index += 1
-                except BannedException:
-                    break
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
-                self.bytes_sent += len(serialized.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+class DownloadStopped(RuntimeError):
+    """A state download was given up because the peer is leaving."""
 
 
 class PseudoGradientAverager(DecentralizedAverager):
-    """A DecentralizedAverager over pseudo-gradient buffers that also shares the outer state."""
+    """A DecentralizedAverager over pseudo-gradient buffers that also serves and fetches state files."""
 
-    def __init__(
-        self, averaged_tensors: Sequence[torch.Tensor], dht, *, state_provider: Callable[[], tuple], **kwargs: Any
-    ):
-        self._state_provider = state_provider
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, **kwargs: Any):
         self._round_stats: dict[bytes, tuple[float, int, int, int]] = {}
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
+        self._served_path = mp.Array(ctypes.c_char, 4096)
+        self._served_epoch = mp.Value(ctypes.c_int64, -1)
+        self._host_epoch = mp.Value(ctypes.c_int64, -1)
         super().__init__(averaged_tensors, dht, **kwargs)
 
-    # ---- averaging -------------------------------------------------------------------------
+    # ---- averaging (runs in the averager process) ------------------------------------------------
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
@@ -191,9 +102,13 @@ class PseudoGradientAverager(DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("auxiliary peers do not receive averaged tensors")
             return
-        results = [result async for _, result in azip(as_aiter(*tensors), runner)]
-        for tensor, result in zip(tensors, results):  # commit only after the whole all-reduce succeeded
-            tensor.copy_(result.reshape(tensor.shape))
+        held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
+
+        def commit() -> None:  # only after the whole all-reduce succeeded
+            for tensor, parts in zip(tensors, held):
+                decode_into(tensor, parts)
+
+        await asyncio.get_event_loop().run_in_executor(None, commit)
         total = max(1, runner.tensor_part_container.total_size)
         self._round_stats[group_id] = (
             runner.tensor_part_container.failed_size / total,
@@ -214,6 +129,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             bytes_received=received,
         )
 
+    # ---- averaging (the host's side) -------------------------------------------------------------
+
     def average(
         self,
         *,
@@ -224,12 +141,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         hard_timeout: float,
         on_stage: Callable[[str], None] = lambda stage: None,
         abort_if: Callable[[], str | None] = lambda: None,
+        leaving: Callable[[], bool] = lambda: False,
         abort_poll: float = 1.0,
     ) -> AllReduceOutcome:
         """One averaging round over the buffers; raises on failure, never waits past ``hard_timeout``.
 
         ``abort_if`` is polled while looking for a group and returns a reason to give
-        up (the swarm already moved on, the peer is leaving), or None to keep waiting.
+        up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled
+        throughout, all-reduce included, since a peer told to stop must not wait for one.
         """
         self.set_group_bits(group_bits, wait=False).result(timeout=30)
         control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
@@ -239,6 +158,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             if control.stage != last_stage:
                 last_stage = control.stage
                 on_stage(last_stage.name)
+            if leaving():
+                control.cancel()
+                raise RoundAborted("the peer is leaving", leaving=True)
             if time.monotonic() > deadline:
                 control.cancel()
                 raise TimeoutError(f"averaging did not finish in {hard_timeout:.0f} s")
@@ -249,63 +171,143 @@ class PseudoGradientAverager(DecentralizedAverager):
                     control.cancel()
                     raise RoundAborted(reason)
             time.sleep(0.02)
-        result = control.result()
-        return AllReduceOutcome(**result)
+        return AllReduceOutcome(**control.result())
 
-    # ---- state sharing -----------------------------------------------------------------------
+    # ---- serving state (the averager process answers; the host says which file) -----------------
+
+    def serve_state_file(self, path: Path, epoch: int) -> None:
+        """From now on, send this (complete, checked) file to peers that ask for the state."""
+        encoded = os.fsencode(str(path))
+        with self._served_path.get_lock():
+            self._served_path.value = encoded
+            self._served_epoch.value = epoch
+
+    def note_epoch(self, epoch: int) -> None:
+        """The host's outer state moved to ``epoch``; a served file of an older epoch is stale until replaced."""
+        self._host_epoch.value = epoch
 
     def get_current_state(self) -> tuple:
-        """Called in this (host) process when a peer downloads our state."""
-        return self._state_provider()
+        raise RuntimeError("the state is served from files (rpc_download_state)")
+
+    async def _current_file(self) -> tuple[Path, int] | None:
+        """The file to serve; waits a little for a round's file that is still being written."""
+        deadline = time.monotonic() + STALE_FILE_WAIT
+        while True:
+            with self._served_path.get_lock():
+                raw, epoch = self._served_path.value, self._served_epoch.value
+            if raw and epoch >= self._host_epoch.value:
+                return Path(os.fsdecode(raw)), epoch
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.2)
+
+    async def rpc_download_state(
+        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
+        if not self.allow_state_sharing:
+            return
+        current = await self._current_file()
+        if current is None:
+            return
+        path, epoch = current
+        loop = asyncio.get_event_loop()
+        try:
+            handle = open(path, "rb")  # noqa: SIM115 (closed below; the file may be pruned meanwhile, this keeps it)
+        except OSError:
+            return
+        try:
+            size = os.fstat(handle.fileno()).st_size
+            metadata = self.serializer.dumps(dict(epoch=epoch, nbytes=size))
+            while chunk := await loop.run_in_executor(None, handle.read, SERVE_CHUNK):
+                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk), metadata=metadata)
+                metadata = b""
+        finally:
+            handle.close()
+
+    # ---- downloading state (the host asks; the averager process writes the file) -----------------
 
     @property
     def download_progress(self) -> float:
         return float(self._download_progress.value)
 
-    def download_state(self, peer_id: str, *, chunk_timeout: float, timeout: float) -> tuple[dict, list]:
-        """Download the outer state from one chosen peer; raises on failure or timeout."""
+    def download_state(
+        self,
+        peer_id: str,
+        destination: Path,
+        *,
+        max_bytes: int,
+        chunk_timeout: float,
+        timeout: float,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> dict:
+        """Fetch one peer's state file into ``destination``; returns its metadata. Raises on failure, timeout
+        or ``should_stop`` (``DownloadStopped``); the caller checks the file before using it."""
         self._download_progress.value = 0.0
         future = MPFuture()
         self._outer_pipe.send(
-            ("_download_state_from", [], dict(peer_id=peer_id, chunk_timeout=chunk_timeout, future=future))
+            (
+                "_download_state_from",
+                [],
+                dict(
+                    peer_id=peer_id,
+                    destination=str(destination),
+                    max_bytes=max_bytes,
+                    chunk_timeout=chunk_timeout,
+                    future=future,
+                ),
+            )
         )
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"state download from {peer_id} did not finish in {timeout:.0f} s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except TimeoutError:
+                if should_stop():
+                    future.cancel()
+                    raise DownloadStopped("the peer is leaving") from None
+                if time.monotonic() > deadline:
+                    future.cancel()
+                    raise TimeoutError(f"state download from {peer_id} did not finish in {timeout:.0f} s") from None
 
-    async def _download_state_from(self, peer_id: str, chunk_timeout: float, future: MPFuture) -> None:
+    async def _download_state_from(
+        self, peer_id: str, destination: str, max_bytes: int, chunk_timeout: float, future: MPFuture
+    ) -> None:
         try:
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, parts, tensors, received = None, [], [], 0
-            async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-                if future.done():  # the host gave up
-                    return
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-                received += len(message.tensor_part.buffer)
-                if isinstance(metadata, dict) and metadata.get("nbytes"):
-                    self._download_progress.value = min(1.0, received / metadata["nbytes"])
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            if not isinstance(metadata, dict):
+            loop = asyncio.get_event_loop()
+            metadata, received = None, 0
+            with open(destination, "wb") as out:
+                async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
+                    if future.done():  # the host gave up
+                        return
+                    if metadata is None:
+                        metadata = self.serializer.loads(message.metadata) if message.metadata else None
+                        nbytes = metadata.get("nbytes") if isinstance(metadata, dict) else None
+                        if not isinstance(nbytes, int) or not 0 < nbytes <= max_bytes:
+                            raise RuntimeError(f"peer {peer_id} announced a state of {nbytes!r} bytes")
+                    chunk = message.tensor_part.buffer
+                    received += len(chunk)
+                    if received > metadata["nbytes"]:
+                        raise RuntimeError(f"peer {peer_id} sent more than the {metadata['nbytes']} bytes it announced")
+                    await loop.run_in_executor(None, out.write, chunk)
+                    self._download_progress.value = received / metadata["nbytes"]
+                await loop.run_in_executor(None, out.flush)
+                await loop.run_in_executor(None, os.fsync, out.fileno())
+            if metadata is None:
                 raise RuntimeError(f"peer {peer_id} refused to share its state")
-            future.set_result((metadata, tensors))
+            if received != metadata["nbytes"]:
+                raise RuntimeError(f"peer {peer_id} sent {received} of {metadata['nbytes']} bytes")
+            if not future.done():
+                future.set_result(metadata)
         except BaseException as e:
+            Path(destination).unlink(missing_ok=True)
             if not future.done():
                 future.set_exception(RuntimeError(f"state download from {peer_id} failed: {e!r}"))
+            if not isinstance(e, Exception):
+                raise
 
 
 def epoch_group_bits(epoch: int, bits: int = 16) -> str:
     """Matchmaking key bits for an epoch, so peers of different epochs never average together."""
     return format(epoch % (1 << bits), f"0{bits}b")
-
-
-def state_tensor_infos(tensors: Sequence[torch.Tensor]) -> list[CompressionInfo]:
-    return [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]

@@ -7,11 +7,13 @@ would wait forever. Every call here gives up after a timeout instead.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import hivemind
 
 DHT_TIMEOUT = 10.0
+logger = logging.getLogger(__name__)
 
 
 def store(
@@ -21,6 +23,7 @@ def store(
         future = dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
         return bool(future.result(timeout=timeout))
     except Exception:  # timeout, or a DHT that is shutting down: the record simply is not stored
+        logger.debug("DHT store of %s failed", key, exc_info=True)
         return False
 
 
@@ -28,4 +31,5 @@ def get(dht: hivemind.DHT, key: str, timeout: float = DHT_TIMEOUT) -> Any:
     try:
         return dht.get(key, latest=True, return_future=True).result(timeout=timeout)
     except Exception:
+        logger.debug("DHT get of %s failed", key, exc_info=True)
         return None

@@ -14,6 +14,10 @@ class NetworkConfigError(SwarmError):
     """A multiaddr, host or port that cannot be used."""
 
 
+class PortTakenError(NetworkConfigError):
+    """The port that was asked for explicitly is in use."""
+
+
 class BootstrapError(SwarmError):
     """None of the initial peers answered."""
 
@@ -24,3 +28,8 @@ class ManifestError(SwarmError):
 
 class StateDownloadError(SwarmError):
     """No peer could provide a verified copy of the training state."""
+
+
+class LeaveRequested(BaseException):
+    """The peer was told to leave (a stop signal). Not an error, so not an ``Exception``: like
+    ``KeyboardInterrupt`` it passes through the ``except Exception`` of a round or a download."""

@@ -4,27 +4,42 @@ hivemind listens on loopback by default; a volunteer must listen on all
 interfaces on a fixed port that can be forwarded, announce a public address when
 behind NAT, keep one peer id across restarts, and hear a clear message when a
 bootstrap address is wrong or dead.
+
+Several peers on one host (one per GPU) each need their own port. The libp2p
+daemon binds with SO_REUSEPORT, so a second daemon on a taken port does not fail:
+it silently shares the port and dials reach the wrong process. ``claim_port``
+therefore checks a port itself before the daemon starts: a plain bind (which any
+listener, SO_REUSEPORT or not, makes fail) and a per-port lock file (which closes
+the race between two peers started at the same moment).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import ipaddress
+import logging
+import os
+import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.errors import BootstrapError, NetworkConfigError
+from swarm.errors import BootstrapError, NetworkConfigError, PortTakenError
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
 
 DEFAULT_PORT = 31337
+PORT_SEARCH = 64  # with the default port, look this far for a free one
+logger = logging.getLogger(__name__)
 
 
 class NetworkConfig(BaseModel):
@@ -32,7 +47,8 @@ class NetworkConfig(BaseModel):
 
     initial_peers: list[str] = Field(default_factory=list)
     host_ip: str = "0.0.0.0"
-    host_port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    # None: DEFAULT_PORT, or the next free port after it; a number: exactly that port; 0: any port (tests)
+    host_port: int | None = Field(None, ge=0, le=65535)
     announce_ip: str | None = None
     identity_path: Path | None = None
     client_mode: bool = False
@@ -70,13 +86,109 @@ def _maddr(ip: str, port: int) -> str:
     return f"/{family}/{ip}/tcp/{port}"
 
 
-def dht_kwargs(config: NetworkConfig) -> dict:
-    """Translate a NetworkConfig into hivemind.DHT arguments, validating each."""
+@dataclass
+class PortClaim:
+    """A port this process may listen on, held (by a lock file) until ``release`` or exit."""
+
+    port: int
+    requested: int | None  # what was asked for (None: the default)
+    _lock: IO | None = None
+
+    @property
+    def moved(self) -> bool:
+        """True when the default port was taken and another one was chosen."""
+        return self.requested is None and self.port != DEFAULT_PORT
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def _lock_port(host_ip: str, port: int) -> tuple[bool, IO | None]:
+    """(free, lock): an exclusive lock on this port's lock file, shared by every user of the host."""
+    folder = Path(tempfile.gettempdir()) / "swarm-ports"
+    try:
+        folder.mkdir(mode=0o1777, exist_ok=True)
+        os.chmod(folder, 0o1777)
+    except OSError:
+        pass  # made by another user: its mode is already right
+    path = folder / f"{host_ip.replace(':', '_')}-{port}.lock"
+    try:
+        handle = open(path, "a")  # noqa: SIM115 (held open for the life of the peer)
+        os.chmod(path, 0o666)
+    except OSError:
+        try:
+            handle = open(path)  # noqa: SIM115 (another user's file: a read-only handle can hold the lock too)
+        except OSError:
+            return True, None  # no lock files here: the bind check alone decides
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return False, None
+    return True, handle
+
+
+def _bindable(host_ip: str, port: int) -> bool:
+    """True if nothing listens on host_ip:port (a listener with SO_REUSEPORT too; TIME_WAIT leftovers do not count)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host_ip).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host_ip, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise NetworkConfigError(f"Cannot listen on {host_ip}:{port}: {e.strerror}.") from None
+    return True
+
+
+def _try_port(host_ip: str, port: int) -> PortClaim | None:
+    free, lock = _lock_port(host_ip, port)
+    if not free:
+        return None
+    if not _bindable(host_ip, port):
+        if lock is not None:
+            lock.close()
+        return None
+    return PortClaim(port, None, lock)
+
+
+def claim_port(host_ip: str, requested: int | None) -> PortClaim:
+    """The port to listen on: ``requested`` if free (else a clear error), the default or the next free one
+    after it when None, anything for 0."""
+    host_ip = _check_ip(host_ip, "--host-ip")
+    if requested == 0:
+        return PortClaim(0, 0)
+    if requested is not None:
+        claim = _try_port(host_ip, requested)
+        if claim is None:
+            raise PortTakenError(
+                f"Port {requested} on {host_ip} is taken (another peer on this machine?). Stop that program, or "
+                f"pick a free port with --host-port, or leave --host-port out to take the next free one."
+            )
+        claim.requested = requested
+        return claim
+    for port in range(DEFAULT_PORT, DEFAULT_PORT + PORT_SEARCH):
+        claim = _try_port(host_ip, port)
+        if claim is not None:
+            return claim
+    raise NetworkConfigError(
+        f"Ports {DEFAULT_PORT}-{DEFAULT_PORT + PORT_SEARCH - 1} on {host_ip} are all taken; pick one with --host-port."
+    )
+
+
+def dht_kwargs(config: NetworkConfig, port: int | None = None) -> dict:
+    """Translate a NetworkConfig into hivemind.DHT arguments, validating each; ``port`` is the claimed port."""
     initial_peers = [str(parse_initial_peer(p)) for p in config.initial_peers]
     host_ip = _check_ip(config.host_ip, "--host-ip")
+    port = config.host_port if port is None else port
+    if port is None:
+        port = DEFAULT_PORT
     kwargs: dict = dict(
         initial_peers=initial_peers,
-        host_maddrs=[_maddr(host_ip, config.host_port)],
+        host_maddrs=[_maddr(host_ip, port)],
         client_mode=config.client_mode,
         use_relay=config.use_relay,
         use_auto_relay=config.use_auto_relay,
@@ -84,9 +196,9 @@ def dht_kwargs(config: NetworkConfig) -> dict:
         record_validators=global_validators(),
     )
     if config.announce_ip is not None:
-        if config.host_port == 0:
+        if port == 0:
             raise NetworkConfigError("--announce-ip needs a fixed --host-port (not 0) so others know where to dial.")
-        kwargs["announce_maddrs"] = [_maddr(_check_ip(config.announce_ip, "--announce-ip"), config.host_port)]
+        kwargs["announce_maddrs"] = [_maddr(_check_ip(config.announce_ip, "--announce-ip"), port)]
     if config.identity_path is not None:
         path = Path(config.identity_path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,13 +206,23 @@ def dht_kwargs(config: NetworkConfig) -> dict:
     return kwargs
 
 
-def start_dht(config: NetworkConfig) -> hivemind.DHT:
-    """Start a DHT node, turning hivemind's failures into messages a volunteer can act on."""
-    kwargs = dht_kwargs(config)
+def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind.DHT:
+    """Start a DHT node, turning hivemind's failures into messages a volunteer can act on.
+
+    Pass the ``claim_port`` result to listen where it said (and to say so first); without one the
+    port is claimed here, and the claim is kept on the returned node as ``dht.port_claim``.
+    """
+    dht_kwargs(config)  # a wrong address fails before any port is claimed
+    claim = claim or claim_port(config.host_ip, config.host_port)
+    kwargs = dht_kwargs(config, claim.port)
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     try:
-        return hivemind.DHT(start=True, **kwargs)
+        dht = hivemind.DHT(start=True, **kwargs)
+        dht.port_claim = claim
+        return dht
     except Exception as e:
+        logger.debug("the DHT failed to start", exc_info=True)
+        claim.release()
         text = str(e)
         if kwargs["initial_peers"] and ("bootstrap" in text.lower() or "initial_peers" in text):
             raise BootstrapError(
@@ -110,8 +232,7 @@ def start_dht(config: NetworkConfig) -> hivemind.DHT:
             ) from None
         if "address already in use" in text.lower() or "bind" in text.lower():
             raise NetworkConfigError(
-                f"Port {config.host_port} on {config.host_ip} is taken. Stop the other peer or pick another "
-                "--host-port."
+                f"Port {claim.port} on {config.host_ip} is taken. Stop the other peer or pick another --host-port."
             ) from None
         raise NetworkConfigError(f"The peer-to-peer daemon could not start: {text}") from None
 
@@ -142,6 +263,7 @@ def probe_peers(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float = 10.0)
             timeout=timeout + 5
         )
     except Exception:
+        logger.debug("probing the initial peers failed", exc_info=True)
         rows = [(peer_id, False, False, None, None) for peer_id in peer_ids]
     return [PeerProbe(*row) for row in rows]
 

@@ -7,6 +7,11 @@ SGD step with Nesterov momentum on the global copy, which then becomes the
 model's starting point for the next round. The copy is fp32 on the CPU so that
 accelerator memory holds only the model being trained, and so that every peer,
 whatever its device, performs bitwise the same outer step.
+
+Memory: the copy and its momentum are 8 bytes per parameter and nothing here
+makes another whole copy: the pseudo-gradient is written into a buffer the
+caller owns (the averager's), the state is saved from and loaded into these
+tensors directly, and the checksum is computed once per change.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
+from swarm import state_file
 from swarm.manifest import OuterOptimizerSpec
+from swarm.state_file import StateHeader
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> str:
@@ -29,23 +37,44 @@ def checksum(tensors: Iterable[torch.Tensor]) -> str:
 
 
 class OuterState:
-    """The global parameters (fp32, CPU), their momentum buffers and the epoch."""
+    """The global parameters (fp32, CPU), their momentum buffers and the epoch.
+
+    ``lock`` guards every change; the background state writer holds it while it
+    reads, so a change waits for a write in progress rather than tearing it.
+    """
 
     def __init__(self, model_params: Sequence[torch.Tensor], spec: OuterOptimizerSpec, epoch: int = 0):
         self.lock = threading.RLock()
-        self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in model_params]
+        self.params = [p.detach().to("cpu", torch.float32, copy=True).contiguous() for p in model_params]
         self.momentum = [torch.zeros_like(p) for p in self.params]
         self.spec = spec
         self.epoch = epoch
+        self._checksum: str | None = None
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def pseudo_gradient(self, model_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``global - local`` in fp32: the direction the outer step moves against."""
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self.params]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of params plus momentum: what a state file or a download holds, headers aside."""
+        return 8 * self.numel
+
+    def pseudo_gradient_into(self, out: Sequence[torch.Tensor], model_params: Sequence[torch.Tensor]) -> None:
+        """Write ``global - local`` (fp32) into ``out``: the direction the outer step moves against."""
         with self.lock, torch.no_grad():
-            return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.params, model_params)]
+            for buf, g, p in zip(out, self.params, model_params):
+                torch.sub(g, p.detach().to("cpu", torch.float32), out=buf)
+
+    def pseudo_gradient(self, model_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``global - local`` as new tensors (for tests and tools; the peer writes into its buffers)."""
+        out = [torch.empty_like(g) for g in self.params]
+        self.pseudo_gradient_into(out, model_params)
+        return out
 
     def step(self, pseudo_gradient: Sequence[torch.Tensor]) -> None:
         """One SGD step with (Nesterov) momentum, identical to ``torch.optim.SGD``'s, then advance the epoch."""
@@ -56,6 +85,7 @@ class OuterState:
                 update = grad.add(buf, alpha=mu) if self.spec.nesterov else buf
                 param.add_(update, alpha=-lr)
             self.epoch += 1
+            self._checksum = None
 
     def write_to(self, model_params: Sequence[torch.Tensor]) -> None:
         with self.lock, torch.no_grad():
@@ -63,16 +93,17 @@ class OuterState:
                 p.copy_(g.to(p.device, p.dtype))
 
     def checksum(self) -> str:
+        """The parameters' sha256, computed once per change of the state."""
+        cached = self._checksum
+        if cached is not None:
+            return cached
         with self.lock:
-            return checksum(self.params)
+            if self._checksum is None:
+                self._checksum = checksum(self.params)
+            return self._checksum
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.momentum]
-
-    def snapshot(self) -> tuple[int, str, list[torch.Tensor]]:
-        """A consistent copy of (epoch, checksum, params + momentum) for a peer downloading it."""
-        with self.lock:
-            return self.epoch, self.checksum(), [t.clone() for t in self.tensors()]
 
     def load(self, epoch: int, tensors: Sequence[torch.Tensor]) -> None:
         n = len(self.params)
@@ -85,3 +116,13 @@ class OuterState:
             for mine, theirs in zip(self.tensors(), tensors):
                 mine.copy_(theirs.to(torch.float32))
             self.epoch = epoch
+            self._checksum = None
+
+    def load_file(self, path: Path, header: StateHeader) -> None:
+        """Load a state file already checked with ``state_file.check`` (shapes, checksum, CRC)."""
+        if list(header.shapes) != self.shapes:
+            raise ValueError(f"{path.name} holds tensors of other shapes than this model")
+        with self.lock:
+            state_file.load_into(path, header, self.tensors())
+            self.epoch = header.epoch
+            self._checksum = header.checksum

@@ -2,47 +2,58 @@
 
 The loop owns the model, the data and the inner AdamW optimizer; the peer owns
 everything that involves other machines: joining, catching up, the outer round
-every H inner steps, keeping the global model consistent with the swarm, and
-leaving. Every network wait in here is bounded, so a volunteer who vanishes at
-any moment costs the others at most the timeouts of the manifest.
+every H inner steps, keeping the global model consistent with the swarm, its
+state files, and leaving. Every network wait in here is bounded, so a volunteer
+who vanishes at any moment costs the others at most the timeouts of the manifest.
+
+Memory, per parameter: the global copy and its momentum (8 bytes), the shared
+pseudo-gradient buffer (4), and while a round runs the averaged values as they
+came off the wire (2 in FP16). ``connect`` forks the averager process before the
+model exists, so that process shares none of the model's pages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
-import random
+import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm.averaging import (
-    COMPRESSIONS,
-    PseudoGradientAverager,
-    RoundAborted,
-    epoch_group_bits,
-    state_tensor_infos,
-)
-from swarm.errors import StateDownloadError
+from swarm.averaging import COMPRESSIONS, PseudoGradientAverager, RoundAborted, epoch_group_bits
+from swarm.errors import LeaveRequested
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
-from swarm.outer import OuterState, checksum
+from swarm.outer import OuterState
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, ProgressReporter, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
 from swarm.registry import MANIFEST_TTL, publish_manifest
-from swarm.swarm_view import SwarmView, build_view, consensus
+from swarm.state_store import SavedState, StateStore
+from swarm.state_sync import StateSync
+from swarm.swarm_view import SwarmView, build_view
 
 logger = logging.getLogger(__name__)
 
-DOWNLOAD_ATTEMPTS = 3
-MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
-LEAVING = "leaving: round abandoned"
-NON_FINITE = "non-finite pseudo-gradient"  # the loop should also reset its inner optimizer
+LEAVE_SECONDS = 10.0  # the most leave() spends telling others and stopping its processes
+
+
+class RoundOutcome(enum.Enum):
+    averaged = "averaged"  # the group's average was applied
+    local = "local"  # no usable group: our own pseudo-gradient was applied
+    resynced = "resynced"  # the round was replaced by the swarm's state (behind, disagreed, non-finite)
+    non_finite = "non-finite"  # our pseudo-gradient was not finite: the loop should reset its inner optimizer
+    abandoned = "abandoned"  # the peer is leaving: nothing was applied
 
 
 @dataclass
@@ -52,7 +63,8 @@ class RoundReport:
     epoch: int  # the epoch reached by this round
     averaged: bool  # False: the local pseudo-gradient was used
     group_size: int
-    fallback_reason: str | None = None
+    outcome: RoundOutcome = RoundOutcome.local
+    fallback_reason: str | None = None  # for people: why the round was not averaged
     dropped_fraction: float = 0.0
     resynced: bool = False
     checksum: str = ""
@@ -77,17 +89,23 @@ Listener = Callable[[str, dict[str, Any]], None]
 class Peer:
     """One training peer of one run.
 
-    ``model`` must have been built with ``swarm.seeded_init(manifest)`` so that
-    peers who start a run together start from the same weights.
+    ``connect(shapes)`` joins the swarm and starts the averager; ``start(model)`` brings
+    the model up to the swarm's state. The model must have been built with
+    ``swarm.seeded_init(manifest)`` so that peers who start a run together start from
+    the same weights. State files (the checkpoints of the outer state, and what
+    joiners download) go to ``state_dir``. ``shield`` is a context manager under which
+    the outer state is changed (a loop that stops on signals holds them off there).
     """
 
     def __init__(
         self,
         manifest: RunManifest,
-        model: torch.nn.Module,
         network: NetworkConfig | None = None,
         *,
         dht: hivemind.DHT | None = None,
+        state_dir: Path | None = None,
+        state_extra: Callable[[], dict[str, Any]] = dict,
+        shield: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         name: str = "",
         device: str = "cpu",
         listener: Listener | None = None,
@@ -96,13 +114,15 @@ class Peer:
     ):
         if (network is None) == (dht is None):
             raise ValueError("pass exactly one of network= or dht=")
-        self.manifest, self.model = manifest, model
+        self.manifest = manifest
         self.run_id = manifest.run_id
         self._network, self._dht, self._owns_dht = network, dht, dht is None
+        self.state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix=f"swarm-{self.run_id}-"))
+        self._state_extra, self._shield = state_extra, shield
         self.name, self.device = name, device
         self._listener = listener or (lambda kind, data: None)
         self._progress_interval, self._progress_ttl = progress_interval, progress_ttl
-        self.params: list[torch.Tensor] = [p for p in model.parameters()]
+        self.params: list[torch.Tensor] = []
         self.stats = PeerStats()
         self.inner_step = 0
         self._round_samples = 0
@@ -112,17 +132,21 @@ class Peer:
         self.outer: OuterState | None = None
         self.averager: PseudoGradientAverager | None = None
         self.reporter: ProgressReporter | None = None
-        self._started = self._stopped = self._stop_requested = False
+        self.store: StateStore | None = None
+        self.sync = StateSync(self)
+        self._buffers: list[torch.Tensor] = []
+        self._connected = self._started = self._stopped = self._stop_requested = False
         self._next_round_check = 0.0
         self._manifest_published_at = 0.0
-        self._last_round_local = False
-        self._download_rate: float | None = None  # bytes/s of our last state download
+        self.last_round_local = False
+        self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
+        self.abandoned_round = False  # a stop signal arrived in the middle of a round
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     @property
     def dht(self) -> hivemind.DHT:
-        assert self._dht is not None, "the peer is not started"
+        assert self._dht is not None, "the peer is not connected"
         return self._dht
 
     @property
@@ -137,25 +161,29 @@ class Peer:
     def client_mode(self) -> bool:
         return bool(self.dht.client_mode)
 
-    def start(self, resume: tuple[int, Sequence[torch.Tensor]] | None = None) -> None:
-        """Join the DHT, announce the run, and catch up with the swarm before the first inner step.
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
-        ``resume`` is (epoch, params + momentum) from a checkpoint: it is kept if the
-        swarm is empty or agrees with it, and replaced by a download otherwise.
+    def connect(self, shapes: Sequence[Sequence[int]]) -> None:
+        """Join the DHT, announce the run and start the averager over buffers of these parameter shapes.
+
+        Call it before building the model: the averager is a forked process, and a fork made
+        while the model exists keeps a private copy of every page the training loop rewrites.
         """
+        assert not self._connected, "already connected"
         install_orphan_reaper()
         if self._dht is None:
             assert self._network is not None
             self._dht = start_dht(self._network)
         self.dht.add_validators([run_validator(self.run_id)])
         self._publish_manifest()
-        self.outer = OuterState(self.params, self.manifest.outer)
         avg = self.manifest.averaging
-        self._buffers = [torch.zeros_like(p) for p in self.outer.params]
+        self._buffers = [torch.zeros(tuple(shape)) for shape in shapes]
+        handler = signal.getsignal(signal.SIGINT)
         self.averager = PseudoGradientAverager(
             self._buffers,
             self.dht,
-            state_provider=self._current_state,
             start=True,
             prefix=run_prefix(self.run_id),
             target_group_size=avg.target_group_size,
@@ -168,7 +196,9 @@ class Peer:
             allow_state_sharing=False,
             client_mode=self.dht.client_mode,
             declare_state_period=10,
+            shutdown_timeout=3,
         )
+        signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
         self.reporter = ProgressReporter(
             self.dht,
             self.run_id,
@@ -178,41 +208,61 @@ class Peer:
             on_tick=self._on_reporter_tick,
         )
         self.reporter.start()
+        self._connected = True
+
+    def start(self, model: torch.nn.Module, resume: Path | None = None) -> None:
+        """Catch up with the swarm before the first inner step.
+
+        ``resume`` is a state file from an earlier run of this peer (``state_store.find_latest``):
+        it is kept if the swarm is empty or agrees with it, and replaced by a download otherwise.
+        """
+        self.params = [p for p in model.parameters()]
+        shapes = [tuple(p.shape) for p in self.params]
+        if not self._connected:
+            self.connect(shapes)
+        if shapes != [tuple(b.shape) for b in self._buffers]:
+            raise ValueError("the model's parameters do not have the shapes the peer was connected with")
+        self.outer = OuterState(self.params, self.manifest.outer)
+        self.store = StateStore(
+            self.state_dir, self.run_id, on_saved=self._on_state_saved, on_failed=self._on_save_failed
+        )
         self._started = True
+        resumed = False
         if resume is not None:
-            self.outer.load(*resume)
-            self.outer.write_to(self.params)
-        self._catch_up(resumed=resume is not None)
-        self._announce_state()
+            resumed = self.sync.load_file(resume)
+        self.sync.catch_up(resumed=resumed)
+        self.announce_state()  # catching up left the state in a file: ours, or the download
         self._set_state(PeerState.training, publish=True)
         self._round_started = time.monotonic()
 
-    def __enter__(self) -> Peer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.leave()
-
-    def leave(self) -> None:
-        """Mark this peer as gone, stop its averager and DHT, and leave no p2pd behind."""
+    def leave(self, timeout: float = LEAVE_SECONDS) -> bool:
+        """Mark this peer as gone, wait (up to ``timeout``) for the newest state file to be on disk, stop the
+        averager and the DHT, and leave no p2pd behind. Returns whether the newest state file was written."""
         if self._stopped:
-            return
+            return True
         self._stopped = True
+        deadline = time.monotonic() + timeout
+        remaining = lambda: max(0.5, deadline - time.monotonic())  # noqa: E731
         if self.reporter is not None:
             self.reporter.update(state=PeerState.leaving.value)
-            self.reporter.publish_now()
+            self.reporter.publish_now(timeout=min(2.0, remaining()))
         if self.averager is not None:
             try:
                 self.averager.allow_state_sharing = False
             except Exception:
-                pass
+                logger.debug("could not turn state sharing off", exc_info=True)
             self.averager.shutdown()
+        saved = self.store.close(timeout=remaining()) if self.store is not None else True
         if self.reporter is not None:
-            self.reporter.stop(PeerState.left)
+            self.reporter.stop(PeerState.left, timeout=min(2.0, remaining()))
         if self._owns_dht and self._dht is not None:
             self._dht.shutdown()
-        self._emit("left", {})
+        self._emit("left", dict(checkpoint_written=saved))
+        return saved
+
+    def request_stop(self) -> None:
+        """Ask a round or a download in progress to give up, so a leaving peer is not held up."""
+        self._stop_requested = True
 
     # ---- the training loop's side ---------------------------------------------------------------
 
@@ -252,24 +302,39 @@ class Peer:
         busy = [p for p in mates if p.state == PeerState.matchmaking.value]  # a group in all-reduce is closed
         return len(busy) >= max(1, avg.min_group_size - 1) and 2 * len(busy) > len(mates)
 
+    def _fill_pseudo_gradient(self) -> bool:
+        """Write ``global - local`` into the averaging buffers; False if it is not finite."""
+        with self.averager.get_tensors() as buffers:
+            self.outer.pseudo_gradient_into(buffers, self.params)
+            return _all_finite(buffers)
+
     def run_outer_round(self) -> RoundReport:
         """Average pseudo-gradients with whoever is ready, take the outer step, and check consistency."""
+        self.in_round = True
+        epoch = self.epoch
+        try:
+            return self._run_outer_round()
+        except LeaveRequested:  # a stop signal cut the round short
+            self.abandoned_round = self.epoch == epoch  # before its outer step: nothing of it was applied
+            raise
+        finally:
+            self.in_round = False
+
+    def _run_outer_round(self) -> RoundReport:
         assert self.outer is not None and self.averager is not None
         avg = self.manifest.averaging
         seconds: dict[str, float] = {"compute": self._compute_seconds or (time.monotonic() - self._round_started)}
         start_epoch = self.outer.epoch
 
         # a late re-check of the previous epoch, now that every peer had time to publish it
-        why = self._resync_reason(start_epoch)
+        why = self.sync.resync_reason(start_epoch)
         if why is not None:
             return self._resync_round(seconds, why)
 
-        pseudo = self.outer.pseudo_gradient(self.params)
-        if not _all_finite(pseudo):  # never send NaN/inf to others: take the swarm's state instead
-            return self._resync_round(seconds, NON_FINITE)
-        with self.averager.get_tensors() as buffers:
-            for buf, grad in zip(buffers, pseudo):
-                buf.copy_(grad)
+        t_fill = time.monotonic()
+        if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
+            return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
+        seconds["pseudo_gradient"] = time.monotonic() - t_fill
 
         t0 = time.monotonic()
         stage_times: dict[str, float] = {}
@@ -277,6 +342,7 @@ class Peer:
         group: tuple[str, ...] = (self.peer_id,)
         dropped = 0.0
         traffic = (0, 0)
+        touched = False  # the buffers may hold something other than our own pseudo-gradient
 
         def on_stage(stage: str) -> None:
             stage_times.setdefault(stage, time.monotonic())
@@ -288,6 +354,9 @@ class Peer:
         while True:
             fallback = None
             stage_times.clear()
+            if touched:
+                self._fill_pseudo_gradient()
+                touched = False
             try:
                 outcome = self.averager.average(
                     weight=float(max(1, self._round_samples)),
@@ -297,7 +366,9 @@ class Peer:
                     hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
                     on_stage=on_stage,
                     abort_if=lambda: self._abort_reason(start_epoch),
+                    leaving=lambda: self._stop_requested,
                 )
+                touched = True
                 epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
                 if epochs != {start_epoch}:
                     fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
@@ -305,22 +376,25 @@ class Peer:
                     group, dropped = outcome.group, outcome.dropped_fraction
                 traffic = (outcome.bytes_sent, outcome.bytes_received)
             except RoundAborted as e:
-                if e.reason == LEAVING:  # keep the last agreed state: it is what a restart resumes from
+                if e.leaving:  # keep the last agreed state: it is what a restart resumes from
                     self._set_state(PeerState.leaving, publish=True)
                     return RoundReport(
                         epoch=start_epoch,
                         averaged=False,
                         group_size=1,
-                        fallback_reason=LEAVING,
+                        outcome=RoundOutcome.abandoned,
+                        fallback_reason="the peer is leaving",
                         checksum=self.outer.checksum(),
                         seconds=seconds,
                     )
                 # our pseudo-gradient is for a round that is over: take the swarm's state
                 return self._resync_round(seconds, "the swarm finished this round without us")
             except Exception as e:  # no group, a vanished groupmate, a timeout
+                logger.debug("averaging attempt failed", exc_info=True)
+                touched = True  # a failed all-reduce leaves the buffers alone, but a broken reducer might not
                 fallback = _short_reason(e)
                 # epoch-mates still on their way to step H: wait for them rather than step alone and run
-                # ahead of the swarm (a failed attempt leaves our pseudo-gradient untouched)
+                # ahead of the swarm
                 if time.monotonic() < wait_until and self._mates_coming(start_epoch) and not self._stop_requested:
                     continue
             break
@@ -329,20 +403,20 @@ class Peer:
         seconds["matchmaking"] = t_allreduce - t0
         seconds["allreduce"] = t1 - t_allreduce
 
-        if fallback is None:
+        if fallback is None and not self._buffers_finite():
+            fallback, group = "groupmates sent non-finite values", (self.peer_id,)
+        with self._shield():  # a stop signal waits for the outer state to be whole again
+            if fallback is not None and touched:
+                self._fill_pseudo_gradient()  # the local update: our own pseudo-gradient
             with self.averager.get_tensors() as buffers:
-                update = [b.clone() for b in buffers]
-            if not _all_finite(update):  # a groupmate sent garbage: keep our own update
-                fallback, group, update = "groupmates sent non-finite values", (self.peer_id,), pseudo
-        if fallback is not None:
-            update = pseudo
-        self.outer.step(update)
-        self.outer.write_to(self.params)
-        mine = self.outer.checksum()
+                self.outer.step(buffers)
+            self.outer.write_to(self.params)
+            self.outer.checksum()
+            self.save_state()
         seconds["outer"] = time.monotonic() - t1
 
         self.stats.rounds += 1
-        self._last_round_local = fallback is not None
+        self.last_round_local = fallback is not None
         if fallback is None:
             self.stats.averaged_rounds += 1
         else:
@@ -351,32 +425,37 @@ class Peer:
             epoch=self.outer.epoch,
             averaged=fallback is None,
             group_size=len(group),
+            outcome=RoundOutcome.averaged if fallback is None else RoundOutcome.local,
             fallback_reason=fallback,
             dropped_fraction=dropped,
-            checksum=mine,
+            checksum=self.outer.checksum(),
             samples=self._round_samples,
             seconds=seconds,
             bytes_sent=traffic[0],
             bytes_received=traffic[1],
         )
-        self._begin_round()
-        self._announce_state()
+        self.begin_round()
+        self.announce_state()
         self._set_state(PeerState.training, publish=True)
         self._emit("round", dict(report=report))
 
         t2 = time.monotonic()
         self._await_groupmates(group, self.outer.epoch, avg.consistency_timeout)
-        why = self._resync_reason(self.outer.epoch)
+        why = self.sync.resync_reason(self.outer.epoch)
         if why is not None:
-            report.resynced = self._resync(f"after the round: {why}")
+            report.resynced = self.sync.resync(f"after the round: {why}")
             report.checksum = self.outer.checksum()
             report.epoch = self.outer.epoch
         seconds["consistency"] = time.monotonic() - t2
         return report
 
+    def _buffers_finite(self) -> bool:
+        with self.averager.get_tensors() as buffers:
+            return _all_finite(buffers)
+
     def resync_now(self, reason: str) -> bool:
         """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""
-        return self._resync(reason)
+        return self.sync.resync(reason)
 
     @property
     def download_progress(self) -> float:
@@ -390,45 +469,9 @@ class Peer:
         """Every live record of the run, including peers that are leaving: for dashboards."""
         return read_peers(self.dht, self.run_id)
 
-    # ---- catching up and staying consistent -----------------------------------------------------
-
-    def _catch_up(self, resumed: bool) -> None:
-        """Download the state from the swarm if anyone is training; otherwise start from the seed or checkpoint."""
-        view = self._wait_for_view()
-        others = [p for p in view.peers if p.peer_id != self.peer_id and p.latest_checksum is not None]
-        if not others:
-            reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
-            self._emit("initialized", dict(epoch=self.epoch, reason=reason))
-            return
-        agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
-        if resumed and agreed is not None and agreed.epoch == self.epoch and agreed.agrees(self.outer.checksum()):
-            self._emit("initialized", dict(epoch=self.epoch, reason="checkpoint agrees with the swarm"))
-            return
-        self._set_state(PeerState.downloading_state, publish=True)
-        if not self._download_consensus_state():
-            raise StateDownloadError(
-                f"{len(others)} peers of run {self.run_id} are training, but none of them served a verified copy "
-                "of the training state. Check that this machine can reach them (firewall, --client-mode), then "
-                "start again."
-            )
-
-    def _wait_for_view(self) -> SwarmView:
-        """Records of other peers can take a moment to become visible to a node that just joined."""
-        view = self.view()
-        if self.dht.initial_peers:
-            deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline and not any(p.peer_id != self.peer_id for p in view.peers):
-                time.sleep(0.5)
-                view = self.view()
-        return view
-
-    def request_stop(self) -> None:
-        """Ask a round in progress to stop looking for a group, so a leaving peer is not held up."""
-        self._stop_requested = True
+    # ---- the swarm's rules, as they apply to this peer -------------------------------------------
 
     def _abort_reason(self, epoch: int) -> str | None:
-        if self._stop_requested:
-            return LEAVING
         view = self.view()
         return "moved on" if view.global_epoch is not None and view.global_epoch > epoch else None
 
@@ -437,21 +480,6 @@ class Peer:
         active = (PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value)
         view = self.view()
         return any(p.peer_id != self.peer_id and p.epoch == epoch and p.state in active for p in view.peers)
-
-    def _resync_reason(self, epoch: int) -> str | None:
-        """Why we must take the swarm's state, or None: the swarm is ahead of us, most peers hold another
-        checksum for ``epoch``, or we ran ahead of the swarm on our own (local rounds past the majority)."""
-        view = self.view()
-        if view.global_epoch is not None and view.global_epoch > epoch:
-            return f"behind the swarm (epoch {epoch}, the swarm is at {view.global_epoch})"
-        if self._last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
-            if any(p.peer_id != self.peer_id and p.epoch == view.global_epoch for p in view.peers):
-                return f"ran ahead of the swarm on local rounds (epoch {epoch}, the swarm is at {view.global_epoch})"
-        agreed = consensus(view.peers, epoch)
-        mine = self.outer.checksum() if self.outer.epoch == epoch else None
-        if agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1:
-            return f"disagreed with the majority's checksum at epoch {epoch}"
-        return None
 
     def _await_groupmates(self, group: Sequence[str], epoch: int, timeout: float) -> None:
         """Give groupmates a moment to publish their checksum for ``epoch`` before comparing."""
@@ -463,132 +491,67 @@ class Peer:
                 return
             time.sleep(0.2)
 
-    def _resync_round(self, seconds: dict[str, float], why: str) -> RoundReport:
+    def _resync_round(
+        self, seconds: dict[str, float], why: str, outcome: RoundOutcome = RoundOutcome.resynced
+    ) -> RoundReport:
         t0 = time.monotonic()
-        resynced = self._resync(why)
+        resynced = self.sync.resync(why)
         seconds.update(matchmaking=0.0, allreduce=0.0, outer=0.0, resync=time.monotonic() - t0)
-        self._begin_round()
+        self.begin_round()
         return RoundReport(
             epoch=self.epoch,
             averaged=False,
             group_size=1,
+            outcome=outcome,
             fallback_reason=why,
             resynced=resynced,
             checksum=self.outer.checksum(),
             seconds=seconds,
         )
 
-    def _resync(self, why: str) -> bool:
-        self._set_state(PeerState.resyncing, publish=True)
-        self._emit("resync", dict(reason=why, epoch=self.epoch))
-        ok = self._download_consensus_state()
-        if ok:
-            self.stats.resyncs += 1
-            self._last_round_local = False
-        self.outer.write_to(self.params)  # whatever happened, the model restarts from the global copy
-        self._begin_round()
-        self._announce_state()
-        self._set_state(PeerState.training, publish=True)
-        return ok
-
-    def _download_consensus_state(self) -> bool:
-        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash."""
-        assert self.outer is not None and self.averager is not None
-        avg = self.manifest.averaging
-        # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
-        self.averager.allow_state_sharing = False
-        for attempt in range(DOWNLOAD_ATTEMPTS):
-            view = self._view_after_round_if_download_is_too_slow()
-            if view.global_epoch is None:
-                return False
-            agreed = consensus(view.peers, view.global_epoch)
-            if agreed is None:
-                time.sleep(1.0)
-                continue
-            donors = [
-                p.peer_id
-                for p in view.peers
-                if p.peer_id in agreed.holders and p.peer_id != self.peer_id and not p.client_mode
-            ]
-            if not donors:
-                return agreed.agrees(self.outer.checksum()) and self.outer.epoch == agreed.epoch
-            random.shuffle(donors)  # spread joiners over donors
-            for donor in donors:
-                if self._download_from(donor, avg.chunk_timeout, avg.allreduce_timeout):
-                    return True
-            time.sleep(min(5.0, 1.0 * (attempt + 1)))
-        return False
-
-    def _view_after_round_if_download_is_too_slow(self) -> SwarmView:
-        """On a slow link a download can outlast what is left of the swarm's round; the state would be stale
-        on arrival and we would download again, forever. Knowing how fast our last download went, wait for
-        the swarm's next round to end and download then: a whole round's time for the transfer, and the
-        early-join rule lets us average in that same round."""
-        view = self.view()
-        if self._download_rate is None or view.global_epoch is None or view.eta_next_round is None:
-            return view
-        expected = sum(t.numel() * t.element_size() for t in self.outer.tensors()) / self._download_rate
-        if expected < MIN_DEFERRED_DOWNLOAD or view.eta_next_round >= expected:
-            return view
-        avg = self.manifest.averaging
-        self._emit("download_deferred", dict(eta=view.eta_next_round, expected=expected))
-        epoch, deadline = view.global_epoch, time.monotonic() + view.eta_next_round + avg.matchmaking_timeout
-        while time.monotonic() < deadline and not self._stop_requested:
-            time.sleep(0.5)
-            view = self.view()
-            if view.global_epoch is None or view.global_epoch > epoch:
-                break
-        return view
-
-    def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
-        self._emit("download_started", dict(donor=donor))
-        started = time.monotonic()
-        try:
-            metadata, tensors = self.averager.download_state(donor, chunk_timeout=chunk_timeout, timeout=timeout)
-        except Exception as e:
-            self._emit("download_failed", dict(donor=donor, reason=_short_reason(e)))
-            return False
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self._download_rate = nbytes / max(time.monotonic() - started, 1e-3)  # bytes/s, for timing the next one
-        n = len(self.outer.params)
-        epoch, claimed = metadata.get("epoch"), metadata.get("checksum")
-        if metadata.get("run_id") != self.run_id or not isinstance(epoch, int) or len(tensors) != 2 * n:
-            self._emit("download_failed", dict(donor=donor, reason="the state does not belong to this run"))
-            return False
-        actual = checksum(tensors[:n])
-        agreed = consensus(self.view().peers, epoch)
-        if actual != claimed or agreed is None or not agreed.agrees(actual):
-            self._emit("download_failed", dict(donor=donor, reason="the state failed its checksum"))
-            return False
-        try:
-            self.outer.load(epoch, tensors)
-        except ValueError as e:
-            self._emit("download_failed", dict(donor=donor, reason=str(e)))
-            return False
-        self.outer.write_to(self.params)
-        self._emit("state_loaded", dict(donor=donor, epoch=epoch, checksum=actual))
-        return True
-
-    def _current_state(self) -> tuple:
-        epoch, digest, tensors = self.outer.snapshot()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        metadata = dict(run_id=self.run_id, epoch=epoch, checksum=digest, nbytes=nbytes)
-        return metadata, tensors, state_tensor_infos(tensors)
-
     # ---- bookkeeping ---------------------------------------------------------------------------
 
-    def _begin_round(self) -> None:
+    def begin_round(self) -> None:
         self.inner_step = 0
         self._round_samples = 0
         self._compute_seconds = 0.0
         self._round_started = time.monotonic()
 
-    def _announce_state(self) -> None:
-        """Publish our checksum for the current epoch and offer our state to others."""
+    def save_state(self) -> None:
+        """Write the current outer state to a new state file, in the background."""
+        self.averager.note_epoch(self.outer.epoch)
+        self.store.save_async(self.outer, self.state_extra())
+
+    def state_extra(self) -> dict[str, Any]:
+        """The loop's own extras for the state file being made (its data position, say); never sent to others."""
+        try:
+            return dict(self._state_extra())
+        except Exception:
+            logger.debug("state_extra failed", exc_info=True)
+            return {}
+
+    def announce_state(self) -> None:
+        """Publish our checksum for the current epoch and offer our state (its file) to others."""
         self.reporter.add_checksum(self.outer.epoch, self.outer.checksum())
         self.reporter.update(epoch=self.outer.epoch, inner_step=self.inner_step, publish_now=True)
         if not self.client_mode:
             self.averager.allow_state_sharing = True
+
+    def _on_state_saved(self, saved: SavedState) -> None:
+        """On the state writer's thread: serve the new file, and tell the loop (checkpoint bytes and time)."""
+        self.averager.serve_state_file(saved.path, saved.epoch)
+        self._emit(
+            "state_saved", dict(path=str(saved.path), epoch=saved.epoch, bytes=saved.bytes, seconds=saved.seconds)
+        )
+
+    def _on_save_failed(self, reason: str) -> None:
+        self._emit("state_save_failed", dict(reason=reason))
+
+    def set_state(self, state: PeerState, publish: bool = False) -> None:
+        self._set_state(state, publish)
+
+    def shield(self) -> AbstractContextManager:
+        return self._shield()
 
     def _set_state(self, state: PeerState, publish: bool = False) -> None:
         self.reporter.update(state=state.value, epoch=self.epoch, inner_step=self.inner_step, publish_now=publish)
@@ -615,6 +578,7 @@ class Peer:
         try:
             return any("/p2p-circuit" in str(a) for a in self.dht.get_visible_maddrs())
         except Exception:
+            logger.debug("could not read our visible addresses", exc_info=True)
             return False
 
     def _publish_manifest(self) -> None:
@@ -627,6 +591,9 @@ class Peer:
         if time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
             self._publish_manifest()
         self.reporter.update(download_progress=min(1.0, max(0.0, self.download_progress)))
+
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        self._emit(kind, data)
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
         try:

@@ -77,14 +77,13 @@ class ProgressReporter:
         with self._lock:
             return ProgressRecord(**{**self._fields, "time": time.time()})
 
-    def publish_now(self) -> bool:
-        return self._publish()
+    def publish_now(self, timeout: float = dht_calls.DHT_TIMEOUT) -> bool:
+        return self._publish(timeout=timeout)
 
-    def _publish(self, ttl: float | None = None) -> bool:
+    def _publish(self, ttl: float | None = None, timeout: float = dht_calls.DHT_TIMEOUT) -> bool:
         record = self.snapshot()
-        return dht_calls.store(
-            self.dht, progress_key(self.run_id), self._subkey, record.dict(), get_dht_time() + (ttl or self.ttl)
-        )
+        expiration = get_dht_time() + (ttl or self.ttl)
+        return dht_calls.store(self.dht, progress_key(self.run_id), self._subkey, record.dict(), expiration, timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -94,14 +93,14 @@ class ProgressReporter:
                 self._publish()
                 self._on_tick()
 
-    def stop(self, final_state: PeerState = PeerState.left, ttl: float = 5.0) -> None:
+    def stop(self, final_state: PeerState = PeerState.left, ttl: float = 5.0, timeout: float = 5.0) -> None:
         """Mark this peer as gone: a short-lived final record, then no more refreshes."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
         self.update(state=final_state.value)
-        self._publish(ttl=ttl)
+        self._publish(ttl=ttl, timeout=timeout)
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
-from swarm.peer import NON_FINITE  # noqa: E402
+from swarm.peer import RoundOutcome  # noqa: E402
 
 
 def main() -> int:
@@ -48,9 +48,16 @@ def main() -> int:
         model = make_model(manifest, args.extra_params)
     optimizer = make_optimizer(model, manifest)
     network = NetworkConfig(initial_peers=args.initial_peers, host_ip="127.0.0.1", host_port=0)
-    peer = Peer(manifest, model, network, name=f"rank{args.rank}", listener=listener, progress_interval=0.5)
+    peer = Peer(
+        manifest,
+        network,
+        state_dir=args.out / "state",
+        name=f"rank{args.rank}",
+        listener=listener,
+        progress_interval=0.5,
+    )
     try:
-        peer.start()
+        peer.start(model)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,9 +73,9 @@ def main() -> int:
         loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
         report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
         if report is not None:
-            if report.fallback_reason == NON_FINITE:
+            if report.outcome == RoundOutcome.non_finite:
                 optimizer.state.clear()  # as the client does: the moments hold the NaNs
-            reports.append(report.__dict__)
+            reports.append(dict(report.__dict__, outcome=report.outcome.value))
             (args.out / "reports.json").write_text(json.dumps(reports))
     torch.save(
         dict(

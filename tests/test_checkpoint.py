@@ -1,32 +1,186 @@
+"""State files and the background state store: the format, its checks, atomic writes, pruning, resuming."""
+
+import json
+import threading
+import time
+
+import pytest
 import torch
+from safetensors import safe_open
 
 from client import checkpoint
+from swarm import state_file
+from swarm.manifest import OuterOptimizerSpec
+from swarm.outer import OuterState
+from swarm.state_file import StateFileError
+from swarm.state_store import SavedState, StateStore, find_latest, state_files
+
+SHAPES = [(5, 3), (7,)]
 
 
-def test_round_trip_keeps_the_last_two(tmp_path):
+def make_outer(seed: int = 0, epoch: int = 0) -> OuterState:
+    torch.manual_seed(seed)
+    outer = OuterState([torch.randn(*s) for s in SHAPES], OuterOptimizerSpec(), epoch=epoch)
+    for m in outer.momentum:
+        m.normal_()
+    return outer
+
+
+def write(path, outer: OuterState, run_id: str = "r") -> int:
+    return state_file.write(
+        path, run_id=run_id, epoch=outer.epoch, checksum=outer.checksum(), params=outer.params, momentum=outer.momentum
+    )
+
+
+def test_a_state_file_is_safetensors_and_loads_back_bit_for_bit(tmp_path):
+    outer = make_outer(epoch=7)
+    path = tmp_path / "s.safetensors"
+    size = write(path, outer)
+    assert size == path.stat().st_size
+    with safe_open(str(path), framework="pt") as f:  # any safetensors tool can read it
+        assert torch.equal(f.get_tensor("param.00000"), outer.params[0])
+        assert torch.equal(f.get_tensor("momentum.00001"), outer.momentum[1])
+        assert f.metadata()["epoch"] == "7" and f.metadata()["checksum"] == outer.checksum()
+    header = state_file.check(path, run_id="r", shapes=SHAPES)
+    other = make_outer(seed=1)
+    other.load_file(path, header)
+    assert other.epoch == 7 and other.checksum() == outer.checksum()
+    assert all(torch.equal(a, b) for a, b in zip(other.tensors(), outer.tensors()))
+
+
+@pytest.mark.parametrize("where", ["params", "momentum", "header"])
+def test_one_flipped_byte_anywhere_is_refused(tmp_path, where):
+    outer = make_outer()
+    path = tmp_path / "s.safetensors"
+    write(path, outer)
+    header = state_file.read_header(path)
+    data = bytearray(path.read_bytes())
+    offset = {"params": header.data_start + 5, "momentum": header.total_bytes - 3, "header": 20}[where]
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateFileError):
+        state_file.check(path, run_id="r", shapes=SHAPES)
+
+
+def test_wrong_run_wrong_shapes_truncated_and_garbage_are_refused(tmp_path):
+    path = tmp_path / "s.safetensors"
+    write(path, make_outer())
+    with pytest.raises(StateFileError, match="belongs to run"):
+        state_file.check(path, run_id="other")
+    with pytest.raises(StateFileError, match="shapes"):
+        state_file.check(path, run_id="r", shapes=[(5, 3), (8,)])
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(StateFileError, match="truncated"):
+        state_file.check(path, run_id="r")
+    for junk in (b"", b"\x00" * 100, b"\xff" * 8 + b"{}", (10).to_bytes(8, "little") + b"not json!!"):
+        path.write_bytes(junk)
+        with pytest.raises(StateFileError):
+            state_file.check(path, run_id="r")
+
+
+def test_store_writes_in_the_background_keeps_two_and_resumes_the_newest(tmp_path):
+    saved = []
+    store = StateStore(tmp_path, "r", on_saved=saved.append)
+    outer = make_outer()
     for epoch in range(4):
-        checkpoint.save(tmp_path, epoch, 0, dict(run_id="r", epoch=epoch, weights=torch.full((3,), float(epoch))))
-    files = sorted(p.name for p in tmp_path.glob("checkpoint-*.pt"))
-    assert files == ["checkpoint-0000002-000000.pt", "checkpoint-0000003-000000.pt"]
+        outer.step([torch.ones(*s) for s in SHAPES])
+        store.save_async(outer, dict(data=dict(order_index=epoch, sequences=3)))
+        assert store.wait_idle(30)
+    assert [s.epoch for s in saved] == [1, 2, 3, 4] and all(s.bytes > 0 for s in saved)
+    assert [p.name for p in state_files(tmp_path)] == ["state-000003.safetensors", "state-000002.safetensors"]
     assert not list(tmp_path.glob(".tmp-*"))
-    loaded = checkpoint.load_latest(tmp_path, "r")
-    assert loaded.state["epoch"] == 3 and torch.equal(loaded.state["weights"], torch.full((3,), 3.0))
+    found = find_latest(tmp_path, "r", SHAPES)
+    assert found.header.epoch == 4 and found.header.checksum == outer.checksum()
+    assert found.extra == dict(data=dict(order_index=3, sequences=3))
+    assert store.close()
 
 
-def test_corrupt_newest_falls_back_to_the_previous_one_with_a_message(tmp_path):
-    for epoch in (1, 2):
-        checkpoint.save(tmp_path, epoch, 0, dict(run_id="r", epoch=epoch))
-    newest = sorted(tmp_path.glob("checkpoint-*.pt"))[-1]
-    newest.write_bytes(newest.read_bytes()[:40])  # truncated, as by a full disk
+def test_a_change_waits_for_the_write_in_progress_and_never_tears_it(tmp_path):
+    """The writer holds the state's lock: an outer step during a write lands after it, in the next file."""
+    store = StateStore(tmp_path, "r")
+    outer = make_outer()
+    writing = threading.Event()
+    real_write = state_file.write
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        time.sleep(0.5)
+        return real_write(*args, **kwargs)
+
+    state_file.write = slow_write
+    try:
+        before = outer.checksum()
+        store.save_async(outer)
+        assert writing.wait(10)
+        outer.step([torch.ones(*s) for s in SHAPES])  # blocks until the write is done
+        assert store.wait_idle(30)
+    finally:
+        state_file.write = real_write
+    header = state_file.check(state_files(tmp_path)[0], run_id="r", shapes=SHAPES)
+    assert header.epoch == 0 and header.checksum == before != outer.checksum()
+
+
+def test_a_damaged_newest_file_falls_back_to_the_one_before_with_a_message(tmp_path):
+    store = StateStore(tmp_path, "r")
+    outer = make_outer()
+    for _ in range(2):
+        outer.step([torch.ones(*s) for s in SHAPES])
+        store.save_async(outer)
+        assert store.wait_idle(30)
+    newest = state_files(tmp_path)[0]
+    newest.write_bytes(b"\x00" * 100)  # a disk that lost it
     messages = []
-    loaded = checkpoint.load_latest(tmp_path, "r", warn=messages.append)
-    assert loaded.state["epoch"] == 1
-    assert len(messages) == 1 and newest.name in messages[0] and "skipped" in messages[0]
+    found = checkpoint.find(tmp_path, "r", SHAPES, warn=messages.append)
+    assert found is not None and found.header.epoch == 1
+    assert len(messages) == 1 and newest.name in messages[0] and "older checkpoint" in messages[0]
 
 
-def test_all_corrupt_or_foreign_gives_none(tmp_path):
-    checkpoint.save(tmp_path, 1, 0, dict(run_id="other-run", epoch=1))
-    (tmp_path / "checkpoint-0000009-000000.pt").write_bytes(b"garbage")
+def test_a_failed_write_keeps_the_previous_file_and_reports(tmp_path):
+    failures = []
+    store = StateStore(tmp_path, "r", on_failed=failures.append)
+    outer = make_outer()
+    store.save_async(outer)
+    assert store.wait_idle(30)
+    real_write = state_file.write
+    state_file.write = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        outer.step([torch.ones(*s) for s in SHAPES])
+        store.save_async(outer)
+        assert store.wait_idle(30)
+    finally:
+        state_file.write = real_write
+    assert failures and "No space left" in failures[0]
+    assert [p.name for p in state_files(tmp_path)] == ["state-000000.safetensors"]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_an_adopted_download_becomes_the_newest_even_if_an_older_write_finishes_later(tmp_path):
+    saved = []
+    store = StateStore(tmp_path, "r", on_saved=saved.append)
+    with store._cond:
+        older = store._claim_name()  # the writer thread claimed its name, then the download was adopted
+    downloaded = tmp_path / "incoming.safetensors"
+    write(downloaded, make_outer(seed=3, epoch=9))
+    header = state_file.check(downloaded, run_id="r", shapes=SHAPES)
+    adopted = store.adopt(downloaded, header, dict(data=dict(order_index=1, sequences=2)))
+    assert adopted.epoch == 9 and store.latest == adopted and not downloaded.exists()
+    write(older, make_outer(epoch=4))  # ... and only now does that older write finish
+    store._finish(SavedState(older, 4, "x", 1, 0.1))
+    assert store.latest == adopted and saved == [adopted]
+    assert find_latest(tmp_path, "r", SHAPES).header.epoch == 9
+    assert json.loads(adopted.path.with_suffix(".json").read_text())["data"]["order_index"] == 1
+
+
+def test_inner_state_is_used_only_with_the_outer_state_it_was_saved_with(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    checkpoint.save_inner(tmp_path, "abc", optimizer.state_dict(), {}, dict(order_index=2, sequences=5))
+    inner = checkpoint.load_inner(tmp_path, "abc")
+    assert inner is not None and inner.data == dict(order_index=2, sequences=5)
+    assert torch.equal(inner.optimizer["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert checkpoint.load_inner(tmp_path, "another state") is None
+    (tmp_path / checkpoint.INNER_FILE).write_bytes(b"junk")
     messages = []
-    assert checkpoint.load_latest(tmp_path, "r", warn=messages.append) is None
-    assert len(messages) == 2
+    assert checkpoint.load_inner(tmp_path, "abc", warn=messages.append) is None and "unreadable" in messages[0]

@@ -200,7 +200,11 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
     assert re.search(r"^swarm: \d+ peers alive, global epoch \d+", text, re.M), text[-2000:]
     records = [json.loads(line) for line in (swarm.root / "peer1.jsonl").read_text().splitlines()]
     kinds = {r["type"] for r in records}
-    assert kinds == {"step", "round", "event"}
+    assert kinds == {"step", "round", "event", "checkpoint"}
+    checkpoints = [r for r in records if r["type"] == "checkpoint"]  # one per state file, written in the background
+    assert all(r["bytes"] > 0 and r["seconds"] >= 0 and r["epoch"] >= 0 for r in checkpoints)
+    finished = sorted(r["epoch"] for r in records if r["type"] == "round")[:-1]  # the newest may still be writing
+    assert {r["epoch"] for r in checkpoints} >= set(finished)
     steps = [r for r in records if r["type"] == "step"]
     assert all(r["loss"] > 0 and r["step_seconds"] > 0 and 1 <= r["inner_step"] <= 5 for r in steps)
     rounds = [r for r in records if r["type"] == "round"]

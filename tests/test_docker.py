@@ -105,11 +105,20 @@ def test_dockerfile_pins_a_cuda_runtime_pytorch_base_and_builds_in_two_stages():
     assert not re.search(r"apt-get install|build-essential|\bgcc\b", runtime), "no build tools at runtime"
 
 
+def test_the_base_image_is_a_build_argument_for_both_stages():
+    """The same file builds on the CUDA base for release and on a local base in tests/test_image.py."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:\S+$", text, re.M)
+    assert [rest.split()[0] for k, rest in instructions() if k == "FROM"] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert "python3 -m pip" in text and not re.search(r"(^|&& )pip ", text, re.M)  # no layout assumed but python3
+
+
 def test_dockerfile_runtime_contract():
     assert exec_form(one("ENTRYPOINT")) == ["swarm-client"]
     assert exec_form(one("CMD")) == ["join"]
     assert one("EXPOSE") == f"{DEFAULT_PORT}/tcp"
-    assert build_parser().parse_args(["join", "--initial-peers", PEER]).host_port == DEFAULT_PORT
+    # no --host-port: the peer listens on DEFAULT_PORT, or the next free one when another peer has it
+    assert build_parser().parse_args(["join", "--initial-peers", PEER]).host_port is None
     assert one("STOPSIGNAL") == "SIGTERM"
     assert one("VOLUME") in ("/data", '["/data"]')
     user = one("USER").split(":")[0]
@@ -183,7 +192,7 @@ def sample_value(action) -> tuple[str, object]:
         return "1", True
     if action.nargs in ("+", "*"):
         return f"{PEER},{PEER}", [PEER, PEER]
-    if action.type is int or getattr(action.type, "__name__", "") == "_micro_batch":
+    if action.type is int or getattr(action.type, "__name__", "") in ("_micro_batch", "_port"):
         return "7", 7
     if action.type is float:
         return "7.5", 7.5

@@ -37,12 +37,26 @@ def test_pseudo_gradient_is_global_minus_local_and_write_back_restores_the_model
 def test_checksum_sees_a_single_bit_and_load_refuses_wrong_shapes():
     state = OuterState([torch.zeros(4)], OuterOptimizerSpec())
     before = state.checksum()
-    state.params[0][2] = torch.finfo(torch.float32).tiny
-    assert state.checksum() != before
-    assert checksum([torch.zeros(4)]) == before
+    flipped = torch.zeros(4)
+    flipped[2] = torch.finfo(torch.float32).tiny
+    assert checksum([flipped]) != before and checksum([torch.zeros(4)]) == before
+    state.step([flipped])  # the cached checksum follows every change made through the state
+    assert state.checksum() == checksum(state.params) != before
     with pytest.raises(ValueError, match="shape"):
         state.load(3, [torch.zeros(5), torch.zeros(5)])
     with pytest.raises(ValueError, match="expected 2"):
         state.load(3, [torch.zeros(4)])
     state.load(3, [torch.ones(4), torch.zeros(4)])
     assert state.epoch == 3 and torch.equal(state.params[0], torch.ones(4))
+    assert state.checksum() == checksum([torch.ones(4)])
+
+
+def test_pseudo_gradient_is_written_into_the_callers_buffers():
+    model = torch.nn.Linear(3, 2)
+    state = OuterState(list(model.parameters()), OuterOptimizerSpec())
+    with torch.no_grad():
+        model.bias.sub_(0.5)
+    buffers = [torch.full_like(p, 7.0) for p in state.params]
+    state.pseudo_gradient_into(buffers, list(model.parameters()))
+    assert torch.equal(buffers[0], torch.zeros_like(buffers[0]))
+    assert torch.allclose(buffers[1], torch.full_like(buffers[1], 0.5))

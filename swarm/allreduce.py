@@ -1,0 +1,193 @@
+"""An all-reduce that leaves every member of a group with identical bits, and copies nothing whole.
+
+hivemind's all-reduce returns each peer ``average - own_part`` compressed, and each
+peer adds that to its own tensor. With FP16 on the wire the rounding of that delta
+differs per peer, so groupmates finish about 1e-5 apart and their global models
+drift. Here each reducer sends the (compressed) average itself and keeps the same
+rounding for its own part, so every groupmate receives the very same numbers and
+their outer steps stay bitwise equal, which makes a plain hash a valid
+consistency check.
+
+The averaged parts are held as they came off the wire (2 bytes per value in
+FP16) until the whole all-reduce has succeeded, and only then decoded into the
+caller's buffers, so a failed or retried round leaves the peer's own
+pseudo-gradient untouched (the local fallback) without a second full-size copy
+of it anywhere. A part whose reducer vanished comes back as zero (that slice is
+dropped this round) rather than as each peer's own values, so survivors still
+agree; the dropped fraction is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
+from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A part whose reducer failed: it is read back as ``numel`` zeros."""
+
+    numel: int
+
+
+HeldPart = runtime_pb2.Tensor | Dropped
+
+
+class HeldOutputContainer(TensorPartContainer):
+    """Keeps averaged parts serialized, and hands them out per tensor as lists rather than as new tensors."""
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
+            numel = self._input_parts_by_peer[peer_index][part_index][0].numel()
+            self.register_processed_part(peer_index, part_index, Dropped(numel))
+            self.failed_size += numel
+
+    async def iterate_output_tensors(self) -> AsyncIterator[list[HeldPart]]:
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        peer_index = num_parts_processed = 0
+        for tensor_index in range(len(self.local_tensors)):
+            parts: list[HeldPart] = []
+            while len(parts) < self.num_parts_by_tensor[tensor_index]:
+                if num_parts_processed >= self.num_parts_by_peer[peer_index]:
+                    num_parts_processed = 0
+                    peer_index += 1
+                    continue
+                if not self._output_parts_by_peer[peer_index]:
+                    self._output_part_available[peer_index].clear()
+                    await self._output_part_available[peer_index].wait()
+                    if self.finished.is_set():
+                        raise AllreduceException("All-reduce was terminated during iteration")
+                parts.append(self._output_parts_by_peer[peer_index].popleft())
+                num_parts_processed += 1
+            yield parts
+
+
+def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
+    """Write held parts, in order, into ``tensor``; a part of the wrong size means a broken reducer."""
+    flat = tensor.view(-1)
+    offset = 0
+    for part in parts:
+        if isinstance(part, Dropped):
+            flat[offset : offset + part.numel].zero_()
+            offset += part.numel
+            continue
+        values = deserialize_torch_tensor(part).reshape(-1)
+        if offset + values.numel() > flat.numel():
+            raise AllreduceException("a reducer returned more values than were sent to it")
+        flat[offset : offset + values.numel()].copy_(values)
+        offset += values.numel()
+    if offset != flat.numel():
+        raise AllreduceException(f"reducers returned {offset} values for a tensor of {flat.numel()}")
+
+
+class _CountingStub:
+    """Wraps a groupmate's stub so the averaged parts it streams back are counted as received bytes."""
+
+    def __init__(self, stub: Any, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterator[averaging_pb2.AveragingData]):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._runner._count(stream, received=True)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An AllReduceRunner whose outputs are the averaged values, identical for every groupmate, held serialized.
+
+    Iterating it yields, per local tensor, the list of its parts (see ``decode_into``). It
+    also counts the tensor payload it sends and receives (protobuf and libp2p framing
+    excluded), which the dashboard and the benchmarks report per round.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tensor_part_container.__class__ = HeldOutputContainer
+        self.bytes_sent = self.bytes_received = 0
+
+    async def _count(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], *, received: bool
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in stream:
+            size = len(message.tensor_part.buffer)
+            if received:
+                self.bytes_received += size
+            else:
+                self.bytes_sent += size
+            yield message
+
+    def _get_peer_stub(self, peer: PeerID) -> Any:
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        return self._count(super()._generate_input_for_peer(peer_index), received=False)
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            loop = asyncio.get_event_loop()
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                held = await loop.run_in_executor(
+                    None, serialize_torch_tensor, averaged, container.compression.compression_type
+                )
+                container.register_processed_part(peer_index, part_index, held)
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            part_index = 0
+            async for message in aiter_with_timeout(stream, self.reducer_timeout):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                container.register_processed_part(peer_index, part_index, message.tensor_part)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, but we expected {container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException:
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                self._count(stream, received=True),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
+                self.bytes_sent += len(serialized.buffer)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -1,0 +1,231 @@
+"""Getting the swarm's state: on joining, when behind, after a disagreement, and from our own checkpoint.
+
+Every state that did not come out of our own outer step arrives as a file and is
+checked before anything is loaded from it: the header's run and shapes, the
+parameters' sha256 against what the majority of peers published for that epoch,
+and the momentum's CRC32. Only then is it read into the outer state, and the file
+becomes our newest checkpoint as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from swarm import state_file
+from swarm.averaging import DownloadStopped
+from swarm.errors import LeaveRequested, StateDownloadError
+from swarm.records import PeerState
+from swarm.state_file import StateFileError
+from swarm.swarm_view import SwarmView, consensus
+
+if TYPE_CHECKING:
+    from swarm.peer import Peer
+
+logger = logging.getLogger(__name__)
+
+DOWNLOAD_ATTEMPTS = 3
+MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
+VIEW_WAIT = 3.0  # records of other peers can take this long to reach a node that just joined
+
+
+class StateSync:
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self._download_rate: float | None = None  # bytes/s of our last state download
+
+    # ---- our own checkpoint ---------------------------------------------------------------------
+
+    def load_file(self, path: Path) -> bool:
+        """Load one of our state files (a checkpoint found at start); False, with an event, if it is unusable."""
+        peer = self.peer
+        try:
+            header = state_file.check(path, run_id=peer.run_id, shapes=peer.outer.shapes)
+        except StateFileError as e:
+            peer.emit("checkpoint_unusable", dict(path=str(path), reason=str(e)))
+            return False
+        with peer.shield():
+            peer.outer.load_file(path, header)
+            peer.outer.write_to(peer.params)
+            peer.averager.note_epoch(header.epoch)
+            peer.store.use_existing(path, header)
+        return True
+
+    # ---- joining --------------------------------------------------------------------------------
+
+    def catch_up(self, resumed: bool) -> None:
+        """Download the state from the swarm if anyone is training; otherwise start from the seed or checkpoint."""
+        peer = self.peer
+        view = self._wait_for_view()
+        others = [p for p in view.peers if p.peer_id != peer.peer_id and p.latest_checksum is not None]
+        if not others:
+            reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
+            peer.emit("initialized", dict(epoch=peer.epoch, reason=reason))
+            if not resumed:
+                peer.save_state()
+            return
+        agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
+        if resumed and agreed is not None and agreed.epoch == peer.epoch and agreed.agrees(peer.outer.checksum()):
+            peer.emit("initialized", dict(epoch=peer.epoch, reason="checkpoint agrees with the swarm"))
+            return
+        peer.set_state(PeerState.downloading_state, publish=True)
+        if not self.download_consensus_state():
+            if peer.stop_requested:
+                raise LeaveRequested("asked to leave while downloading the state")
+            raise StateDownloadError(
+                f"{len(others)} peers of run {peer.run_id} are training, but none of them served a verified copy "
+                "of the training state. Check that this machine can reach them (firewall, --client-mode), then "
+                "start again."
+            )
+
+    def _wait_for_view(self) -> SwarmView:
+        peer = self.peer
+        view = peer.view()
+        if peer.dht.initial_peers:
+            deadline = time.monotonic() + VIEW_WAIT
+            while time.monotonic() < deadline and not any(p.peer_id != peer.peer_id for p in view.peers):
+                time.sleep(0.5)
+                view = peer.view()
+        return view
+
+    # ---- staying consistent --------------------------------------------------------------------
+
+    def resync_reason(self, epoch: int) -> str | None:
+        """Why we must take the swarm's state, or None: the swarm is ahead of us, most peers hold another
+        checksum for ``epoch``, or we ran ahead of the swarm on our own (local rounds past the majority)."""
+        peer = self.peer
+        view = peer.view()
+        if view.global_epoch is not None and view.global_epoch > epoch:
+            return f"behind the swarm (epoch {epoch}, the swarm is at {view.global_epoch})"
+        if peer.last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
+            if any(p.peer_id != peer.peer_id and p.epoch == view.global_epoch for p in view.peers):
+                return f"ran ahead of the swarm on local rounds (epoch {epoch}, the swarm is at {view.global_epoch})"
+        agreed = consensus(view.peers, epoch)
+        mine = peer.outer.checksum() if peer.outer.epoch == epoch else None
+        if agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1:
+            return f"disagreed with the majority's checksum at epoch {epoch}"
+        return None
+
+    def resync(self, why: str) -> bool:
+        peer = self.peer
+        peer.set_state(PeerState.resyncing, publish=True)
+        peer.emit("resync", dict(reason=why, epoch=peer.epoch))
+        ok = self.download_consensus_state()
+        if ok:
+            peer.stats.resyncs += 1
+            peer.last_round_local = False
+        peer.outer.write_to(peer.params)  # whatever happened, the model restarts from the global copy
+        peer.begin_round()
+        peer.announce_state()
+        peer.set_state(PeerState.training, publish=True)
+        return ok
+
+    # ---- downloading ---------------------------------------------------------------------------
+
+    def download_consensus_state(self) -> bool:
+        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash."""
+        peer = self.peer
+        avg = peer.manifest.averaging
+        # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
+        peer.averager.allow_state_sharing = False
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            if peer.stop_requested:
+                return False
+            view = self._view_after_round_if_download_is_too_slow()
+            if view.global_epoch is None:
+                return False
+            agreed = consensus(view.peers, view.global_epoch)
+            if agreed is None:
+                time.sleep(1.0)
+                continue
+            donors = [
+                p.peer_id
+                for p in view.peers
+                if p.peer_id in agreed.holders and p.peer_id != peer.peer_id and not p.client_mode
+            ]
+            if not donors:
+                return agreed.agrees(peer.outer.checksum()) and peer.outer.epoch == agreed.epoch
+            random.shuffle(donors)  # spread joiners over donors
+            for donor in donors:
+                if peer.stop_requested:
+                    return False
+                if self._download_from(donor, avg.chunk_timeout, avg.allreduce_timeout):
+                    return True
+            time.sleep(min(5.0, 1.0 * (attempt + 1)))
+        return False
+
+    def _view_after_round_if_download_is_too_slow(self) -> SwarmView:
+        """On a slow link a download can outlast what is left of the swarm's round; the state would be stale
+        on arrival and we would download again, forever. Knowing how fast our last download went, wait for
+        the swarm's next round to end and download then: a whole round's time for the transfer, and the
+        early-join rule lets us average in that same round."""
+        peer = self.peer
+        view = peer.view()
+        if self._download_rate is None or view.global_epoch is None or view.eta_next_round is None:
+            return view
+        expected = peer.outer.nbytes / self._download_rate
+        if expected < MIN_DEFERRED_DOWNLOAD or view.eta_next_round >= expected:
+            return view
+        avg = peer.manifest.averaging
+        peer.emit("download_deferred", dict(eta=view.eta_next_round, expected=expected))
+        epoch, deadline = view.global_epoch, time.monotonic() + view.eta_next_round + avg.matchmaking_timeout
+        while time.monotonic() < deadline and not peer.stop_requested:
+            time.sleep(0.5)
+            view = peer.view()
+            if view.global_epoch is None or view.global_epoch > epoch:
+                break
+        return view
+
+    def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
+        peer = self.peer
+        peer.emit("download_started", dict(donor=donor))
+        destination = peer.store.temporary_path(f"download-{donor[-8:]}")
+        try:
+            return self._fetch_and_load(donor, destination, chunk_timeout, timeout)
+        finally:
+            destination.unlink(missing_ok=True)  # adopted files were renamed away; anything left is a failure
+
+    def _fetch_and_load(self, donor: str, destination: Path, chunk_timeout: float, timeout: float) -> bool:
+        peer = self.peer
+        started = time.monotonic()
+        # a header is well under a kilobyte per tensor; anything much larger is not this run's state
+        max_bytes = peer.outer.nbytes + (1 << 20) + 1024 * len(peer.outer.params)
+        try:
+            peer.averager.download_state(
+                donor,
+                destination,
+                max_bytes=max_bytes,
+                chunk_timeout=chunk_timeout,
+                timeout=timeout,
+                should_stop=lambda: peer.stop_requested,
+            )
+        except DownloadStopped:
+            return False
+        except Exception as e:
+            logger.debug("state download from %s failed", donor, exc_info=True)
+            peer.emit("download_failed", dict(donor=donor, reason=_short(e)))
+            return False
+        self._download_rate = destination.stat().st_size / max(time.monotonic() - started, 1e-3)
+        try:
+            header = state_file.check(destination, run_id=peer.run_id, shapes=peer.outer.shapes)
+            agreed = consensus(peer.view().peers, header.epoch)
+            if agreed is None or not agreed.agrees(header.checksum):
+                raise StateFileError("the state is not the one most peers hold for its epoch")
+        except StateFileError as e:
+            peer.emit("download_failed", dict(donor=donor, reason=str(e)))
+            return False
+        with peer.shield():  # a stop signal waits for the outer state to be whole again
+            peer.outer.load_file(destination, header)
+            peer.outer.write_to(peer.params)
+            peer.averager.note_epoch(header.epoch)
+            peer.store.adopt(destination, header, peer.state_extra())
+        peer.emit("state_loaded", dict(donor=donor, epoch=header.epoch, checksum=header.checksum))
+        return True
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text[:200]

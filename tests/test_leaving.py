@@ -1,0 +1,182 @@
+"""Leaving within 20 s of SIGTERM at any moment, with a model of over 100M parameters.
+
+A donor peer runs the 150m preset's shape (3 layers, the byte tokenizer and the
+built-in corpus: 103M parameters). Newcomers join it and each gets SIGTERM at
+another moment: while starting up, while downloading the state, in the middle of
+an inner step; the donor gets its own in a round. Each must exit 0 within the
+deadline, leave no p2pd behind, and have on disk, checked, exactly the outer state
+it left with (the latest round's, or the one it downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from client_helpers import spawn, wait_for_line
+
+from client import checkpoint
+from client.model import manifest_parameters
+from client.presets import build_manifest
+
+DEADLINE = 20.0
+SETS = [
+    "tokenizer.kind=bytes",
+    "dataset.source=builtin",
+    "dataset.num_shards=32",
+    "model.num_hidden_layers=3",
+    "seq_len=64",
+    "samples_per_step=2",
+    "inner_steps=4",
+    "inner.warmup_steps=10",
+    "averaging.matchmaking_time=1.0",
+    "averaging.matchmaking_timeout=5.0",
+    "averaging.consistency_timeout=3.0",
+]
+OVERRIDES = [a for s in SETS for a in ("--set", s)]
+LOCAL = ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu", "--micro-batch", "2", "--no-dashboard"]
+pytestmark = pytest.mark.timeout(900)
+
+
+class Peer:
+    """A `swarm-client` process, its p2pd daemons (watched while it lives) and its files."""
+
+    def __init__(self, root: Path, name: str, *args: str):
+        self.workdir, self.log = root / name, root / f"{name}.log"
+        self.jsonl, self.result = root / f"{name}.jsonl", root / f"{name}.result.json"
+        extra = ["--workdir", str(self.workdir), "--log-json", str(self.jsonl), "--result-file", str(self.result)]
+        self.proc = spawn(*args, *LOCAL, *extra, "--name", name, log=self.log)
+        self.p2pd: set[int] = set()
+        self._watch = threading.Thread(target=self._watch_p2pd, daemon=True)
+        self._watch.start()
+
+    def _watch_p2pd(self) -> None:
+        while self.proc.poll() is None:
+            try:
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    if child.name() == "p2pd":
+                        self.p2pd.add(child.pid)
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    def records(self, kind: str) -> list[dict]:
+        if not self.jsonl.exists():
+            return []
+        out = []
+        for line in self.jsonl.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("type") == kind:
+                out.append(record)
+        return out
+
+    def state(self, fresh: float | None = None) -> str | None:
+        """The state in status.json (rewritten every second); with ``fresh``, only if rewritten that recently."""
+        try:
+            status = json.loads((self.workdir / "status.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if fresh is not None and time.time() - status.get("updated_at", 0) > fresh:
+            return None
+        return status.get("state")
+
+    def wait(self, predicate, what: str, timeout: float = 240, poll: float = 0.05):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exited ({self.proc.returncode}) before {what}:\n{self.log.read_text()[-3000:]}")
+            time.sleep(poll)
+        raise AssertionError(f"no {what} in {timeout:.0f} s:\n{self.log.read_text()[-3000:]}")
+
+    def terminate(self) -> float:
+        """SIGTERM; returns the seconds until exit, after checking the exit code and that no p2pd is left."""
+        sent = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=DEADLINE + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(
+                f"still running {DEADLINE + 30:.0f} s after SIGTERM:\n{self.log.read_text()[-3000:]}"
+            ) from None
+        seconds = time.monotonic() - sent
+        assert code == 0, f"exit {code}:\n{self.log.read_text()[-3000:]}"
+        assert seconds < DEADLINE, f"left after {seconds:.1f} s:\n{self.log.read_text()[-3000:]}"
+        self._watch.join(timeout=2)
+        wait_until = time.monotonic() + 5
+        while any(psutil.pid_exists(p) for p in self.p2pd) and time.monotonic() < wait_until:
+            time.sleep(0.1)
+        alive = [p for p in self.p2pd if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"p2pd left behind: {alive}"
+        return seconds
+
+    def assert_checkpoint_is_what_it_left_with(self, run_id: str) -> None:
+        result = json.loads(self.result.read_text())
+        found = checkpoint.find(checkpoint.checkpoint_dir(self.workdir, run_id), run_id)
+        assert found is not None, f"no checkpoint:\n{self.log.read_text()[-3000:]}"
+        assert (found.header.epoch, found.header.checksum) == (result["epoch"], result["checksum"]), result
+
+
+@pytest.fixture(scope="module")
+def donor(tmp_path_factory):
+    assert manifest_parameters(build_manifest("150m", None, SETS)) >= 100_000_000
+    root = tmp_path_factory.mktemp("leaving")
+    peer = Peer(root, "donor", "start", "--preset", "150m", *OVERRIDES)
+    line = wait_for_line(peer.log, "swarm-client join", peer.proc, timeout=240)
+    maddr, run_id = line.split("--initial-peers ")[1].split(" --run ")
+    peer.wait(lambda: peer.records("round"), "the donor's first round")
+    yield root, peer, ["join", "--initial-peers", maddr.strip(), "--run", run_id.strip()], run_id.strip()
+    if peer.proc.poll() is None:
+        peer.proc.kill()
+
+
+def test_sigterm_while_starting_up(donor):
+    root, _, join, _ = donor
+    peer = Peer(root, "starting", *join)
+    time.sleep(1.0)  # importing torch and hivemind, or starting the DHT
+    peer.terminate()
+    assert "Traceback" not in peer.log.read_text()
+
+
+def test_sigterm_while_downloading_the_state(donor):
+    root, _, join, run_id = donor
+    peer = Peer(root, "downloading", *join)
+    wait_for_line(peer.log, "downloading the training state from peer", peer.proc, timeout=240)
+    peer.terminate()
+    text = peer.log.read_text()
+    assert "SIGTERM received" in text and "state of epoch" not in text, "the download finished before the signal"
+    assert "Traceback" not in text
+    assert not list(checkpoint.checkpoint_dir(peer.workdir, run_id).glob(".tmp-*"))  # the partial download is gone
+
+
+def test_sigterm_in_the_middle_of_an_inner_step(donor):
+    root, _, join, run_id = donor
+    peer = Peer(root, "stepping", *join)
+    steps = peer.wait(lambda: len(peer.records("step")) >= 2 and peer.records("step"), "two inner steps")
+    time.sleep(min(0.5, steps[-1]["step_seconds"] / 3))  # a third of the way into the next step
+    assert peer.state() == "training"
+    peer.terminate()
+    assert "Traceback" not in peer.log.read_text()
+    peer.assert_checkpoint_is_what_it_left_with(run_id)
+
+
+def test_sigterm_in_a_round(donor):
+    _, peer, _, run_id = donor
+    # alone, a round spends averaging.matchmaking_timeout (5 s) looking for a group: a fresh "matchmaking" is mid-round
+    peer.wait(lambda: peer.state(fresh=0.3) in ("matchmaking", "averaging"), "a round", poll=0.02)
+    peer.terminate()
+    text = peer.log.read_text()
+    assert "round abandoned: this peer is leaving" in text and "Traceback" not in text
+    peer.assert_checkpoint_is_what_it_left_with(run_id)
