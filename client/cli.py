@@ -248,7 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ensure_workdir(workdir: Path) -> Path:
+_workdir_lock = None  # held for the life of the process
+
+
+def _ensure_workdir(workdir: Path, exclusive: bool = False) -> Path:
+    """The workdir, writable; with ``exclusive``, locked against a second peer using it (the same identity
+    twice would make two processes one peer, and their checkpoints would overwrite each other)."""
+    global _workdir_lock
     workdir = workdir.expanduser()
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -260,6 +266,25 @@ def _ensure_workdir(workdir: Path) -> Path:
             f"The workdir {workdir} cannot be written ({e.strerror}). Pick another with --workdir or "
             "fix its permissions (in Docker: mount a volume at /data)."
         ) from None
+    if exclusive:
+        import fcntl
+
+        handle = (workdir / ".peer.lock").open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            owner = handle.read().strip() or "?"
+            handle.close()
+            raise SwarmError(
+                f"The workdir {workdir} is in use by another peer on this machine (pid {owner}). Each peer needs "
+                "its own --workdir, where its identity and checkpoints live: e.g. --workdir ~/.cache/swarm/gpu1."
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        _workdir_lock = handle
     return workdir
 
 
@@ -296,7 +321,7 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
     from swarm.network import DEFAULT_PORT
     from swarm.progress import read_peers
 
-    workdir = _ensure_workdir(args.workdir)
+    workdir = _ensure_workdir(args.workdir, exclusive=True)
     setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
     hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None

@@ -1,11 +1,12 @@
 """Command-line parsing, SWARM_* variables, and the bad-input messages (one paragraph, no traceback)."""
 
 import json
+import signal
 import time
 
 import hivemind
 import pytest
-from client_helpers import LOCAL, cli
+from client_helpers import LOCAL, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 
 from client.cli import ENV_VARS, build_parser
@@ -155,3 +156,16 @@ def test_help_lists_the_commands():
     result = cli()
     assert result.returncode == 0 and all(c in result.stdout for c in ("start", "join", "demo", "export"))
     assert hivemind.__version__.startswith("1.1")
+
+
+def test_a_second_peer_on_the_same_workdir_is_refused(tmp_path):
+    """Two peers sharing a workdir would share one identity and overwrite each other's checkpoints."""
+    log = tmp_path / "first.log"
+    first = spawn("start", "--preset", "tiny", "--workdir", str(tmp_path / "w"), *LOCAL, log=log)
+    try:
+        wait_for_line(log, "swarm-client join", first)
+        result = cli("start", "--preset", "tiny", "--workdir", str(tmp_path / "w"), *LOCAL)
+        assert_clean_error(result, "is in use by another peer on this machine", f"pid {first.pid}", "--workdir")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0, log.read_text()[-3000:]
