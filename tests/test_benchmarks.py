@@ -113,3 +113,22 @@ def test_churn_smoke(tmp_path: Path):
     assert cs["epochs_compared"] >= 1 and 0 <= cs["disagreements_repaired"] <= cs["disagreements_detected"]
     assert cs["last_epoch_agreed"] in (True, False)
     assert churn["resync_events"] == sum(churn["resync_reasons"].values())
+
+
+@pytest.mark.timeout(420)
+def test_memory_smoke(tmp_path: Path):
+    record = load_result(tmp_path, "memory", run_smoke("memory", tmp_path, timeout=400))
+    (run,) = record["runs"]  # no baseline in the smoke run
+    params = record["sizes"]["parameters"]
+    assert set(run["peers"]) == {"a", "b"}
+    for name, peer in run["peers"].items():
+        assert peer["samples"] > 0 and positive_finite(peer["peak_pss"])
+        assert peer["peak_by_role"]["trainer"] > 0 and peer["peak_by_role"]["averager"] > 0
+        assert sum(peer["peak_by_role"].values()) == peer["peak_pss"]
+        assert {"starting", "leaving"} <= set(peer["phases"])  # status.json is read every 0.2 s, rewritten every 1 s
+        assert set(peer["phases"]) & {"training", "matchmaking", "averaging", "serving state"}
+        assert peer["leave"]["exit_code"] == 0 and positive_finite(peer["leave"]["seconds"])
+        states = [c for c in peer["checkpoints"] if c["name"].endswith(".safetensors")]
+        assert 1 <= len(states) <= 2 and all(c["bytes"] > 8 * params for c in states)  # params + momentum + header
+        assert record["ratios"]["bytes_per_param"]["current"][name] == round(peer["peak_pss"] / params, 2)
+    assert all(p >= 0 for p in run["peers"]["a"]["after_round_pauses"])

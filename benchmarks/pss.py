@@ -1,0 +1,93 @@
+"""Peak PSS of a peer's whole process tree, sampled in the background and split by phase and process.
+
+PSS (proportional set size) charges each shared page to the processes that map it
+in equal shares, so the sum over a tree counts shared memory (torch's libraries,
+the averager's shared buffers, pages a fork still shares) once. It is read from
+``/proc/PID/smaps_rollup`` through psutil.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+
+def tree_pss(root: psutil.Process) -> dict[str, int]:
+    """PSS in bytes of ``root`` and its descendants, keyed by role: trainer, dht, averager, p2pd,
+    torch_shm_manager (torch's helper for shared tensors), other.
+
+    The forked Python children are named by age: the peer starts its DHT first and its averager second.
+    """
+    try:
+        children = root.children(recursive=True)
+    except psutil.Error:
+        return {}
+    out: dict[str, int] = {}
+    pythons = []
+    for proc in [root, *children]:
+        try:
+            pss = proc.memory_full_info().pss
+            name = proc.name()
+            created = proc.create_time()
+        except psutil.Error:
+            continue
+        if proc.pid == root.pid:
+            role = "trainer"
+        elif name in ("p2pd", "torch_shm_manager"):
+            role = name
+        else:
+            pythons.append((created, proc.pid, pss))
+            continue
+        out[role] = out.get(role, 0) + pss
+    for index, (_, _, pss) in enumerate(sorted(pythons)):
+        role = ("dht", "averager")[index] if index < 2 else "other"
+        out[role] = out.get(role, 0) + pss
+    return out
+
+
+@dataclass
+class Peak:
+    total: int = 0
+    by_role: dict[str, int] = field(default_factory=dict)
+    at: float = 0.0  # unix time of the peak
+
+    def offer(self, sample: dict[str, int], now: float) -> None:
+        total = sum(sample.values())
+        if total > self.total:
+            self.total, self.by_role, self.at = total, dict(sample), now
+
+
+class TreeSampler:
+    """Samples a process tree every ``interval`` seconds; ``phase()`` names what the peer is doing."""
+
+    def __init__(self, pid: int, phase: Callable[[], str], interval: float = 0.2):
+        self.root = psutil.Process(pid)
+        self.phase, self.interval = phase, interval
+        self.peaks: dict[str, Peak] = {}
+        self.overall = Peak()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pss-{pid}", daemon=True)
+
+    def start(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sample = tree_pss(self.root)
+            if sample:
+                now = time.time()
+                phase = self.phase()
+                self.peaks.setdefault(phase, Peak()).offer(sample, now)
+                self.overall.offer(sample, now)
+                self.samples += 1
+            self._stop.wait(self.interval)
