@@ -216,6 +216,10 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
                 samples=p.sampler.samples,
                 after_round_pauses=after_round_pauses(p),
                 checkpoints=checkpoint_files(p),
+                # state files written in the background (the code before wrote them on the training thread)
+                checkpoint_writes=[
+                    dict(epoch=r["epoch"], bytes=r["bytes"], seconds=r["seconds"]) for r in p.records("checkpoint")
+                ],
                 leave=leave.get(p.name),
                 rounds=len(p.records("round")),
             )
@@ -271,6 +275,15 @@ def report(record: dict) -> None:
         ["code", "peer", "peak GiB", "B/param", "at the peak (GiB)", "max pause s", "ckpt GiB", "disk GiB", "leave s"],
         rows,
     )
+    for run in record["runs"]:
+        for name, peer in run["peers"].items():
+            writes = [w for w in peer.get("checkpoint_writes", []) if w["seconds"] > 0]
+            if writes:
+                rate = sum(w["bytes"] for w in writes) / sum(w["seconds"] for w in writes) / 1e6
+                print(
+                    f"{run['label']} {name}: {len(writes)} state files written in the background, "
+                    f"{writes[-1]['bytes'] / 1e6:.0f} MB each, {rate:.0f} MB/s"
+                )
     print(json.dumps(record["ratios"], indent=1))
 
 

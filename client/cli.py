@@ -353,12 +353,15 @@ def _train(args: argparse.Namespace, creating: bool) -> int:
             max_epochs=args.max_epochs,
             eval_sequences=args.eval_sequences,
         )
-        trainer = Trainer(manifest, dht, hardware, settings, log=say, telemetry=telemetry)
         run_id = manifest.run_id
+        # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
+        trainer = Trainer(
+            manifest, dht, hardware, settings, log=say, telemetry=telemetry, on_connected=lambda: watch.start()
+        )
         tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
         watch = SwarmWatch(
             lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
-        ).start()
+        )
         if dashboard:
             source = DashboardSource(
                 manifest=manifest,

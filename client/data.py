@@ -8,8 +8,10 @@ id, so peers that start together read different text.
 
 from __future__ import annotations
 
+import queue
 import random
 import sysconfig
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,3 +209,41 @@ def eval_batches(
     if not sequences:
         raise SwarmError("The held-out shard yields no sequence; the dataset is too small for its num_shards.")
     return [torch.stack(sequences[i : i + batch_size]) for i in range(0, len(sequences), batch_size)]
+
+
+class Prefetcher:
+    """The next batches, built on a background thread while the current inner step runs.
+
+    Tokenizing and packing text is Python work; on a GPU it would otherwise sit on the
+    training thread between steps, idling the accelerator. ``position`` is where the
+    batches handed out so far end (what a checkpoint must record), not how far the
+    thread has read ahead.
+    """
+
+    def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
+        self._stream, self._batch_size = stream, batch_size
+        self.position = DataPosition(stream.position.order_index, stream.position.sequences)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._fill, name="swarm-data", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        while True:
+            try:
+                batch = self._stream.next_batch(self._batch_size)
+                position = self._stream.position
+                self._queue.put((batch, DataPosition(position.order_index, position.sequences), None))
+            except BaseException as e:  # handed to the training thread, which raises it
+                self._queue.put((None, None, e))
+                return
+
+    def next_batch(self) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        batch, position, error = self._queue.get()
+        if error is not None:
+            self._error = error
+            raise error
+        self.position = position
+        return batch

@@ -22,7 +22,7 @@ import hivemind
 import torch
 
 from client import checkpoint
-from client.data import DataPosition, SequenceStream, eval_batches, load_tokenizer
+from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, load_tokenizer
 from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, count_parameters, model_config, parameter_shapes
@@ -79,8 +79,10 @@ class Trainer:
         log: Callable[[str], None] = print,
         telemetry: Telemetry | None = None,
         stopper: Stopper = STOP,
+        on_connected: Callable[[], object] = lambda: None,
     ):
-        """``log`` prints the per-window step lines; events go to ``telemetry`` (dashboard, --log-json, echo)."""
+        """``log`` prints the per-window step lines; events go to ``telemetry`` (dashboard, --log-json, echo).
+        ``on_connected`` runs once the averager process is forked: the place to start threads that use the DHT."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
         self.telemetry = telemetry or Telemetry(echo=log)
         self.precision: Precision = choose_precision(hardware, manifest.mixed_precision == "bf16")
@@ -88,7 +90,8 @@ class Trainer:
         self.peer: Peer | None = None
         self.parameters = 0
         self.stop = stopper
-        self.stream: SequenceStream | None = None
+        self._on_connected = on_connected
+        self.batches: Prefetcher | None = None
         self.ckpt_dir = checkpoint.checkpoint_dir(settings.workdir, manifest.run_id)
         self._resumed_extra: dict[str, Any] = {}
         self._disk_rate = ASSUMED_DISK_BYTES_PER_SECOND
@@ -145,9 +148,9 @@ class Trainer:
 
     def _state_extra(self) -> dict[str, Any]:
         """What this peer keeps beside each state file: where it is in the data, and its gradient scaler."""
-        if self.stream is None:
+        if self.batches is None:
             return dict(self._resumed_extra)
-        position = self.stream.position
+        position = self.batches.position
         return dict(
             data=dict(order_index=position.order_index, sequences=position.sequences), scaler=self.scaler.state_dict()
         )
@@ -171,13 +174,14 @@ class Trainer:
             self.peer.request_stop()
         try:
             self.peer.connect(parameter_shapes(m))  # before the model exists: the averager forks small
+            self._on_connected()
             self._prepare()
             found = checkpoint.find(self.ckpt_dir, m.run_id, parameter_shapes(m), warn=lambda t: self.note("log", t))
             if found:
                 self._resumed_extra = found.extra
                 self.note("log", f"Resuming from {found.path.name} (epoch {found.header.epoch}).")
             self.peer.start(self.model, resume=found.path if found else None)
-            self.peer.reporter.update(micro_batch=self.micro_batch)
+            self.peer.presence.update(micro_batch=self.micro_batch)
             self._build_optimizer()
             self.note(
                 "log",
@@ -216,9 +220,8 @@ class Trainer:
         if extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         position = DataPosition(**extra["data"]) if isinstance(extra.get("data"), dict) else None
-        self.stream = SequenceStream(
-            m.dataset, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position
-        )
+        stream = SequenceStream(m.dataset, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position)
+        self.batches = Prefetcher(stream, m.samples_per_step)
         self.inner_step = InnerStep(
             self.model,
             self.optimizer,
@@ -232,7 +235,7 @@ class Trainer:
 
     def _on_micro_batch(self, size: int, why: str) -> None:
         self.micro_batch = self.telemetry.micro_batch = size
-        self.peer.reporter.update(micro_batch=size)
+        self.peer.presence.update(micro_batch=size)
         self.note("log", f"Out of memory: micro-batch halved to {size}; the step is retried.")
 
     def _loop(self) -> None:
@@ -245,7 +248,7 @@ class Trainer:
             lr = lr_at(m, peer.epoch * m.inner_steps + peer.inner_step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            batch = self.stream.next_batch(m.samples_per_step)
+            batch = self.batches.next_batch()
             t0 = time.monotonic()
             step = self.inner_step(batch)
             elapsed = time.monotonic() - t0
@@ -332,7 +335,7 @@ class Trainer:
         limit = self.stop.deadline - 4.0 if self.stop.requested else UNHURRIED_LEAVE
         budget = lambda: limit - (time.monotonic() - started)  # noqa: E731
         try:
-            if peer.outer is not None and self.stream is not None:
+            if peer.outer is not None and self.batches is not None:
                 if self.settings.eval_sequences and not self.stop.requested:
                     self.result.eval_loss_end = evaluate(self.model, self.eval_set, self.hardware.device)
                     self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")

@@ -31,7 +31,8 @@ _EXPORTS = {
         "TokenizerSpec",
     ],
     "swarm.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
-    "swarm.peer": ["Peer", "PeerStats", "RoundOutcome", "RoundReport"],
+    "swarm.peer": ["Peer"],
+    "swarm.rounds": ["PeerStats", "RoundOutcome", "RoundReport"],
     "swarm.records": ["PeerState", "ProgressRecord"],
     "swarm.registry": ["choose_run", "fetch_manifest", "list_runs", "publish_manifest"],
     "swarm.swarm_view": ["Consensus", "SwarmView", "consensus"],
@@ -106,7 +107,8 @@ if TYPE_CHECKING:
         TokenizerSpec,
     )
     from swarm.network import NetworkConfig, claim_port, parse_initial_peer, start_dht, visible_maddrs
-    from swarm.peer import Peer, PeerStats, RoundOutcome, RoundReport
+    from swarm.peer import Peer
     from swarm.records import PeerState, ProgressRecord
     from swarm.registry import choose_run, fetch_manifest, list_runs, publish_manifest
+    from swarm.rounds import PeerStats, RoundOutcome, RoundReport
     from swarm.swarm_view import Consensus, SwarmView, consensus

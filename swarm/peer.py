@@ -15,14 +15,12 @@ model exists, so that process shares none of the model's pages.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,57 +28,28 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm.averaging import COMPRESSIONS, PseudoGradientAverager, RoundAborted, epoch_group_bits
+from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
 from swarm.errors import LeaveRequested
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
 from swarm.outer import OuterState
-from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, ProgressReporter, read_peers
+from swarm.outer_round import OuterRound
+from swarm.presence import Presence
+from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
-from swarm.registry import MANIFEST_TTL, publish_manifest
+from swarm.rounds import PeerStats, RoundReport
 from swarm.state_store import SavedState, StateStore
 from swarm.state_sync import StateSync
-from swarm.swarm_view import SwarmView, build_view
+from swarm.swarm_view import (
+    SwarmView,
+    build_view,
+    round_started_without,
+)
 
 logger = logging.getLogger(__name__)
 
 LEAVE_SECONDS = 10.0  # the most leave() spends telling others and stopping its processes
-
-
-class RoundOutcome(enum.Enum):
-    averaged = "averaged"  # the group's average was applied
-    local = "local"  # no usable group: our own pseudo-gradient was applied
-    resynced = "resynced"  # the round was replaced by the swarm's state (behind, disagreed, non-finite)
-    non_finite = "non-finite"  # our pseudo-gradient was not finite: the loop should reset its inner optimizer
-    abandoned = "abandoned"  # the peer is leaving: nothing was applied
-
-
-@dataclass
-class RoundReport:
-    """What one outer round did, for logs, the dashboard and tests."""
-
-    epoch: int  # the epoch reached by this round
-    averaged: bool  # False: the local pseudo-gradient was used
-    group_size: int
-    outcome: RoundOutcome = RoundOutcome.local
-    fallback_reason: str | None = None  # for people: why the round was not averaged
-    dropped_fraction: float = 0.0
-    resynced: bool = False
-    checksum: str = ""
-    samples: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)  # compute, matchmaking, allreduce, outer, consistency
-    bytes_sent: int = 0  # all-reduce tensor payload, framing excluded, as of when our own results were complete
-    bytes_received: int = 0
-
-
-@dataclass
-class PeerStats:
-    rounds: int = 0
-    averaged_rounds: int = 0
-    local_rounds: int = 0
-    resyncs: int = 0
-    tokens_processed: int = 0
 
 
 Listener = Callable[[str, dict[str, Any]], None]
@@ -125,19 +94,19 @@ class Peer:
         self.params: list[torch.Tensor] = []
         self.stats = PeerStats()
         self.inner_step = 0
-        self._round_samples = 0
-        self._round_started = time.monotonic()
-        self._compute_seconds = 0.0
+        self.round_samples = 0
+        self.round_started = time.monotonic()
+        self.compute_seconds = 0.0
         self._speed = 0.0  # samples per second, smoothed
         self.outer: OuterState | None = None
         self.averager: PseudoGradientAverager | None = None
-        self.reporter: ProgressReporter | None = None
+        self.presence: Presence | None = None
         self.store: StateStore | None = None
         self.sync = StateSync(self)
+        self.rounds = OuterRound(self)
         self._buffers: list[torch.Tensor] = []
         self._connected = self._started = self._stopped = self._stop_requested = False
         self._next_round_check = 0.0
-        self._manifest_published_at = 0.0
         self.last_round_local = False
         self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
         self.abandoned_round = False  # a stop signal arrived in the middle of a round
@@ -170,6 +139,7 @@ class Peer:
 
         Call it before building the model: the averager is a forked process, and a fork made
         while the model exists keeps a private copy of every page the training loop rewrites.
+        Call it before starting threads that use the DHT, too (see ``on_connected`` in the client).
         """
         assert not self._connected, "already connected"
         install_orphan_reaper()
@@ -177,7 +147,6 @@ class Peer:
             assert self._network is not None
             self._dht = start_dht(self._network)
         self.dht.add_validators([run_validator(self.run_id)])
-        self._publish_manifest()
         avg = self.manifest.averaging
         self._buffers = [torch.zeros(tuple(shape)) for shape in shapes]
         handler = signal.getsignal(signal.SIGINT)
@@ -199,15 +168,17 @@ class Peer:
             shutdown_timeout=3,
         )
         signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
-        self.reporter = ProgressReporter(
+        # only now the presence thread: a fork while another thread is inside a DHT call can leave the child
+        # with a half-written pipe message or a lock held by a thread it does not have
+        self.presence = Presence(
             self.dht,
-            self.run_id,
-            self._initial_record(),
+            self.manifest,
+            name=self.name,
+            device=self.device,
             interval=self._progress_interval,
             ttl=self._progress_ttl,
-            on_tick=self._on_reporter_tick,
+            download_progress=lambda: self.download_progress,
         )
-        self.reporter.start()
         self._connected = True
 
     def start(self, model: torch.nn.Module, resume: Path | None = None) -> None:
@@ -233,7 +204,7 @@ class Peer:
         self.sync.catch_up(resumed=resumed)
         self.announce_state()  # catching up left the state in a file: ours, or the download
         self._set_state(PeerState.training, publish=True)
-        self._round_started = time.monotonic()
+        self.round_started = time.monotonic()
 
     def leave(self, timeout: float = LEAVE_SECONDS) -> bool:
         """Mark this peer as gone, wait (up to ``timeout``) for the newest state file to be on disk, stop the
@@ -243,9 +214,8 @@ class Peer:
         self._stopped = True
         deadline = time.monotonic() + timeout
         remaining = lambda: max(0.5, deadline - time.monotonic())  # noqa: E731
-        if self.reporter is not None:
-            self.reporter.update(state=PeerState.leaving.value)
-            self.reporter.publish_now(timeout=min(2.0, remaining()))
+        if self.presence is not None:
+            self.presence.say_leaving(timeout=min(2.0, remaining()))
         if self.averager is not None:
             try:
                 self.averager.allow_state_sharing = False
@@ -253,8 +223,8 @@ class Peer:
                 logger.debug("could not turn state sharing off", exc_info=True)
             self.averager.shutdown()
         saved = self.store.close(timeout=remaining()) if self.store is not None else True
-        if self.reporter is not None:
-            self.reporter.stop(PeerState.left, timeout=min(2.0, remaining()))
+        if self.presence is not None:
+            self.presence.stop(timeout=min(2.0, remaining()))
         if self._owns_dht and self._dht is not None:
             self._dht.shutdown()
         self._emit("left", dict(checkpoint_written=saved))
@@ -273,10 +243,10 @@ class Peer:
         assert self._started and not self._stopped, "start() the peer first"
         now = time.monotonic()
         self.inner_step += 1
-        self._round_samples += samples
+        self.round_samples += samples
         self.stats.tokens_processed += samples * self.manifest.seq_len
         if compute_seconds is not None:
-            self._compute_seconds += compute_seconds
+            self.compute_seconds += compute_seconds
             if compute_seconds > 0:
                 rate = samples / compute_seconds
                 self._speed = rate if self._speed == 0 else 0.8 * self._speed + 0.2 * rate
@@ -287,171 +257,30 @@ class Peer:
         )
         if loss is not None and loss == loss:  # not NaN
             fields["last_loss"] = float(loss)
-        self.reporter.update(**fields)
+        self.presence.update(**fields)
         if self.inner_step >= self.manifest.inner_steps or self._round_started_without_us(now):
             return self.run_outer_round()
         return None
 
     def _round_started_without_us(self, now: float) -> bool:
-        """True when enough of our epoch-mates are already matchmaking to form a group without us."""
+        """Checked at most once a second (it reads the DHT)."""
         avg = self.manifest.averaging
         if not avg.join_rounds_early or now < self._next_round_check:
             return False
         self._next_round_check = now + 1.0
-        mates = [p for p in self.view().peers if p.peer_id != self.peer_id and p.epoch == self.epoch]
-        busy = [p for p in mates if p.state == PeerState.matchmaking.value]  # a group in all-reduce is closed
-        return len(busy) >= max(1, avg.min_group_size - 1) and 2 * len(busy) > len(mates)
-
-    def _fill_pseudo_gradient(self) -> bool:
-        """Write ``global - local`` into the averaging buffers; False if it is not finite."""
-        with self.averager.get_tensors() as buffers:
-            self.outer.pseudo_gradient_into(buffers, self.params)
-            return _all_finite(buffers)
+        return round_started_without(self.view(), self.peer_id, self.epoch, avg.min_group_size)
 
     def run_outer_round(self) -> RoundReport:
         """Average pseudo-gradients with whoever is ready, take the outer step, and check consistency."""
         self.in_round = True
         epoch = self.epoch
         try:
-            return self._run_outer_round()
+            return self.rounds.run()
         except LeaveRequested:  # a stop signal cut the round short
             self.abandoned_round = self.epoch == epoch  # before its outer step: nothing of it was applied
             raise
         finally:
             self.in_round = False
-
-    def _run_outer_round(self) -> RoundReport:
-        assert self.outer is not None and self.averager is not None
-        avg = self.manifest.averaging
-        seconds: dict[str, float] = {"compute": self._compute_seconds or (time.monotonic() - self._round_started)}
-        start_epoch = self.outer.epoch
-
-        # a late re-check of the previous epoch, now that every peer had time to publish it
-        why = self.sync.resync_reason(start_epoch)
-        if why is not None:
-            return self._resync_round(seconds, why)
-
-        t_fill = time.monotonic()
-        if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
-            return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
-        seconds["pseudo_gradient"] = time.monotonic() - t_fill
-
-        t0 = time.monotonic()
-        stage_times: dict[str, float] = {}
-        fallback: str | None = None
-        group: tuple[str, ...] = (self.peer_id,)
-        dropped = 0.0
-        traffic = (0, 0)
-        touched = False  # the buffers may hold something other than our own pseudo-gradient
-
-        def on_stage(stage: str) -> None:
-            stage_times.setdefault(stage, time.monotonic())
-            if stage == "RUNNING_ALLREDUCE":
-                self._set_state(PeerState.averaging, publish=True)
-
-        self._set_state(PeerState.matchmaking, publish=True)
-        wait_until = time.monotonic() + avg.wait_for_peers
-        while True:
-            fallback = None
-            stage_times.clear()
-            if touched:
-                self._fill_pseudo_gradient()
-                touched = False
-            try:
-                outcome = self.averager.average(
-                    weight=float(max(1, self._round_samples)),
-                    gather=dict(epoch=start_epoch, samples=self._round_samples),
-                    group_bits=epoch_group_bits(start_epoch),
-                    timeout=avg.matchmaking_timeout,
-                    hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
-                    on_stage=on_stage,
-                    abort_if=lambda: self._abort_reason(start_epoch),
-                    leaving=lambda: self._stop_requested,
-                )
-                touched = True
-                epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
-                if epochs != {start_epoch}:
-                    fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
-                else:
-                    group, dropped = outcome.group, outcome.dropped_fraction
-                traffic = (outcome.bytes_sent, outcome.bytes_received)
-            except RoundAborted as e:
-                if e.leaving:  # keep the last agreed state: it is what a restart resumes from
-                    self._set_state(PeerState.leaving, publish=True)
-                    return RoundReport(
-                        epoch=start_epoch,
-                        averaged=False,
-                        group_size=1,
-                        outcome=RoundOutcome.abandoned,
-                        fallback_reason="the peer is leaving",
-                        checksum=self.outer.checksum(),
-                        seconds=seconds,
-                    )
-                # our pseudo-gradient is for a round that is over: take the swarm's state
-                return self._resync_round(seconds, "the swarm finished this round without us")
-            except Exception as e:  # no group, a vanished groupmate, a timeout
-                logger.debug("averaging attempt failed", exc_info=True)
-                touched = True  # a failed all-reduce leaves the buffers alone, but a broken reducer might not
-                fallback = _short_reason(e)
-                # epoch-mates still on their way to step H: wait for them rather than step alone and run
-                # ahead of the swarm
-                if time.monotonic() < wait_until and self._mates_coming(start_epoch) and not self._stop_requested:
-                    continue
-            break
-        t1 = time.monotonic()
-        t_allreduce = stage_times.get("RUNNING_ALLREDUCE", t1)
-        seconds["matchmaking"] = t_allreduce - t0
-        seconds["allreduce"] = t1 - t_allreduce
-
-        if fallback is None and not self._buffers_finite():
-            fallback, group = "groupmates sent non-finite values", (self.peer_id,)
-        with self._shield():  # a stop signal waits for the outer state to be whole again
-            if fallback is not None and touched:
-                self._fill_pseudo_gradient()  # the local update: our own pseudo-gradient
-            with self.averager.get_tensors() as buffers:
-                self.outer.step(buffers)
-            self.outer.write_to(self.params)
-            self.outer.checksum()
-            self.save_state()
-        seconds["outer"] = time.monotonic() - t1
-
-        self.stats.rounds += 1
-        self.last_round_local = fallback is not None
-        if fallback is None:
-            self.stats.averaged_rounds += 1
-        else:
-            self.stats.local_rounds += 1
-        report = RoundReport(
-            epoch=self.outer.epoch,
-            averaged=fallback is None,
-            group_size=len(group),
-            outcome=RoundOutcome.averaged if fallback is None else RoundOutcome.local,
-            fallback_reason=fallback,
-            dropped_fraction=dropped,
-            checksum=self.outer.checksum(),
-            samples=self._round_samples,
-            seconds=seconds,
-            bytes_sent=traffic[0],
-            bytes_received=traffic[1],
-        )
-        self.begin_round()
-        self.announce_state()
-        self._set_state(PeerState.training, publish=True)
-        self._emit("round", dict(report=report))
-
-        t2 = time.monotonic()
-        self._await_groupmates(group, self.outer.epoch, avg.consistency_timeout)
-        why = self.sync.resync_reason(self.outer.epoch)
-        if why is not None:
-            report.resynced = self.sync.resync(f"after the round: {why}")
-            report.checksum = self.outer.checksum()
-            report.epoch = self.outer.epoch
-        seconds["consistency"] = time.monotonic() - t2
-        return report
-
-    def _buffers_finite(self) -> bool:
-        with self.averager.get_tensors() as buffers:
-            return _all_finite(buffers)
 
     def resync_now(self, reason: str) -> bool:
         """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""
@@ -469,53 +298,13 @@ class Peer:
         """Every live record of the run, including peers that are leaving: for dashboards."""
         return read_peers(self.dht, self.run_id)
 
-    # ---- the swarm's rules, as they apply to this peer -------------------------------------------
-
-    def _abort_reason(self, epoch: int) -> str | None:
-        view = self.view()
-        return "moved on" if view.global_epoch is not None and view.global_epoch > epoch else None
-
-    def _mates_coming(self, epoch: int) -> bool:
-        """True while other live peers are still working towards the end of ``epoch``."""
-        active = (PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value)
-        view = self.view()
-        return any(p.peer_id != self.peer_id and p.epoch == epoch and p.state in active for p in view.peers)
-
-    def _await_groupmates(self, group: Sequence[str], epoch: int, timeout: float) -> None:
-        """Give groupmates a moment to publish their checksum for ``epoch`` before comparing."""
-        others = set(group) - {self.peer_id}
-        deadline = time.monotonic() + timeout
-        while others and time.monotonic() < deadline:
-            published = {p.peer_id for p in self.view().peers if p.checksum_at(epoch) is not None or p.epoch > epoch}
-            if others <= published:
-                return
-            time.sleep(0.2)
-
-    def _resync_round(
-        self, seconds: dict[str, float], why: str, outcome: RoundOutcome = RoundOutcome.resynced
-    ) -> RoundReport:
-        t0 = time.monotonic()
-        resynced = self.sync.resync(why)
-        seconds.update(matchmaking=0.0, allreduce=0.0, outer=0.0, resync=time.monotonic() - t0)
-        self.begin_round()
-        return RoundReport(
-            epoch=self.epoch,
-            averaged=False,
-            group_size=1,
-            outcome=outcome,
-            fallback_reason=why,
-            resynced=resynced,
-            checksum=self.outer.checksum(),
-            seconds=seconds,
-        )
-
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def begin_round(self) -> None:
         self.inner_step = 0
-        self._round_samples = 0
-        self._compute_seconds = 0.0
-        self._round_started = time.monotonic()
+        self.round_samples = 0
+        self.compute_seconds = 0.0
+        self.round_started = time.monotonic()
 
     def save_state(self) -> None:
         """Write the current outer state to a new state file, in the background."""
@@ -532,8 +321,8 @@ class Peer:
 
     def announce_state(self) -> None:
         """Publish our checksum for the current epoch and offer our state (its file) to others."""
-        self.reporter.add_checksum(self.outer.epoch, self.outer.checksum())
-        self.reporter.update(epoch=self.outer.epoch, inner_step=self.inner_step, publish_now=True)
+        self.presence.add_checksum(self.outer.epoch, self.outer.checksum())
+        self.presence.update(epoch=self.outer.epoch, inner_step=self.inner_step, publish_now=True)
         if not self.client_mode:
             self.averager.allow_state_sharing = True
 
@@ -554,43 +343,8 @@ class Peer:
         return self._shield()
 
     def _set_state(self, state: PeerState, publish: bool = False) -> None:
-        self.reporter.update(state=state.value, epoch=self.epoch, inner_step=self.inner_step, publish_now=publish)
+        self.presence.set_state(state, self.epoch, self.inner_step, publish)
         self._emit("state", dict(state=state.value))
-
-    def _initial_record(self) -> dict[str, Any]:
-        return dict(
-            peer_id=self.peer_id,
-            name=self.name or self.peer_id[-6:],
-            device=self.device,
-            epoch=0,
-            inner_step=0,
-            samples_per_second=0.0,
-            tokens_processed=0,
-            state=PeerState.starting.value,
-            last_loss=None,
-            client_mode=self.client_mode,
-            relayed=self._relayed(),
-            checksums=[],
-        )
-
-    def _relayed(self) -> bool:
-        """True when others can reach us only through a relay (a /p2p-circuit/ address)."""
-        try:
-            return any("/p2p-circuit" in str(a) for a in self.dht.get_visible_maddrs())
-        except Exception:
-            logger.debug("could not read our visible addresses", exc_info=True)
-            return False
-
-    def _publish_manifest(self) -> None:
-        publish_manifest(self.dht, self.manifest)
-        self._manifest_published_at = time.monotonic()
-
-    def _on_reporter_tick(self) -> None:
-        """Runs on the reporter's thread, so the manifest stays alive even while a round blocks training,
-        and others see how far a state download has got."""
-        if time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
-            self._publish_manifest()
-        self.reporter.update(download_progress=min(1.0, max(0.0, self.download_progress)))
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         self._emit(kind, data)
@@ -600,12 +354,3 @@ class Peer:
             self._listener(kind, data)
         except Exception:  # a broken listener must not break training
             logger.exception("swarm event listener failed")
-
-
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _short_reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text[:200]

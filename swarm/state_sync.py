@@ -19,8 +19,9 @@ from swarm import state_file
 from swarm.averaging import DownloadStopped
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.records import PeerState
+from swarm.rounds import short_reason
 from swarm.state_file import StateFileError
-from swarm.swarm_view import SwarmView, consensus
+from swarm.swarm_view import Resync, SwarmView, consensus, resync_needed
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -93,21 +94,11 @@ class StateSync:
 
     # ---- staying consistent --------------------------------------------------------------------
 
-    def resync_reason(self, epoch: int) -> str | None:
-        """Why we must take the swarm's state, or None: the swarm is ahead of us, most peers hold another
-        checksum for ``epoch``, or we ran ahead of the swarm on our own (local rounds past the majority)."""
+    def resync_needed(self, epoch: int) -> Resync | None:
+        """Why we must take the swarm's state at ``epoch``, or None (``swarm_view.resync_needed``)."""
         peer = self.peer
-        view = peer.view()
-        if view.global_epoch is not None and view.global_epoch > epoch:
-            return f"behind the swarm (epoch {epoch}, the swarm is at {view.global_epoch})"
-        if peer.last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
-            if any(p.peer_id != peer.peer_id and p.epoch == view.global_epoch for p in view.peers):
-                return f"ran ahead of the swarm on local rounds (epoch {epoch}, the swarm is at {view.global_epoch})"
-        agreed = consensus(view.peers, epoch)
         mine = peer.outer.checksum() if peer.outer.epoch == epoch else None
-        if agreed is not None and mine is not None and not agreed.agrees(mine) and agreed.voters > 1:
-            return f"disagreed with the majority's checksum at epoch {epoch}"
-        return None
+        return resync_needed(peer.view(), peer.peer_id, epoch, mine, peer.last_round_local)
 
     def resync(self, why: str) -> bool:
         peer = self.peer
@@ -206,7 +197,7 @@ class StateSync:
             return False
         except Exception as e:
             logger.debug("state download from %s failed", donor, exc_info=True)
-            peer.emit("download_failed", dict(donor=donor, reason=_short(e)))
+            peer.emit("download_failed", dict(donor=donor, reason=short_reason(e)))
             return False
         self._download_rate = destination.stat().st_size / max(time.monotonic() - started, 1e-3)
         try:
@@ -224,8 +215,3 @@ class StateSync:
             peer.store.adopt(destination, header, peer.state_extra())
         peer.emit("state_loaded", dict(donor=donor, epoch=header.epoch, checksum=header.checksum))
         return True
-
-
-def _short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return text[:200]

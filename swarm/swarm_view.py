@@ -7,6 +7,7 @@ consensus) are applied identically by every peer, the dashboard and the tests.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,3 +109,64 @@ def build_view(entries: Sequence[PeerEntry], now: float, inner_steps: int, sampl
         epoch,
         eta_next_round(peers, epoch, inner_steps, samples_per_step),
     )
+
+
+# ---- the rules a peer applies to the view, as pure functions ---------------------------------------
+
+
+class ResyncReason(enum.Enum):
+    behind = "behind the swarm"
+    ran_ahead = "ran ahead of the swarm on local rounds"
+    disagreed = "disagreed with the majority's checksum"
+
+
+@dataclass(frozen=True)
+class Resync:
+    """Why a peer must take the swarm's state instead of its own."""
+
+    reason: ResyncReason
+    epoch: int  # the peer's
+    global_epoch: int | None
+
+    def __str__(self) -> str:
+        if self.reason == ResyncReason.disagreed:
+            return f"{self.reason.value} at epoch {self.epoch}"
+        return f"{self.reason.value} (epoch {self.epoch}, the swarm is at {self.global_epoch})"
+
+
+def resync_needed(view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool) -> Resync | None:
+    """The swarm is ahead of ``epoch``; or our last round was local and took us past the global epoch while
+    others sit there; or most peers hold another checksum for ``epoch`` (more than one voting)."""
+    if view.global_epoch is not None and view.global_epoch > epoch:
+        return Resync(ResyncReason.behind, epoch, view.global_epoch)
+    if last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
+        if any(p.peer_id != me and p.epoch == view.global_epoch for p in view.peers):
+            return Resync(ResyncReason.ran_ahead, epoch, view.global_epoch)
+    agreed = consensus(view.peers, epoch)
+    if agreed is not None and checksum is not None and not agreed.agrees(checksum) and agreed.voters > 1:
+        return Resync(ResyncReason.disagreed, epoch, view.global_epoch)
+    return None
+
+
+def swarm_moved_on(view: SwarmView, epoch: int) -> bool:
+    """The swarm finished the round of ``epoch`` without us: looking for a group is pointless."""
+    return view.global_epoch is not None and view.global_epoch > epoch
+
+
+def mates_coming(view: SwarmView, me: str, epoch: int) -> bool:
+    """Other live peers are still working towards the end of ``epoch``: worth waiting for."""
+    return any(p.peer_id != me and p.epoch == epoch and p.state in _ACTIVE for p in view.peers)
+
+
+def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: int) -> bool:
+    """Enough of our epoch-mates are already matchmaking to form a group without us (a group in all-reduce
+    is closed), and they are most of them: join now with the steps we have."""
+    mates = [p for p in view.peers if p.peer_id != me and p.epoch == epoch]
+    busy = [p for p in mates if p.state == PeerState.matchmaking.value]
+    return len(busy) >= max(1, min_group_size - 1) and 2 * len(busy) > len(mates)
+
+
+def groupmates_published(view: SwarmView, group: Sequence[str], me: str, epoch: int) -> bool:
+    """Every groupmate has published its checksum for ``epoch`` (or moved past it)."""
+    published = {p.peer_id for p in view.peers if p.checksum_at(epoch) is not None or p.epoch > epoch}
+    return set(group) - {me} <= published

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
-from swarm.peer import RoundOutcome  # noqa: E402
+from swarm.rounds import RoundOutcome  # noqa: E402
 
 
 def main() -> int:

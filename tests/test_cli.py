@@ -2,6 +2,8 @@
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import hivemind
@@ -169,3 +171,14 @@ def test_a_second_peer_on_the_same_workdir_is_refused(tmp_path):
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 0, log.read_text()[-3000:]
+
+
+def test_health_imports_neither_torch_nor_hivemind(tmp_path):
+    """Docker runs it every 30 s with a 10 s timeout; importing torch and hivemind took 2-6 s."""
+    probe = (
+        "import sys; from client.cli import main; code = main(['health', '--workdir', sys.argv[1]]); "
+        "heavy = sorted(m for m in ('torch', 'hivemind', 'transformers', 'datasets', 'numpy') if m in sys.modules); "
+        "print('HEAVY', heavy, 'CODE', code)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "HEAVY [] CODE 1" in result.stdout, result.stdout + result.stderr  # no status file here: unhealthy

@@ -103,6 +103,10 @@ def test_peers_with_default_ports_pick_free_ports_and_average_together_through_a
         newcomer = int(MOVED.search(logs[3].read_text()).group(1))
         assert newcomer not in moved[:2] and newcomer != DEFAULT_PORT
 
+        for i, log in enumerate(logs):  # hivemind's background failures go to the log file, not the terminal
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+            assert (tmp_path / f"p{i}" / "logs" / "swarm-client.log").stat().st_size > 0
+
         taken = cli("join", *join[1:], "--host-port", str(moved[0]), "--workdir", str(tmp_path / "p4"), timeout=60)
         assert taken.returncode == 2 and "Traceback" not in taken.stderr, taken.stderr
         assert f"Port {moved[0]} on 0.0.0.0 is taken" in taken.stderr and len(taken.stderr.strip().splitlines()) == 1

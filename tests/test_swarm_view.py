@@ -2,7 +2,17 @@ import time
 
 from swarm.progress import PeerEntry
 from swarm.records import EpochChecksum, PeerState, ProgressRecord
-from swarm.swarm_view import build_view, consensus, global_epoch
+from swarm.swarm_view import (
+    ResyncReason,
+    build_view,
+    consensus,
+    global_epoch,
+    groupmates_published,
+    mates_coming,
+    resync_needed,
+    round_started_without,
+    swarm_moved_on,
+)
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -56,3 +66,46 @@ def test_expired_and_leaving_peers_are_not_alive():
     assert [p.peer_id for p in view.peers] == ["alive"]
     assert view.global_epoch == 0
     assert view.eta_next_round == (10 - 2) * 4 / 8.0
+
+
+def view_of(*peers):
+    now = time.time()
+    return build_view([PeerEntry(p, now + 10) for p in peers], now, inner_steps=10, samples_per_step=4)
+
+
+def test_resync_when_behind_ran_ahead_or_outvoted_and_not_otherwise():
+    swarm_at_5 = [record("p1", epoch=5, checksums=[(5, A)]), record("p2", epoch=5, checksums=[(5, A)])]
+    behind = resync_needed(view_of(*swarm_at_5, record("me", epoch=4)), "me", 4, C, last_round_local=False)
+    assert behind.reason == ResyncReason.behind and str(behind) == "behind the swarm (epoch 4, the swarm is at 5)"
+
+    ahead = view_of(*swarm_at_5, record("me", epoch=6, checksums=[(6, C)]))
+    assert resync_needed(ahead, "me", 6, C, last_round_local=True).reason == ResyncReason.ran_ahead
+    assert resync_needed(ahead, "me", 6, C, last_round_local=False) is None  # averaged its way there: fine
+
+    outvoted = view_of(*swarm_at_5, record("me", epoch=5, checksums=[(5, B)]))
+    disagreed = resync_needed(outvoted, "me", 5, B, last_round_local=False)
+    assert disagreed.reason == ResyncReason.disagreed and "at epoch 5" in str(disagreed)
+    assert resync_needed(outvoted, "me", 5, A, last_round_local=False) is None
+    alone = view_of(record("me", epoch=5, checksums=[(5, B)]))
+    assert resync_needed(alone, "me", 5, B, last_round_local=False) is None  # one voter: nothing to compare
+
+
+def test_round_rules_moved_on_mates_coming_started_without_us_and_groupmates_published():
+    view = view_of(
+        record("me", epoch=3),
+        record("m1", epoch=3, state=PeerState.matchmaking),
+        record("m2", epoch=3, state=PeerState.matchmaking),
+        record("t1", epoch=3, state=PeerState.training),
+        record("old", epoch=2, state=PeerState.training),
+    )
+    assert not swarm_moved_on(view, 3) and swarm_moved_on(view_of(record("a", epoch=4)), 3)
+    assert mates_coming(view, "me", 3) and not mates_coming(view, "me", 7)
+    assert round_started_without(view, "me", 3, min_group_size=2)  # 2 of 3 mates matchmaking
+    assert not round_started_without(view, "me", 3, min_group_size=4)  # 2 cannot form a group of 4 without us
+    assert not round_started_without(view_of(record("me", epoch=3), record("t1", epoch=3)), "me", 3, 2)
+
+    group = ("me", "g1", "g2")
+    partly = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=4))
+    assert not groupmates_published(partly, group, "me", 4)
+    done = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=5))  # moved past it counts
+    assert groupmates_published(done, group, "me", 4)

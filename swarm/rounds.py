@@ -1,0 +1,47 @@
+"""What an outer round reports: its outcome, as a type the loop branches on, and its figures."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RoundOutcome(enum.Enum):
+    averaged = "averaged"  # the group's average was applied
+    local = "local"  # no usable group: our own pseudo-gradient was applied
+    resynced = "resynced"  # the round was replaced by the swarm's state (behind, disagreed, ...)
+    non_finite = "non-finite"  # our pseudo-gradient was not finite: the loop should reset its inner optimizer
+    abandoned = "abandoned"  # the peer is leaving: nothing was applied
+
+
+@dataclass
+class RoundReport:
+    """What one outer round did, for logs, the dashboard and tests."""
+
+    epoch: int  # the epoch reached by this round
+    averaged: bool  # False: the local pseudo-gradient was used
+    group_size: int
+    outcome: RoundOutcome = RoundOutcome.local
+    fallback_reason: str | None = None  # for people: why the round was not averaged
+    dropped_fraction: float = 0.0
+    resynced: bool = False
+    checksum: str = ""
+    samples: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # compute, matchmaking, allreduce, outer, consistency
+    bytes_sent: int = 0  # all-reduce tensor payload, framing excluded, as of when our own results were complete
+    bytes_received: int = 0
+
+
+@dataclass
+class PeerStats:
+    rounds: int = 0
+    averaged_rounds: int = 0
+    local_rounds: int = 0
+    resyncs: int = 0
+    tokens_processed: int = 0
+
+
+def short_reason(error: BaseException) -> str:
+    """The first line of an error, for a report or an event."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text[:200]
