@@ -292,7 +292,7 @@ def plot(record: dict, out: Path) -> list[str]:
     if plt is None:
         return []
     params = record["sizes"]["parameters"]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     phases = sorted({ph for run in record["runs"] for p in run["peers"].values() for ph in p["phases"]})
     width = 0.8 / (2 * len(record["runs"]))
     for i, run in enumerate(record["runs"]):
@@ -305,7 +305,7 @@ def plot(record: dict, out: Path) -> list[str]:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(phases))], phases, rotation=20)
     ax.set_ylabel("peak PSS, bytes per parameter")
     ax.set_title(f"Peak PSS of a peer's process tree, {params / 1e6:.0f}M parameters, CPU")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save_figure(fig, out, NAME)
     return [f"{NAME}.png"]
 

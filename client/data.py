@@ -8,6 +8,7 @@ id, so peers that start together read different text.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import random
 import sysconfig
@@ -32,6 +33,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -43,6 +46,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
@@ -64,6 +70,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """A batch goes to the Rust tokenizer at once, which spreads it over the cores."""
+        return self._tok(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -127,19 +137,34 @@ def load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
 
 
 def shard_documents(docs: datasets.IterableDataset, num_shards: int, shard: int) -> datasets.IterableDataset:
-    """Documents ``shard``, ``shard + num_shards``, ...: shards never overlap."""
+    """Shard ``shard`` of ``num_shards``; shards never overlap.
+
+    A dataset made of at least ``num_shards`` files (C4's train split has 1024) is cut into
+    groups of whole files, so a peer reads only its own: dealing documents round-robin would
+    make it stream the whole dataset and drop all but one document in ``num_shards``. Smaller
+    ones (the built-in corpus, a few local files) are dealt round-robin.
+    """
+    if docs.n_shards >= num_shards:
+        return docs.shard(num_shards=num_shards, index=shard)
     return docs.filter(lambda _, index: index % num_shards == shard, with_indices=True)
 
 
-def pack(texts: Iterator[str], tokenizer: Tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
-    """Concatenate tokenized documents, separated by EOS, and cut fixed-length sequences."""
+def pack(texts: Iterator[str], tokenizer: Tokenizer, seq_len: int, batch: int = 32) -> Iterator[torch.Tensor]:
+    """Concatenate tokenized documents, separated by EOS, and cut fixed-length sequences.
+
+    Documents are tokenized ``batch`` at a time (a fast tokenizer spreads a batch over the cores).
+    """
     buffer: list[int] = []
-    for text in texts:
-        buffer.extend(tokenizer.encode(text))
-        buffer.append(tokenizer.eos_id)
-        while len(buffer) >= seq_len:
-            yield torch.tensor(buffer[:seq_len], dtype=torch.long)
-            buffer = buffer[seq_len:]
+    texts = iter(texts)
+    while chunk := list(itertools.islice(texts, batch)):
+        for ids in tokenizer.encode_batch(chunk):
+            buffer.extend(ids)
+            buffer.append(tokenizer.eos_id)
+            start = 0
+            while len(buffer) - start >= seq_len:
+                yield torch.tensor(buffer[start : start + seq_len], dtype=torch.long)
+                start += seq_len
+            del buffer[:start]
 
 
 @dataclass

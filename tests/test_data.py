@@ -36,6 +36,22 @@ def test_shards_are_disjoint_and_cover_the_corpus(tmp_path):
     assert all(set(a).isdisjoint(b) for i, a in enumerate(seen) for b in seen[i + 1 :])
 
 
+def test_a_dataset_of_many_files_is_sharded_by_whole_files(tmp_path):
+    """As with C4's 1024 files: a peer reads only its own files instead of streaming everything."""
+    for f in range(8):
+        rows = [{"text": f"file {f} document {i}"} for i in range(5)]
+        (tmp_path / f"part-{f}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spec = DatasetSpec(source="local", path=str(tmp_path), num_shards=4)
+    docs = load_documents(spec)
+    assert docs.n_shards == 8
+    seen = [[row["text"] for row in shard_documents(docs, 4, s)] for s in range(4)]
+    assert sorted(t for shard in seen for t in shard) == sorted(
+        f"file {f} document {i}" for f in range(8) for i in range(5)
+    )
+    for shard in seen:  # two whole files each
+        assert len(shard) == 10 and len({t.split(" document")[0] for t in shard}) == 2
+
+
 def test_builtin_corpus_peers_start_on_different_shards_and_never_train_on_the_held_out_one():
     # content-level disjointness is checked on local data above: the standard library repeats
     # whole files (empty __init__.py, license headers), so equal sequences can come from distinct files
