@@ -7,18 +7,12 @@ image's way in); a flag on the command line wins over the variable.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from client.signals import STOP
 from swarm.errors import LeaveRequested, SwarmError
-
-if TYPE_CHECKING:  # the heavy modules (torch, hivemind) are imported where a command needs them
-    from swarm import NetworkConfig
 
 DEFAULT_WORKDIR = Path("~/.cache/swarm").expanduser()
 
@@ -248,162 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_workdir_lock = None  # held for the life of the process
-
-
-def _ensure_workdir(workdir: Path, exclusive: bool = False) -> Path:
-    """The workdir, writable; with ``exclusive``, locked against a second peer using it (the same identity
-    twice would make two processes one peer, and their checkpoints would overwrite each other)."""
-    global _workdir_lock
-    workdir = workdir.expanduser()
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise SwarmError(
-            f"The workdir {workdir} cannot be written ({e.strerror}). Pick another with --workdir or "
-            "fix its permissions (in Docker: mount a volume at /data)."
-        ) from None
-    if exclusive:
-        import fcntl
-
-        handle = (workdir / ".peer.lock").open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            owner = handle.read().strip() or "?"
-            handle.close()
-            raise SwarmError(
-                f"The workdir {workdir} is in use by another peer on this machine (pid {owner}). Each peer needs "
-                "its own --workdir, where its identity and checkpoints live: e.g. --workdir ~/.cache/swarm/gpu1."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        _workdir_lock = handle
-    return workdir
-
-
-def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
-    from swarm import NetworkConfig
-
-    return NetworkConfig(
-        initial_peers=args.initial_peers,
-        host_ip=args.host_ip,
-        host_port=args.host_port,
-        announce_ip=args.announce_ip,
-        identity_path=args.identity or workdir / "identity.key",
-        client_mode=args.client_mode,
-    )
-
-
-def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
-    return f"swarm-client join --initial-peers {' '.join(maddrs)} --run {run_id}"
-
-
-def _use_dashboard(args: argparse.Namespace) -> bool:
-    return sys.stdout.isatty() and not getattr(args, "no_dashboard", False)
-
-
-def _train(args: argparse.Namespace, creating: bool) -> int:
-    from client.dashboard import DashboardSource, LiveDashboard
-    from client.hardware import detect
-    from client.monitoring import TrainingTick, gpu_memory, own_state
-    from client.presets import build_manifest
-    from client.swarm_watch import SwarmWatch
-    from client.telemetry import Telemetry
-    from client.trainer import Trainer, TrainerSettings
-    from swarm import choose_run, claim_port, start_dht, visible_maddrs
-    from swarm.network import DEFAULT_PORT
-    from swarm.progress import read_peers
-
-    workdir = _ensure_workdir(args.workdir, exclusive=True)
-    setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
-    hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
-    manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
-    network = _network(args, workdir)
-    dashboard = _use_dashboard(args)
-    say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
-    claim = claim_port(network.host_ip, network.host_port)
-    if claim.moved:
-        print(
-            f"Port {DEFAULT_PORT} is in use on this machine (another peer?); listening on {claim.port} instead. "
-            "Forward that port for others to reach you, or choose one with --host-port.",
-            flush=True,
-        )
-    dht = start_dht(network, claim)
-    telemetry = Telemetry(args.log_json, echo=None if dashboard else say)
-    watch = tick = None
-    try:
-        if manifest is None:
-            manifest = choose_run(dht, args.run)
-            print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
-        maddrs = [a for a in visible_maddrs(dht)]
-        if creating:
-            print(f"Run {manifest.run_id} ({manifest.name}) created. Others join with:", flush=True)
-        print(join_command_line(maddrs[:1] or maddrs, manifest.run_id), flush=True)
-        settings = TrainerSettings(
-            workdir=workdir,
-            name=args.name,
-            micro_batch=args.micro_batch,
-            max_epochs=args.max_epochs,
-            eval_sequences=args.eval_sequences,
-        )
-        run_id = manifest.run_id
-        # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
-        trainer = Trainer(
-            manifest, dht, hardware, settings, log=say, telemetry=telemetry, on_connected=lambda: watch.start()
-        )
-        tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
-        watch = SwarmWatch(
-            lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
-        )
-        if dashboard:
-            source = DashboardSource(
-                manifest=manifest,
-                parameters=lambda: trainer.parameters,
-                telemetry=telemetry,
-                watch=watch,
-                own=lambda: own_state(trainer, bool(args.initial_peers)),
-                gpu_memory=gpu_memory(hardware),
-                title=f"swarm-client {args.command}",
-            )
-            with LiveDashboard(source):
-                result = trainer.run()
-        else:
-            result = trainer.run()
-    finally:
-        with STOP.shielded():
-            if watch is not None:
-                watch.stop()
-                tick.write_status()  # the final state ("left" after a clean exit): the health check says so
-            telemetry.close()
-            dht.shutdown()
-    if dashboard:
-        print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
-    if args.result_file:
-        args.result_file.write_text(
-            json.dumps(
-                dict(
-                    run_id=manifest.run_id,
-                    rounds=result.rounds,
-                    epoch=result.epoch,
-                    checksum=result.checksum,
-                    eval_loss_start=result.eval_loss_start,
-                    eval_loss_end=result.eval_loss_end,
-                    averaged_rounds=sum(r.averaged for r in result.reports),
-                    checkpoint=str(result.checkpoint) if result.checkpoint else None,
-                )
-            )
-        )
-    return 0
-
-
 def _status(args: argparse.Namespace) -> int:
+    from client.logs import setup_logging
     from client.status import run_status
     from swarm import NetworkConfig
 
@@ -414,6 +254,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from client.doctor import DoctorOptions, print_check, run_checks
+    from client.logs import setup_logging
 
     setup_logging(None, args.verbose)
     options = DoctorOptions(
@@ -448,12 +289,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def setup_logging(log_file: Path | None, verbose: bool) -> None:
-    from client.logs import setup_logging as setup
-
-    setup(log_file, verbose)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -461,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        if args.command == "start":
-            return _train(args, creating=True)
-        if args.command == "join":
-            return _train(args, creating=False)
+        if args.command in ("start", "join"):
+            from client.run import run_peer
+
+            return run_peer(args, creating=args.command == "start")
         if args.command == "status":
             return _status(args)
         if args.command == "doctor":
@@ -473,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
             return _health(args)
         if args.command == "demo":
             from client.demo import run_demo
+            from client.run import use_dashboard
 
-            return run_demo(args.peers, args.epochs, args.workdir, dashboard=_use_dashboard(args))
+            return run_demo(args.peers, args.epochs, args.workdir, dashboard=use_dashboard(args))
         return _export(args)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,171 @@
+"""`swarm-client start` and `join`: claim a workdir and a port, join the DHT, train until told to stop.
+
+What the volunteer sees comes from here: the join line, the port the peer took, the
+live dashboard or the log lines, and the exit's summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from client.logs import setup_logging
+from client.signals import STOP
+from swarm import NetworkConfig, SwarmError
+
+_workdir_lock = None  # held for the life of the process
+
+
+def prepare_workdir(workdir: Path, exclusive: bool = False) -> Path:
+    """The workdir, writable; with ``exclusive``, locked against a second peer using it (the same identity
+    twice would make two processes one peer, and their checkpoints would overwrite each other)."""
+    global _workdir_lock
+    workdir = workdir.expanduser()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise SwarmError(
+            f"The workdir {workdir} cannot be written ({e.strerror}). Pick another with --workdir or "
+            "fix its permissions (in Docker: mount a volume at /data)."
+        ) from None
+    if exclusive:
+        handle = (workdir / ".peer.lock").open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            owner = handle.read().strip() or "?"
+            handle.close()
+            raise SwarmError(
+                f"The workdir {workdir} is in use by another peer on this machine (pid {owner}). Each peer needs "
+                "its own --workdir, where its identity and checkpoints live: e.g. --workdir ~/.cache/swarm/gpu1."
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        _workdir_lock = handle
+    return workdir
+
+
+def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
+    from swarm import NetworkConfig
+
+    return NetworkConfig(
+        initial_peers=args.initial_peers,
+        host_ip=args.host_ip,
+        host_port=args.host_port,
+        announce_ip=args.announce_ip,
+        identity_path=args.identity or workdir / "identity.key",
+        client_mode=args.client_mode,
+    )
+
+
+def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
+    return f"swarm-client join --initial-peers {' '.join(maddrs)} --run {run_id}"
+
+
+def use_dashboard(args: argparse.Namespace) -> bool:
+    return sys.stdout.isatty() and not getattr(args, "no_dashboard", False)
+
+
+def run_peer(args: argparse.Namespace, creating: bool) -> int:
+    from client.dashboard import DashboardSource, LiveDashboard
+    from client.hardware import detect
+    from client.monitoring import TrainingTick, gpu_memory, own_state
+    from client.presets import build_manifest
+    from client.swarm_watch import SwarmWatch
+    from client.telemetry import Telemetry
+    from client.trainer import Trainer, TrainerSettings
+    from swarm import choose_run, claim_port, start_dht, visible_maddrs
+    from swarm.network import DEFAULT_PORT
+    from swarm.progress import read_peers
+
+    workdir = prepare_workdir(args.workdir, exclusive=True)
+    setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
+    hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
+    manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
+    network = _network(args, workdir)
+    dashboard = use_dashboard(args)
+    say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
+    claim = claim_port(network.host_ip, network.host_port)
+    if claim.moved:
+        print(
+            f"Port {DEFAULT_PORT} is in use on this machine (another peer?); listening on {claim.port} instead. "
+            "Forward that port for others to reach you, or choose one with --host-port.",
+            flush=True,
+        )
+    dht = start_dht(network, claim)
+    telemetry = Telemetry(args.log_json, echo=None if dashboard else say)
+    watch = tick = None
+    try:
+        if manifest is None:
+            manifest = choose_run(dht, args.run)
+            print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
+        maddrs = [a for a in visible_maddrs(dht)]
+        if creating:
+            print(f"Run {manifest.run_id} ({manifest.name}) created. Others join with:", flush=True)
+        print(join_command_line(maddrs[:1] or maddrs, manifest.run_id), flush=True)
+        settings = TrainerSettings(
+            workdir=workdir,
+            name=args.name,
+            micro_batch=args.micro_batch,
+            max_epochs=args.max_epochs,
+            eval_sequences=args.eval_sequences,
+        )
+        run_id = manifest.run_id
+        # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
+        trainer = Trainer(
+            manifest, dht, hardware, settings, log=say, telemetry=telemetry, on_connected=lambda: watch.start()
+        )
+        tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
+        watch = SwarmWatch(
+            lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
+        )
+        if dashboard:
+            source = DashboardSource(
+                manifest=manifest,
+                parameters=lambda: trainer.parameters,
+                telemetry=telemetry,
+                watch=watch,
+                own=lambda: own_state(trainer, bool(args.initial_peers)),
+                gpu_memory=gpu_memory(hardware),
+                title=f"swarm-client {args.command}",
+            )
+            with LiveDashboard(source):
+                result = trainer.run()
+        else:
+            result = trainer.run()
+    finally:
+        with STOP.shielded():
+            if watch is not None:
+                watch.stop()
+                tick.write_status()  # the final state ("left" after a clean exit): the health check says so
+            telemetry.close()
+            dht.shutdown()
+    if dashboard:
+        print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
+    if args.result_file:
+        args.result_file.write_text(
+            json.dumps(
+                dict(
+                    run_id=manifest.run_id,
+                    rounds=result.rounds,
+                    epoch=result.epoch,
+                    checksum=result.checksum,
+                    eval_loss_start=result.eval_loss_start,
+                    eval_loss_end=result.eval_loss_end,
+                    averaged_rounds=sum(r.averaged for r in result.reports),
+                    checkpoint=str(result.checkpoint) if result.checkpoint else None,
+                )
+            )
+        )
+    return 0
