@@ -32,6 +32,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from swarm.codecs import CODECS
+
 
 @dataclass(frozen=True)
 class Dropped:
@@ -73,22 +75,46 @@ class HeldOutputContainer(TensorPartContainer):
             yield parts
 
 
+def _decoded(part: HeldPart) -> torch.Tensor | None:
+    """The values of one held part (None: a dropped part, read as zeros)."""
+    if isinstance(part, Dropped):
+        return None
+    try:
+        return deserialize_torch_tensor(part).reshape(-1)
+    except Exception as e:  # a reducer's bytes are another machine's: anything can be wrong with them
+        raise AllreduceException(f"a reducer returned a part that does not decode: {e!r}") from None
+
+
+def check_parts(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
+    """Raise unless every part decodes and together they are exactly ``tensor``'s size: checked before
+    anything is written, so a broken reducer never leaves a tensor half averaged."""
+    total = 0
+    for part in parts:
+        values = _decoded(part)
+        total += part.numel if values is None else values.numel()
+    if total != tensor.numel():
+        raise AllreduceException(f"reducers returned {total} values for a tensor of {tensor.numel()}")
+
+
 def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
-    """Write held parts, in order, into ``tensor``; a part of the wrong size means a broken reducer."""
+    """Write held parts, in order, into ``tensor`` (after ``check_parts``)."""
     flat = tensor.view(-1)
     offset = 0
     for part in parts:
-        if isinstance(part, Dropped):
+        values = _decoded(part)
+        if values is None:
             flat[offset : offset + part.numel].zero_()
             offset += part.numel
-            continue
-        values = deserialize_torch_tensor(part).reshape(-1)
-        if offset + values.numel() > flat.numel():
-            raise AllreduceException("a reducer returned more values than were sent to it")
-        flat[offset : offset + values.numel()].copy_(values)
-        offset += values.numel()
-    if offset != flat.numel():
-        raise AllreduceException(f"reducers returned {offset} values for a tensor of {flat.numel()}")
+        else:
+            flat[offset : offset + values.numel()].copy_(values)
+            offset += values.numel()
+
+
+def encode_average(tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
+    """A reducer's average for every groupmate: the same bytes for all of them."""
+    if compression_type == CODECS["sparse"].compression_type:
+        return CODECS["sparse"].compress_average(tensor)
+    return serialize_torch_tensor(tensor, compression_type)
 
 
 class _CountingStub:
@@ -142,9 +168,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 averaged = await self.tensor_part_reducer.accumulate_part(
                     sender_index, part_index, tensor_part, weight=self.weight
                 )
-                held = await loop.run_in_executor(
-                    None, serialize_torch_tensor, averaged, container.compression.compression_type
-                )
+                ours = container.compression.compression_type
+                held = await loop.run_in_executor(None, encode_average, averaged, ours)
                 container.register_processed_part(peer_index, part_index, held)
             return
         try:
@@ -171,6 +196,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index = 0
+        ours = self.tensor_part_container.compression.compression_type
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, part_compression in amap_in_executor(
@@ -178,6 +204,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self._count(stream, received=True),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if part_compression != ours:  # the run's codec for everyone, so that everyone decodes the same
+                    raise AllreduceException(f"a sender used compression {part_compression}, not the run's {ours}")
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -185,7 +213,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
+                serialized = await loop.run_in_executor(None, encode_average, averaged_part, ours)
                 self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
