@@ -213,3 +213,63 @@ def check(path: Path, *, run_id: str, shapes: Sequence[Sequence[int]] | None = N
     header = read_header(path, run_id=run_id, shapes=shapes)
     verify(path, header)
     return header
+
+
+# ---- the error-feedback residual: this peer's own, kept beside a state file, never served -------------
+
+RESIDUAL_FORMAT = "swarm-residual-1"
+
+
+def write_residual(path: Path, *, run_id: str, epoch: int, checksum: str, residual: Sequence[torch.Tensor]) -> int:
+    """The residual that goes with the state of ``checksum`` (same layout; tensors ``residual.NNNNN``)."""
+    header: dict = {}
+    offset = 0
+    for i, tensor in enumerate(residual):
+        size = 4 * tensor.numel()
+        header[f"residual.{i:05d}"] = dict(dtype="F32", shape=list(tensor.shape), data_offsets=[offset, offset + size])
+        offset += size
+    crc = 0
+    for tensor in residual:
+        crc = zlib.crc32(_raw(tensor), crc)
+    header["__metadata__"] = dict(
+        format=RESIDUAL_FORMAT, run_id=run_id, epoch=str(epoch), checksum=checksum, crc32=f"{crc:08x}"
+    )
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for tensor in residual:
+            f.write(_raw(tensor))
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def load_residual(path: Path, *, run_id: str, checksum: str, residual: Sequence[torch.Tensor]) -> bool:
+    """Read a residual saved with the state of ``checksum`` into ``residual``; False (and nothing changed)
+    when there is none, it goes with another state, or it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > MAX_HEADER_BYTES:
+                return False
+            header = json.loads(f.read(length))
+            meta = header.pop("__metadata__")
+            if (meta.get("format"), meta.get("run_id"), meta.get("checksum")) != (RESIDUAL_FORMAT, run_id, checksum):
+                return False
+            if [tuple(header[f"residual.{i:05d}"]["shape"]) for i in range(len(residual))] != [
+                tuple(t.shape) for t in residual
+            ] or len(header) != len(residual):
+                return False
+            data = f.read()
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return False
+    if len(data) != sum(4 * t.numel() for t in residual) or f"{zlib.crc32(data):08x}" != meta.get("crc32"):
+        return False
+    offset = 0
+    for tensor in residual:
+        n = 4 * tensor.numel()
+        _raw(tensor)[:] = data[offset : offset + n]
+        offset += n
+    return True

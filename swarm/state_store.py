@@ -62,6 +62,11 @@ def state_files(directory: Path) -> list[Path]:
     return sorted((p for p in Path(directory).glob("state-*.safetensors") if _NAME.match(p.name)), key=_sequence)[::-1]
 
 
+def residual_path(state_path: Path) -> Path:
+    """The error-feedback residual that goes with a state file (this peer's own)."""
+    return state_path.with_suffix(".residual")
+
+
 def read_extra(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.with_suffix(".json").read_text())
@@ -121,9 +126,10 @@ class StateStore:
     # ---- the training thread's side ------------------------------------------------------------
 
     def save_async(self, outer: OuterState, extra: dict[str, Any] | None = None) -> None:
-        """Write ``outer`` as it is now, in the background; ``extra`` goes into the JSON beside it."""
+        """Write ``outer`` as it is now, in the background; ``extra`` goes into the JSON beside it. Its
+        error-feedback residual goes beside it too, unless it changed before the writer got to it."""
         with self._cond:
-            self._pending = (outer, dict(extra or {}))
+            self._pending = (outer, dict(extra or {}), outer.residual_version)
             self._cond.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
@@ -184,11 +190,11 @@ class StateStore:
                     self._cond.wait()
                 if self._pending is None:
                     return
-                (outer, extra), self._pending = self._pending, None
+                (outer, extra, residual_version), self._pending = self._pending, None
                 self._busy = True
                 final = self._claim_name()
             try:
-                self._write(outer, extra, final)
+                self._write(outer, extra, residual_version, final)
             except Exception as e:  # a full disk must not stop training; the previous file stays
                 logger.debug("writing the state file failed", exc_info=True)
                 self._on_failed(f"{type(e).__name__}: {e}")
@@ -197,8 +203,9 @@ class StateStore:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write(self, outer: OuterState, extra: dict[str, Any], final: Path) -> None:
+    def _write(self, outer: OuterState, extra: dict[str, Any], residual_version: int, final: Path) -> None:
         tmp = self.directory / f".tmp-{final.stem}-{os.getpid()}.safetensors"
+        tmp_residual = self.directory / f".tmp-{final.stem}-{os.getpid()}.residual"
         started = time.monotonic()
         try:
             with outer.lock:  # the next round's outer step waits for this write, never the inner steps
@@ -211,10 +218,18 @@ class StateStore:
                     params=outer.params,
                     momentum=outer.momentum,
                 )
+                with_residual = outer.residual is not None and outer.residual_version == residual_version
+                if with_residual:
+                    state_file.write_residual(
+                        tmp_residual, run_id=self.run_id, epoch=epoch, checksum=checksum, residual=outer.residual
+                    )
             self._write_extra(final, extra)
+            if with_residual:
+                os.replace(tmp_residual, residual_path(final))
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            tmp_residual.unlink(missing_ok=True)
             raise
         _fsync_dir(self.directory)
         self._finish(SavedState(final, epoch, checksum, nbytes, time.monotonic() - started))
@@ -237,4 +252,5 @@ class StateStore:
                     continue
                 old.unlink(missing_ok=True)
                 old.with_suffix(".json").unlink(missing_ok=True)
+                residual_path(old).unlink(missing_ok=True)
         self._on_saved(saved)

@@ -9,6 +9,7 @@ becomes our newest checkpoint as it is.
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 import time
@@ -16,12 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm import state_file
-from swarm.averaging import DownloadStopped
+from swarm.allreduce import check_parts, decode_into
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.records import PeerState
 from swarm.rounds import short_reason
 from swarm.state_file import StateFileError
+from swarm.state_store import residual_path
 from swarm.swarm_view import Resync, SwarmView, consensus, resync_needed
+from swarm.transfer import DownloadStopped, read_update
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -29,6 +32,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_ATTEMPTS = 3
+REPLAY_DONORS = 3  # donors asked for one round's update before downloading the whole state instead
+
+
+class ReplayStep(enum.Enum):
+    applied = "applied"
+    unavailable = "no donor served it"  # nothing changed: another donor, or the full download
+    broken = "it did not give the majority's checksum"  # our state moved: only the full download is left
+
+
 MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
 VIEW_WAIT = 3.0  # records of other peers can take this long to reach a node that just joined
 
@@ -50,6 +62,10 @@ class StateSync:
             return False
         with peer.shield():
             peer.outer.load_file(path, header)
+            if peer.outer.residual is not None:  # what we had not sent yet, if it was saved with this state
+                state_file.load_residual(
+                    residual_path(path), run_id=peer.run_id, checksum=header.checksum, residual=peer.outer.residual
+                )
             peer.outer.write_to(peer.params)
             peer.averager.note_epoch(header.epoch)
             peer.store.use_existing(path, header)
@@ -122,6 +138,8 @@ class StateSync:
         avg = peer.manifest.averaging
         # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
         peer.averager.allow_state_sharing = False
+        if self._replay():
+            return True
         for attempt in range(DOWNLOAD_ATTEMPTS):
             if peer.stop_requested:
                 return False
@@ -147,6 +165,76 @@ class StateSync:
                     return True
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
+
+    # ---- replaying the rounds we missed ---------------------------------------------------------
+
+    def _replay(self) -> bool:
+        """Catch up by applying the averages of the rounds we missed, as their groups received them, when our
+        state is the swarm's at our epoch and we are 1..replay_rounds epochs behind. Each step must give the
+        checksum the majority published for it; anything else and the caller downloads the whole state."""
+        peer = self.peer
+        view = peer.view()
+        start, target = peer.outer.epoch, view.global_epoch
+        if target is None or not 0 < target - start <= peer.manifest.averaging.replay_rounds:
+            return False
+        ours = consensus(view.peers, start)
+        if ours is None or not ours.agrees(peer.outer.checksum()):
+            return False
+        peer.emit("replay_started", dict(epoch=start, target=target))
+        for epoch in range(start, target):
+            agreed = consensus(view.peers, epoch + 1)
+            if agreed is None:
+                return False
+            donors = [p.peer_id for p in view.peers if p.peer_id in agreed.holders and not p.client_mode]
+            donors = [d for d in donors if d != peer.peer_id]
+            random.shuffle(donors)
+            outcome = ReplayStep.unavailable
+            for donor in donors[:REPLAY_DONORS]:
+                outcome = self._replay_one(donor, epoch, agreed.checksum)
+                if outcome != ReplayStep.unavailable:
+                    break
+            if outcome != ReplayStep.applied:  # unavailable everywhere, or it broke our state: download it all
+                peer.emit("replay_failed", dict(epoch=epoch, reason=outcome.value))
+                return False
+        with peer.shield():
+            peer.outer.reset_residual()
+            peer.outer.write_to(peer.params)
+            peer.save_state()
+        peer.emit("replayed", dict(epoch=start, target=target))
+        return True
+
+    def _replay_one(self, donor: str, epoch: int, expected: str) -> ReplayStep:
+        peer = self.peer
+        avg = peer.manifest.averaging
+        destination = peer.store.temporary_path(f"update-{epoch}-{donor[-8:]}")
+        try:
+            try:
+                peer.averager.download_update(
+                    donor,
+                    epoch,
+                    destination,
+                    max_bytes=peer.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
+                    chunk_timeout=avg.chunk_timeout,
+                    timeout=avg.allreduce_timeout,
+                    should_stop=lambda: peer.stop_requested,
+                )
+                held = read_update(destination, peer.run_id, epoch, len(peer.outer.params))
+                with peer.averager.get_tensors() as buffers:
+                    for tensor, parts in zip(buffers, held):
+                        check_parts(tensor, parts)
+            except DownloadStopped:
+                return ReplayStep.broken  # leaving: no more donors
+            except Exception as e:
+                logger.debug("update %d from %s unusable", epoch, donor, exc_info=True)
+                peer.emit("download_failed", dict(donor=donor, reason=f"update of epoch {epoch}: {short_reason(e)}"))
+                return ReplayStep.unavailable
+            with peer.shield(), peer.averager.get_tensors() as buffers:
+                for tensor, parts in zip(buffers, held):
+                    decode_into(tensor, parts)
+                peer.outer.step(buffers)
+            return ReplayStep.applied if peer.outer.checksum() == expected else ReplayStep.broken
+        finally:
+            destination.unlink(missing_ok=True)
 
     def _view_after_round_if_download_is_too_slow(self) -> SwarmView:
         """On a slow link a download can outlast what is left of the swarm's round; the state would be stale

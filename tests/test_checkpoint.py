@@ -184,3 +184,60 @@ def test_inner_state_is_used_only_with_the_outer_state_it_was_saved_with(tmp_pat
     (tmp_path / checkpoint.INNER_FILE).write_bytes(b"junk")
     messages = []
     assert checkpoint.load_inner(tmp_path, "abc", warn=messages.append) is None and "unreadable" in messages[0]
+
+
+def test_a_rounds_update_file_gives_back_the_parts_as_they_came_off_the_wire(tmp_path):
+    from hivemind.compression import serialize_torch_tensor
+
+    from swarm.allreduce import Dropped, check_parts, decode_into
+    from swarm.codecs import CODECS, fp4_quantize
+    from swarm.transfer import read_update, update_path, write_update
+
+    values = [fp4_quantize(torch.randn(3000)), fp4_quantize(torch.randn(1000))]
+    codec = CODECS["fp4"]
+    held = [
+        [serialize_torch_tensor(values[0][:2000], codec.compression_type), Dropped(1000)],
+        [serialize_torch_tensor(values[1], codec.compression_type)],
+    ]
+    path = update_path(tmp_path, 12)
+    write_update(path, "r", 12, held)
+    back = read_update(path, "r", 12, num_tensors=2)
+    out = [torch.full((3000,), 7.0), torch.zeros(1000)]
+    for tensor, parts in zip(out, back):
+        check_parts(tensor, parts)
+        decode_into(tensor, parts)
+    assert torch.equal(out[0][:2000], values[0][:2000]) and torch.equal(out[0][2000:], torch.zeros(1000))
+    assert torch.equal(out[1], values[1])
+    for wrong in (dict(run_id="other", epoch=12, num_tensors=2), dict(run_id="r", epoch=13, num_tensors=2)):
+        with pytest.raises(ValueError):
+            read_update(path, wrong["run_id"], wrong["epoch"], wrong["num_tensors"])
+    with pytest.raises(ValueError):
+        read_update(path, "r", 12, num_tensors=3)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError):
+        read_update(path, "r", 12, num_tensors=2)
+
+
+def test_the_error_feedback_residual_is_saved_beside_its_state_and_used_only_with_it(tmp_path):
+    from swarm.state_store import residual_path
+
+    store = StateStore(tmp_path, "r")
+    outer = make_outer()
+    outer.keep_residual()
+    for r in outer.residual:
+        r.normal_()
+    store.save_async(outer)
+    assert store.wait_idle(30)
+    path = state_files(tmp_path)[0]
+    assert residual_path(path).exists()
+    other = make_outer(seed=1)
+    other.keep_residual()
+    assert state_file.load_residual(residual_path(path), run_id="r", checksum=outer.checksum(), residual=other.residual)
+    assert all(torch.equal(a, b) for a, b in zip(other.residual, outer.residual))
+    assert not state_file.load_residual(residual_path(path), run_id="r", checksum="0" * 64, residual=other.residual)
+    with outer.lock:  # the residual changes (a new round began) before the writer gets to the state
+        store.save_async(outer)
+        outer.residual_version += 1
+    assert store.wait_idle(30)
+    newest = state_files(tmp_path)[0]
+    assert newest != path and not residual_path(newest).exists()  # no residual is better than another state's
