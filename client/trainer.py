@@ -403,5 +403,18 @@ class Trainer:
             self.telemetry.checkpoint(data["epoch"], data["bytes"], data["seconds"])
         elif kind == "state_save_failed":
             self.note("log", f"Writing the checkpoint failed ({data['reason']}); the previous one is kept.")
+        elif kind == "averaging_error":
+            self.note("log", f"averaging failed: {data['reason']}; this round is local")
+        elif kind == "replay_started":
+            self.note("download", f"catching up from epoch {data['epoch']} to {data['target']} by replaying the rounds")
+        elif kind == "replayed":
+            self.note(
+                "state_loaded",
+                f"caught up to epoch {data['target']} by replaying {data['target'] - data['epoch']} rounds",
+            )
+        elif kind == "replay_failed":
+            self.note(
+                "download_failed", f"replay stopped at epoch {data['epoch']} ({data['reason']}): downloading the state"
+            )
         elif kind == "checkpoint_unusable":
             self.note("log", f"Checkpoint {Path(data['path']).name} is unusable ({data['reason']}); it is skipped.")

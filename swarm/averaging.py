@@ -1,25 +1,19 @@
-"""The averager process: pseudo-gradient rounds, and the outer state sent to and fetched from other peers.
+"""The averager process: pseudo-gradient rounds, started and watched from the training thread.
 
 A ``PseudoGradientAverager`` is a hivemind ``DecentralizedAverager`` (its own
 process) over shared pseudo-gradient buffers. Its all-reduce is
 ``allreduce.ExactAllReduceRunner``: groupmates end bitwise equal, and the buffers
-change only when the whole all-reduce succeeded.
-
-State transfer goes through files rather than memory: a donor streams its newest
-state file (``state_file``) as raw bytes, and a joiner writes what it receives to
-a file of its own, which the host then checks like any checkpoint before loading
-it. Neither side holds the state in RAM, and a donor serves a file that is
-complete and unchanging even while its training moves on.
+change only when the whole all-reduce succeeded. ``start_averaging`` returns an
+``Averaging`` handle the training thread polls between inner steps (an overlapped
+round) or waits on (a blocking one). Files to and from other peers (state, the
+rounds' averages) are ``transfer.FileTransfer``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import multiprocessing as mp
-import os
+import logging
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,17 +25,20 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip
 
-from swarm.allreduce import ExactAllReduceRunner, decode_into
+from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.codecs import CODECS
+from swarm.transfer import FileTransfer
+
+logger = logging.getLogger(__name__)
 
 COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
     "fp16": Float16Compression,
     "scaled-fp16": ScaledFloat16Compression,
+    "fp4": lambda: CODECS["fp4"],
+    "sparse": lambda: CODECS["sparse"],
 }
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
 STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file
@@ -67,19 +64,67 @@ class RoundAborted(RuntimeError):
         self.reason, self.leaving = reason, leaving
 
 
-class DownloadStopped(RuntimeError):
-    """A state download was given up because the peer is leaving."""
+class Averaging:
+    """One averaging round under way in the averager process, watched from the training thread."""
+
+    def __init__(self, control, deadline: float, hard_timeout: float, on_stage, abort_if, leaving, abort_poll: float):
+        self._control, self._deadline, self._hard_timeout = control, deadline, hard_timeout
+        self._on_stage, self._abort_if, self._leaving, self._abort_poll = on_stage, abort_if, leaving, abort_poll
+        self._stage = None
+        self._next_poll = time.monotonic() + abort_poll
+
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+    def poll(self) -> bool:
+        """True once the round is over (``result`` then returns or raises); raises ``RoundAborted`` or
+        ``TimeoutError`` when it was given up."""
+        control = self._control
+        if control.stage != self._stage:
+            self._stage = control.stage
+            self._on_stage(self._stage.name)
+        if control.done():
+            return True
+        if self._leaving():
+            control.cancel()
+            raise RoundAborted("the peer is leaving", leaving=True)
+        if time.monotonic() > self._deadline:
+            control.cancel()
+            raise TimeoutError(f"averaging did not finish in {self._hard_timeout:.0f} s")
+        if self._stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > self._next_poll:
+            self._next_poll = time.monotonic() + self._abort_poll
+            reason = self._abort_if()
+            if reason is not None:
+                control.cancel()
+                raise RoundAborted(reason)
+        return False
+
+    def wait(self) -> AllReduceOutcome:
+        while not self.poll():
+            time.sleep(0.02)
+        return self.result()
+
+    def result(self) -> AllReduceOutcome:
+        return AllReduceOutcome(**self._control.result())
 
 
-class PseudoGradientAverager(DecentralizedAverager):
-    """A DecentralizedAverager over pseudo-gradient buffers that also serves and fetches state files."""
+class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
+    """A DecentralizedAverager over pseudo-gradient buffers that also serves and fetches files
+    (``transfer.FileTransfer``): state files, and the rounds' averages kept in ``update_dir`` for replay."""
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht, **kwargs: Any):
-        self._round_stats: dict[bytes, tuple[float, int, int, int]] = {}
-        self._download_progress = mp.Value(ctypes.c_double, 0.0)
-        self._served_path = mp.Array(ctypes.c_char, 4096)
-        self._served_epoch = mp.Value(ctypes.c_int64, -1)
-        self._host_epoch = mp.Value(ctypes.c_int64, -1)
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        run_id: str,
+        update_dir: Path | None = None,
+        keep_updates: int = 0,
+        **kwargs: Any,
+    ):
+        self._round_stats: dict[bytes, tuple] = {}
+        self._init_transfer(update_dir, keep_updates, run_id)
         super().__init__(averaged_tensors, dht, **kwargs)
 
     # ---- averaging (runs in the averager process) ------------------------------------------------
@@ -104,7 +149,9 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
 
-        def commit() -> None:  # only after the whole all-reduce succeeded
+        def commit() -> None:  # only after the whole all-reduce succeeded, and every part was checked
+            for tensor, parts in zip(tensors, held):
+                check_parts(tensor, parts)
             for tensor, parts in zip(tensors, held):
                 decode_into(tensor, parts)
 
@@ -115,11 +162,18 @@ class PseudoGradientAverager(DecentralizedAverager):
             len(runner.banned_senders),
             runner.bytes_sent,
             runner.bytes_received,
+            held,
         )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        dropped, excluded, sent, received = self._round_stats.pop(group_info.group_id, (0.0, 0, 0, 0))
+        dropped, excluded, sent, received, held = self._round_stats.pop(group_info.group_id, (0.0, 0, 0, 0, None))
+        ours = gathered.get(self.peer_id)
+        if held is not None and isinstance(ours, dict) and isinstance(ours.get("epoch"), int):
+            try:  # the average as it came off the wire, for peers that replay the round later
+                await asyncio.get_event_loop().run_in_executor(None, self._keep_update, ours["epoch"], held)
+            except OSError:
+                logger.debug("could not keep the round's update", exc_info=True)
         return dict(
             group=tuple(p.to_base58() for p in group_info.peer_ids),
             gathered={peer.to_base58(): data for peer, data in gathered.items()},
@@ -131,7 +185,7 @@ class PseudoGradientAverager(DecentralizedAverager):
 
     # ---- averaging (the host's side) -------------------------------------------------------------
 
-    def average(
+    def start_averaging(
         self,
         *,
         weight: float,
@@ -143,169 +197,21 @@ class PseudoGradientAverager(DecentralizedAverager):
         abort_if: Callable[[], str | None] = lambda: None,
         leaving: Callable[[], bool] = lambda: False,
         abort_poll: float = 1.0,
-    ) -> AllReduceOutcome:
-        """One averaging round over the buffers; raises on failure, never waits past ``hard_timeout``.
+    ) -> Averaging:
+        """Start one averaging round over the buffers, in the averager process; poll or wait on the handle.
 
-        ``abort_if`` is polled while looking for a group and returns a reason to give
-        up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled
-        throughout, all-reduce included, since a peer told to stop must not wait for one.
+        ``abort_if`` is polled (every ``abort_poll`` s) while looking for a group and returns a reason to
+        give up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled throughout,
+        all-reduce included, since a peer told to stop must not wait for one.
         """
         self.set_group_bits(group_bits, wait=False).result(timeout=30)
         control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
         deadline = time.monotonic() + hard_timeout
-        last_stage, next_poll = None, time.monotonic() + abort_poll
-        while not control.done():
-            if control.stage != last_stage:
-                last_stage = control.stage
-                on_stage(last_stage.name)
-            if leaving():
-                control.cancel()
-                raise RoundAborted("the peer is leaving", leaving=True)
-            if time.monotonic() > deadline:
-                control.cancel()
-                raise TimeoutError(f"averaging did not finish in {hard_timeout:.0f} s")
-            if last_stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > next_poll:
-                next_poll = time.monotonic() + abort_poll
-                reason = abort_if()
-                if reason is not None:
-                    control.cancel()
-                    raise RoundAborted(reason)
-            time.sleep(0.02)
-        return AllReduceOutcome(**control.result())
+        return Averaging(control, deadline, hard_timeout, on_stage, abort_if, leaving, abort_poll)
 
-    # ---- serving state (the averager process answers; the host says which file) -----------------
-
-    def serve_state_file(self, path: Path, epoch: int) -> None:
-        """From now on, send this (complete, checked) file to peers that ask for the state."""
-        encoded = os.fsencode(str(path))
-        with self._served_path.get_lock():
-            self._served_path.value = encoded
-            self._served_epoch.value = epoch
-
-    def note_epoch(self, epoch: int) -> None:
-        """The host's outer state moved to ``epoch``; a served file of an older epoch is stale until replaced."""
-        self._host_epoch.value = epoch
-
-    def get_current_state(self) -> tuple:
-        raise RuntimeError("the state is served from files (rpc_download_state)")
-
-    async def _current_file(self) -> tuple[Path, int] | None:
-        """The file to serve; waits a little for a round's file that is still being written."""
-        deadline = time.monotonic() + STALE_FILE_WAIT
-        while True:
-            with self._served_path.get_lock():
-                raw, epoch = self._served_path.value, self._served_epoch.value
-            if raw and epoch >= self._host_epoch.value:
-                return Path(os.fsdecode(raw)), epoch
-            if time.monotonic() > deadline:
-                return None
-            await asyncio.sleep(0.2)
-
-    async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
-        if not self.allow_state_sharing:
-            return
-        current = await self._current_file()
-        if current is None:
-            return
-        path, epoch = current
-        loop = asyncio.get_event_loop()
-        try:
-            handle = open(path, "rb")  # noqa: SIM115 (closed below; the file may be pruned meanwhile, this keeps it)
-        except OSError:
-            return
-        try:
-            size = os.fstat(handle.fileno()).st_size
-            metadata = self.serializer.dumps(dict(epoch=epoch, nbytes=size))
-            while chunk := await loop.run_in_executor(None, handle.read, SERVE_CHUNK):
-                yield averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=chunk), metadata=metadata)
-                metadata = b""
-        finally:
-            handle.close()
-
-    # ---- downloading state (the host asks; the averager process writes the file) -----------------
-
-    @property
-    def download_progress(self) -> float:
-        return float(self._download_progress.value)
-
-    def download_state(
-        self,
-        peer_id: str,
-        destination: Path,
-        *,
-        max_bytes: int,
-        chunk_timeout: float,
-        timeout: float,
-        should_stop: Callable[[], bool] = lambda: False,
-    ) -> dict:
-        """Fetch one peer's state file into ``destination``; returns its metadata. Raises on failure, timeout
-        or ``should_stop`` (``DownloadStopped``); the caller checks the file before using it."""
-        self._download_progress.value = 0.0
-        future = MPFuture()
-        self._outer_pipe.send(
-            (
-                "_download_state_from",
-                [],
-                dict(
-                    peer_id=peer_id,
-                    destination=str(destination),
-                    max_bytes=max_bytes,
-                    chunk_timeout=chunk_timeout,
-                    future=future,
-                ),
-            )
-        )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=0.5)
-            except TimeoutError:
-                if should_stop():
-                    future.cancel()
-                    raise DownloadStopped("the peer is leaving") from None
-                if time.monotonic() > deadline:
-                    future.cancel()
-                    raise TimeoutError(f"state download from {peer_id} did not finish in {timeout:.0f} s") from None
-
-    async def _download_state_from(
-        self, peer_id: str, destination: str, max_bytes: int, chunk_timeout: float, future: MPFuture
-    ) -> None:
-        try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            loop = asyncio.get_event_loop()
-            metadata, received = None, 0
-            with open(destination, "wb") as out:
-                async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-                    if future.done():  # the host gave up
-                        return
-                    if metadata is None:
-                        metadata = self.serializer.loads(message.metadata) if message.metadata else None
-                        nbytes = metadata.get("nbytes") if isinstance(metadata, dict) else None
-                        if not isinstance(nbytes, int) or not 0 < nbytes <= max_bytes:
-                            raise RuntimeError(f"peer {peer_id} announced a state of {nbytes!r} bytes")
-                    chunk = message.tensor_part.buffer
-                    received += len(chunk)
-                    if received > metadata["nbytes"]:
-                        raise RuntimeError(f"peer {peer_id} sent more than the {metadata['nbytes']} bytes it announced")
-                    await loop.run_in_executor(None, out.write, chunk)
-                    self._download_progress.value = received / metadata["nbytes"]
-                await loop.run_in_executor(None, out.flush)
-                await loop.run_in_executor(None, os.fsync, out.fileno())
-            if metadata is None:
-                raise RuntimeError(f"peer {peer_id} refused to share its state")
-            if received != metadata["nbytes"]:
-                raise RuntimeError(f"peer {peer_id} sent {received} of {metadata['nbytes']} bytes")
-            if not future.done():
-                future.set_result(metadata)
-        except BaseException as e:
-            Path(destination).unlink(missing_ok=True)
-            if not future.done():
-                future.set_exception(RuntimeError(f"state download from {peer_id} failed: {e!r}"))
-            if not isinstance(e, Exception):
-                raise
+    def average(self, **kwargs: Any) -> AllReduceOutcome:
+        """``start_averaging`` and wait: raises on failure, never waits past ``hard_timeout``."""
+        return self.start_averaging(**kwargs).wait()
 
 
 def epoch_group_bits(epoch: int, bits: int = 16) -> str:

@@ -83,7 +83,16 @@ class OuterOptimizerSpec(_Frozen):
 class AveragingSpec(_Frozen):
     """How pseudo-gradients are averaged, and how long anyone waits for anyone."""
 
-    compression: Literal["none", "fp16", "scaled-fp16"] = "fp16"
+    # on the wire: fp4 (E3M0, 0.5 B/value) and sparse (top-k, about 0.04 B/value) keep what they did not send
+    # (error feedback) and send it with the next round
+    compression: Literal["none", "fp16", "scaled-fp16", "fp4", "sparse"] = "fp16"
+    sparse_k: int = Field(64, ge=1, le=128)  # sparse: values sent per chunk of 4096
+    # overlapped: after H steps the pseudo-gradient is averaged in the background while the next round's inner
+    # steps run, and the outer step lands when the average does (at the latest, at the next round's start)
+    overlap: bool = False
+    # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
+    # instead of downloading the whole state
+    replay_rounds: int = Field(4, ge=0, le=7)  # at most CHECKSUM_HISTORY - 1: each step is checked
     matchmaking_time: PositiveFloat = 5.0  # a leader gathers followers for this long
     matchmaking_timeout: PositiveFloat = 60.0  # give up finding a group after this long
     # while epoch-mates are still training towards step H, keep looking for a group up to this long in all,

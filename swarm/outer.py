@@ -50,6 +50,9 @@ class OuterState:
         self.spec = spec
         self.epoch = epoch
         self._checksum: str | None = None
+        # error feedback: what a lossy codec did not send yet (fp32, this peer's own; never served to others)
+        self.residual: list[torch.Tensor] | None = None
+        self.residual_version = 0  # bumped whenever the residual changes
 
     @property
     def numel(self) -> int:
@@ -76,14 +79,21 @@ class OuterState:
         self.pseudo_gradient_into(out, model_params)
         return out
 
-    def step(self, pseudo_gradient: Sequence[torch.Tensor]) -> None:
-        """One SGD step with (Nesterov) momentum, identical to ``torch.optim.SGD``'s, then advance the epoch."""
+    def step(self, pseudo_gradient: Sequence[torch.Tensor], shift: Sequence[torch.Tensor] | None = None) -> None:
+        """One SGD step with (Nesterov) momentum, identical to ``torch.optim.SGD``'s, then advance the epoch.
+
+        ``shift`` (the model, in an overlapped round) gets the same change as the global parameters, so the
+        inner steps it took since the round began are kept on top of the new global model.
+        """
         lr, mu = self.spec.lr, self.spec.momentum
         with self.lock, torch.no_grad():
-            for param, buf, grad in zip(self.params, self.momentum, pseudo_gradient):
+            for i, (param, buf, grad) in enumerate(zip(self.params, self.momentum, pseudo_gradient)):
                 buf.mul_(mu).add_(grad)
                 update = grad.add(buf, alpha=mu) if self.spec.nesterov else buf
                 param.add_(update, alpha=-lr)
+                if shift is not None:
+                    target = shift[i]
+                    target.add_(update.to(target.device, target.dtype), alpha=-lr)
             self.epoch += 1
             self._checksum = None
 
@@ -101,6 +111,20 @@ class OuterState:
             if self._checksum is None:
                 self._checksum = checksum(self.params)
             return self._checksum
+
+    def keep_residual(self) -> None:
+        """Start keeping an error-feedback residual (zero)."""
+        with self.lock:
+            self.residual = [torch.zeros_like(p) for p in self.params]
+            self.residual_version += 1
+
+    def reset_residual(self) -> None:
+        """A state that came from elsewhere: what we had not sent belongs to a model we no longer hold."""
+        with self.lock:
+            if self.residual is not None:
+                for r in self.residual:
+                    r.zero_()
+                self.residual_version += 1
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.momentum]
@@ -126,3 +150,4 @@ class OuterState:
             state_file.load_into(path, header, self.tensors())
             self.epoch = header.epoch
             self._checksum = header.checksum
+            self.reset_residual()

@@ -1,22 +1,39 @@
-"""One outer round: average the pseudo-gradient with whoever is ready, take the outer step, check.
+"""One outer round, as a pipeline: ``begin`` (check, pseudo-gradient, start averaging), ``poll`` or ``wait``
+while it runs, ``finish`` (apply, save, announce), and in a blocking round ``check_consistency``.
 
-The steps, in order: a late consistency check of the epoch we are leaving; the
-pseudo-gradient written into the averager's buffer (never sent when not finite);
-matchmaking and the all-reduce, retried while epoch-mates are still on their way;
-the outer step with the group's average or, failing that, our own; then the new
-state's file, its checksum, and a comparison with the groupmates' checksums.
+``begin``: a late consistency check of the epoch we are leaving; the pseudo-gradient
+written into the averager's buffer (never sent when not finite), with error feedback
+for the codecs that use it; then matchmaking and the all-reduce start in the averager
+process. In an **overlapped** round the model restarts from the global copy at once and
+training goes on while the round runs; in a **blocking** one the loop waits.
+
+``poll``: the averaging is retried while epoch-mates are still on their way, given up
+when the swarm finished the round without us, and bounded by the manifest's timeouts.
+
+``finish``: the outer step with the group's average or, failing a group, our own
+pseudo-gradient (a "local" round); a group whose values cannot be used (groupmates at
+another epoch, non-finite values) is skipped. An overlapped round moves the model by
+the same step, so the inner steps taken meanwhile are kept. Then the new state's file,
+its checksum, and (blocking) a comparison with the groupmates' checksums.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from swarm.averaging import RoundAborted, epoch_group_bits
+from swarm.averaging import AllReduceOutcome, Averaging, RoundAborted, epoch_group_bits
+from swarm.codecs import apply_error_feedback
+from swarm.errors import LeaveRequested
 from swarm.records import PeerState
 from swarm.rounds import RoundOutcome, RoundReport, short_reason
 from swarm.swarm_view import groupmates_published, mates_coming, swarm_moved_on
@@ -25,162 +42,236 @@ if TYPE_CHECKING:
     from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
+ERROR_FEEDBACK = ("fp4", "sparse")
+# what other machines and the network do to a round; anything else is a bug of ours
+EXPECTED_FAILURES = (
+    AllreduceException,
+    MatchmakingException,
+    TimeoutError,
+    asyncio.TimeoutError,
+    ConnectionError,
+    P2PDaemonError,
+    P2PHandlerError,
+    RuntimeError,  # hivemind wraps remote failures in it
+)
+
+
+@dataclass
+class Flight:
+    """One round's averaging, under way in the averager process."""
+
+    epoch: int
+    samples: int
+    seconds: dict[str, float]
+    wait_until: float  # retries stop here (averaging.wait_for_peers)
+    attempt: Averaging | None = None
+    attempt_started: float = 0.0
+    stage_times: dict[str, float] = field(default_factory=dict)
+    outcome: AllReduceOutcome | None = None
+    fallback: str | None = None  # why the group's average is not used
+    aborted: RoundAborted | None = None
+    done: bool = False
 
 
 class OuterRound:
     def __init__(self, peer: Peer):
         self.peer = peer
 
+    @property
+    def overlapped(self) -> bool:
+        return self.peer.manifest.averaging.overlap
+
+    # ---- begin ---------------------------------------------------------------------------------
+
+    def begin(self) -> Flight | RoundReport:
+        """Start the round; a report instead when it was replaced by a re-sync."""
+        peer = self.peer
+        seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
+        epoch = peer.outer.epoch
+        why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
+        if why is not None:
+            return self._resync_round(seconds, str(why))
+        t0 = time.monotonic()
+        if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
+            return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
+        seconds["pseudo_gradient"] = time.monotonic() - t0
+        flight = Flight(epoch, peer.round_samples, seconds, time.monotonic() + peer.manifest.averaging.wait_for_peers)
+        if self.overlapped:
+            with peer.shield():
+                peer.outer.write_to(peer.params)  # the next round's inner steps start from the global model
+            peer.begin_round()
+        peer.set_state(PeerState.matchmaking, publish=True)
+        self._attempt(flight)
+        return flight
+
     def _fill_pseudo_gradient(self) -> bool:
-        """Write ``global - local`` into the averaging buffers; False if it is not finite."""
+        """``global - local`` into the averaging buffers, plus the error feedback of a codec that keeps a
+        residual; False if it is not finite (nothing is changed then)."""
         peer = self.peer
         with peer.averager.get_tensors() as buffers:
             peer.outer.pseudo_gradient_into(buffers, peer.params)
-            return _all_finite(buffers)
+            if not _all_finite(buffers):
+                return False
+            if peer.manifest.averaging.compression in ERROR_FEEDBACK:
+                with peer.outer.lock:
+                    apply_error_feedback(buffers, peer.outer.residual, peer.manifest.averaging.compression)
+                    peer.outer.residual_version += 1
+            return True
 
-    def run(self) -> RoundReport:
-        """The round; ``Peer.run_outer_round`` is the entry point."""
-        peer = self.peer
-        assert peer.outer is not None and peer.averager is not None
-        avg = peer.manifest.averaging
-        seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
-        start_epoch = peer.outer.epoch
-
-        # a late re-check of the previous epoch, now that every peer had time to publish it
-        why = peer.sync.resync_needed(start_epoch)
-        if why is not None:
-            return self._resync_round(seconds, str(why))
-
-        t_fill = time.monotonic()
-        if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
-            return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
-        seconds["pseudo_gradient"] = time.monotonic() - t_fill
-
-        t0 = time.monotonic()
-        stage_times: dict[str, float] = {}
-        fallback: str | None = None
-        group: tuple[str, ...] = (peer.peer_id,)
-        dropped = 0.0
-        traffic = (0, 0)
-        touched = False  # the buffers may hold something other than our own pseudo-gradient
+    def _attempt(self, flight: Flight) -> None:
+        peer, avg = self.peer, self.peer.manifest.averaging
+        flight.stage_times.clear()
+        flight.attempt_started = time.monotonic()
+        flight.outcome = flight.fallback = None
 
         def on_stage(stage: str) -> None:
-            stage_times.setdefault(stage, time.monotonic())
+            flight.stage_times.setdefault(stage, time.monotonic())
             if stage == "RUNNING_ALLREDUCE":
                 peer.set_state(PeerState.averaging, publish=True)
 
-        peer.set_state(PeerState.matchmaking, publish=True)
-        wait_until = time.monotonic() + avg.wait_for_peers
-        while True:
-            fallback = None
-            stage_times.clear()
-            if touched:
-                self._fill_pseudo_gradient()
-                touched = False
-            try:
-                outcome = peer.averager.average(
-                    weight=float(max(1, peer.round_samples)),
-                    gather=dict(epoch=start_epoch, samples=peer.round_samples),
-                    group_bits=epoch_group_bits(start_epoch),
-                    timeout=avg.matchmaking_timeout,
-                    hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
-                    on_stage=on_stage,
-                    abort_if=lambda: "moved on" if swarm_moved_on(peer.view(), start_epoch) else None,
-                    leaving=lambda: peer.stop_requested,
-                )
-                touched = True
-                epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
-                if epochs != {start_epoch}:
-                    fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
-                else:
-                    group, dropped = outcome.group, outcome.dropped_fraction
-                traffic = (outcome.bytes_sent, outcome.bytes_received)
-            except RoundAborted as e:
-                if e.leaving:  # keep the last agreed state: it is what a restart resumes from
-                    peer.set_state(PeerState.leaving, publish=True)
-                    return RoundReport(
-                        epoch=start_epoch,
-                        averaged=False,
-                        group_size=1,
-                        outcome=RoundOutcome.abandoned,
-                        fallback_reason="the peer is leaving",
-                        checksum=peer.outer.checksum(),
-                        seconds=seconds,
-                    )
-                # our pseudo-gradient is for a round that is over: take the swarm's state
-                return self._resync_round(seconds, "the swarm finished this round without us")
-            except Exception as e:  # no group, a vanished groupmate, a timeout
-                logger.debug("averaging attempt failed", exc_info=True)
-                touched = True  # a failed all-reduce leaves the buffers alone, but a broken reducer might not
-                fallback = short_reason(e)
-                # epoch-mates still on their way to step H: wait for them rather than step alone and run
-                # ahead of the swarm
-                coming = mates_coming(peer.view(), peer.peer_id, start_epoch)
-                if time.monotonic() < wait_until and coming and not peer.stop_requested:
-                    continue
-            break
-        t1 = time.monotonic()
-        t_allreduce = stage_times.get("RUNNING_ALLREDUCE", t1)
-        seconds["matchmaking"] = t_allreduce - t0
-        seconds["allreduce"] = t1 - t_allreduce
+        flight.attempt = peer.averager.start_averaging(
+            weight=float(max(1, flight.samples)),
+            gather=dict(epoch=flight.epoch, samples=flight.samples),
+            group_bits=epoch_group_bits(flight.epoch),
+            timeout=avg.matchmaking_timeout,
+            hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
+            on_stage=on_stage,
+            abort_if=lambda: "moved on" if swarm_moved_on(peer.view(), flight.epoch) else None,
+            leaving=lambda: peer.stop_requested,
+        )
 
-        if fallback is None and not self._buffers_finite():
-            fallback, group = "groupmates sent non-finite values", (peer.peer_id,)
+    # ---- while it runs -------------------------------------------------------------------------
+
+    def poll(self, flight: Flight) -> bool:
+        """Advance the round; True once it is over (then ``finish`` it)."""
+        if flight.done:
+            return True
+        peer = self.peer
+        try:
+            if not flight.attempt.poll():
+                return False
+            outcome = flight.attempt.result()
+            epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
+            flight.outcome = outcome
+            if epochs != {flight.epoch}:
+                flight.fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
+        except LeaveRequested:
+            raise
+        except RoundAborted as e:
+            flight.aborted = e
+        except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
+            logger.debug("averaging attempt failed", exc_info=True)
+            flight.fallback = short_reason(e)
+            if not isinstance(e, EXPECTED_FAILURES):  # a bug is not "no group": say so, and what the log holds
+                flight.fallback = f"internal error ({type(e).__name__}: {short_reason(e)}; details in the log)"
+                peer.emit("averaging_error", dict(reason=flight.fallback))
+            # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
+            coming = mates_coming(peer.view(), peer.peer_id, flight.epoch)
+            if time.monotonic() < flight.wait_until and coming and not peer.stop_requested:
+                self._attempt(flight)
+                return False
+        flight.done = True
+        return True
+
+    def wait(self, flight: Flight) -> None:
+        while not self.poll(flight):
+            time.sleep(0.02)
+
+    # ---- finish --------------------------------------------------------------------------------
+
+    def finish(self, flight: Flight) -> RoundReport:
+        peer = self.peer
+        seconds = flight.seconds
+        t1 = time.monotonic()
+        t_allreduce = flight.stage_times.get("RUNNING_ALLREDUCE", t1)
+        seconds["matchmaking"] = t_allreduce - flight.attempt_started
+        seconds["allreduce"] = t1 - t_allreduce
+        if flight.aborted is not None:
+            if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
+                peer.set_state(PeerState.leaving, publish=True)
+                return RoundReport(
+                    epoch=flight.epoch,
+                    averaged=False,
+                    group_size=1,
+                    outcome=RoundOutcome.abandoned,
+                    fallback_reason="the peer is leaving",
+                    checksum=peer.outer.checksum(),
+                    seconds=seconds,
+                )
+            # our pseudo-gradient is for a round that is over: take the swarm's state
+            return self._resync_round(seconds, "the swarm finished this round without us")
+
+        outcome = flight.outcome
+        group: tuple[str, ...] = (peer.peer_id,)
+        if outcome is not None and flight.fallback is None:
+            if self._buffers_finite():
+                group = outcome.group
+            else:
+                flight.fallback = "groupmates sent non-finite values"
+        skipped = outcome is not None and flight.fallback is not None  # the buffers hold someone else's values
         with peer.shield():  # a stop signal waits for the outer state to be whole again
-            if fallback is not None and touched:
-                self._fill_pseudo_gradient()  # the local update: our own pseudo-gradient
-            with peer.averager.get_tensors() as buffers:
-                peer.outer.step(buffers)
-            peer.outer.write_to(peer.params)
+            if skipped:
+                if peer.outer.residual is not None:
+                    for residual in peer.outer.residual:
+                        residual.zero_()
+            else:
+                with peer.averager.get_tensors() as buffers:
+                    peer.outer.step(buffers, shift=peer.params if self.overlapped else None)
+                if not self.overlapped:
+                    peer.outer.write_to(peer.params)
             peer.outer.checksum()
             peer.save_state()
         seconds["outer"] = time.monotonic() - t1
 
+        averaged = flight.fallback is None
         peer.stats.rounds += 1
-        peer.last_round_local = fallback is not None
-        if fallback is None:
+        peer.last_round_local = not averaged
+        if averaged:
             peer.stats.averaged_rounds += 1
         else:
             peer.stats.local_rounds += 1
+        kind = RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local
         report = RoundReport(
             epoch=peer.outer.epoch,
-            averaged=fallback is None,
+            averaged=averaged,
             group_size=len(group),
-            outcome=RoundOutcome.averaged if fallback is None else RoundOutcome.local,
-            fallback_reason=fallback,
-            dropped_fraction=dropped,
+            outcome=kind,
+            fallback_reason=flight.fallback,
+            dropped_fraction=outcome.dropped_fraction if outcome is not None else 0.0,
             checksum=peer.outer.checksum(),
-            samples=peer.round_samples,
+            samples=flight.samples,
             seconds=seconds,
-            bytes_sent=traffic[0],
-            bytes_received=traffic[1],
+            bytes_sent=outcome.bytes_sent if outcome is not None else 0,
+            bytes_received=outcome.bytes_received if outcome is not None else 0,
         )
-        peer.begin_round()
+        if not self.overlapped:
+            peer.begin_round()
         peer.announce_state()
         peer.set_state(PeerState.training, publish=True)
         peer.emit("round", dict(report=report))
+        if not self.overlapped:
+            self.check_consistency(report, group)
+        return report
 
+    def check_consistency(self, report: RoundReport, group: Sequence[str]) -> None:
+        """Wait (briefly) for the groupmates' checksums of the new epoch, then re-sync if the majority holds
+        another state. An overlapped round leaves this to the next round's late check, so training goes on."""
+        peer = self.peer
         t2 = time.monotonic()
-        self._await_groupmates(group, peer.outer.epoch, avg.consistency_timeout)
-        why = peer.sync.resync_needed(peer.outer.epoch)
+        deadline = t2 + peer.manifest.averaging.consistency_timeout
+        epoch = peer.outer.epoch
+        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
+            time.sleep(0.2)
+        why = peer.sync.resync_needed(epoch)
         if why is not None:
             report.resynced = peer.sync.resync(f"after the round: {why}")
             report.checksum = peer.outer.checksum()
             report.epoch = peer.outer.epoch
-        seconds["consistency"] = time.monotonic() - t2
-        return report
+        report.seconds["consistency"] = time.monotonic() - t2
 
     def _buffers_finite(self) -> bool:
-        peer = self.peer
-        with peer.averager.get_tensors() as buffers:
+        with self.peer.averager.get_tensors() as buffers:
             return _all_finite(buffers)
-
-    def _await_groupmates(self, group: Sequence[str], epoch: int, timeout: float) -> None:
-        """Give groupmates a moment to publish their checksum for ``epoch`` before comparing."""
-        peer = self.peer
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
-            time.sleep(0.2)
 
     def _resync_round(
         self, seconds: dict[str, float], why: str, outcome: RoundOutcome = RoundOutcome.resynced

@@ -19,6 +19,7 @@ import logging
 import signal
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -34,7 +35,7 @@ from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
 from swarm.outer import OuterState
-from swarm.outer_round import OuterRound
+from swarm.outer_round import ERROR_FEEDBACK, Flight, OuterRound
 from swarm.presence import Presence
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
@@ -44,7 +45,7 @@ from swarm.state_sync import StateSync
 from swarm.swarm_view import (
     SwarmView,
     build_view,
-    round_started_without,
+    round_due,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class Peer:
         self._next_round_check = 0.0
         self.last_round_local = False
         self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
+        self.flight: Flight | None = None  # a round averaging in the background (overlapped)
+        self._reports: deque[RoundReport] = deque()
         self.abandoned_round = False  # a stop signal arrived in the middle of a round
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -153,6 +156,9 @@ class Peer:
         self.averager = PseudoGradientAverager(
             self._buffers,
             self.dht,
+            run_id=self.run_id,
+            update_dir=self.state_dir,
+            keep_updates=avg.replay_rounds,
             start=True,
             prefix=run_prefix(self.run_id),
             target_group_size=avg.target_group_size,
@@ -194,6 +200,8 @@ class Peer:
         if shapes != [tuple(b.shape) for b in self._buffers]:
             raise ValueError("the model's parameters do not have the shapes the peer was connected with")
         self.outer = OuterState(self.params, self.manifest.outer)
+        if self.manifest.averaging.compression in ERROR_FEEDBACK:
+            self.outer.keep_residual()
         self.store = StateStore(
             self.state_dir, self.run_id, on_saved=self._on_state_saved, on_failed=self._on_save_failed
         )
@@ -214,6 +222,8 @@ class Peer:
         self._stopped = True
         deadline = time.monotonic() + timeout
         remaining = lambda: max(0.5, deadline - time.monotonic())  # noqa: E731
+        if self.flight is not None:  # an overlapped round still averaging: nothing of it was applied
+            self.abandoned_round, self.flight = True, None
         if self.presence is not None:
             self.presence.say_leaving(timeout=min(2.0, remaining()))
         if self.averager is not None:
@@ -258,29 +268,70 @@ class Peer:
         if loss is not None and loss == loss:  # not NaN
             fields["last_loss"] = float(loss)
         self.presence.update(**fields)
+        if self.flight is not None and self.rounds.poll(self.flight):  # an overlapped round's average arrived
+            self._finish_flight()
         if self.inner_step >= self.manifest.inner_steps or self._round_started_without_us(now):
-            return self.run_outer_round()
-        return None
+            self.run_outer_round()
+        return self._reports.popleft() if self._reports else None
 
     def _round_started_without_us(self, now: float) -> bool:
-        """Checked at most once a second (it reads the DHT)."""
-        avg = self.manifest.averaging
-        if not avg.join_rounds_early or now < self._next_round_check:
+        """``swarm_view.round_due``, checked at most once a second (it reads the DHT)."""
+        avg, m = self.manifest.averaging, self.manifest
+        if not avg.join_rounds_early or now < self._next_round_check or self.inner_step == 0:
+            return False
+        if self.flight is not None:  # our part of this epoch's round is already in the air (overlapped)
             return False
         self._next_round_check = now + 1.0
-        return round_started_without(self.view(), self.peer_id, self.epoch, avg.min_group_size)
+        step_seconds = self.compute_seconds / self.inner_step
+        view = self.view()
+        return round_due(
+            view,
+            self.peer_id,
+            self.epoch,
+            avg.min_group_size,
+            m.inner_steps,
+            m.samples_per_step,
+            step_seconds,
+            get_dht_time(),
+        )
 
-    def run_outer_round(self) -> RoundReport:
-        """Average pseudo-gradients with whoever is ready, take the outer step, and check consistency."""
+    def run_outer_round(self) -> None:
+        """End the current round: wait for the previous one if it is still averaging (overlapped), then
+        begin this one; a blocking round is also waited for and finished here. Reports are queued for
+        ``report_step`` to return, one per call."""
         self.in_round = True
         epoch = self.epoch
         try:
-            return self.rounds.run()
+            if self.flight is not None:
+                t0 = time.monotonic()
+                self.rounds.wait(self.flight)
+                self._finish_flight(waited=time.monotonic() - t0)
+            started = self.rounds.begin()
+            if isinstance(started, RoundReport):  # replaced by a re-sync
+                self._reports.append(started)
+                return
+            self.flight = started
+            if not self.rounds.overlapped:
+                self.rounds.wait(self.flight)
+                self._finish_flight()
         except LeaveRequested:  # a stop signal cut the round short
-            self.abandoned_round = self.epoch == epoch  # before its outer step: nothing of it was applied
+            self.abandoned_round = self.flight is not None or self.epoch == epoch  # nothing of it was applied
             raise
         finally:
             self.in_round = False
+
+    def settle(self) -> None:
+        """Wait for an overlapped round still averaging and apply it now (tests and tools that need the
+        outer step at a known point; its report comes out of the next ``report_step``)."""
+        if self.flight is not None:
+            self.rounds.wait(self.flight)
+            self._finish_flight()
+
+    def _finish_flight(self, waited: float = 0.0) -> None:
+        flight, self.flight = self.flight, None
+        report = self.rounds.finish(flight)
+        report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
+        self._reports.append(report)
 
     def resync_now(self, reason: str) -> bool:
         """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""

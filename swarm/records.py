@@ -20,7 +20,7 @@ GLOBAL_PREFIX = "swarm"
 RUNS_KEY = f"{GLOBAL_PREFIX}_runs"
 _RUN_ID_RE = rb"[0-9a-f]{16}"
 RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"$")
-CHECKSUM_HISTORY = 4
+CHECKSUM_HISTORY = 8  # a peer replaying up to 7 rounds checks each against the majority
 
 
 class PeerState(enum.StrEnum):

@@ -170,3 +170,41 @@ def groupmates_published(view: SwarmView, group: Sequence[str], me: str, epoch: 
     """Every groupmate has published its checksum for ``epoch`` (or moved past it)."""
     published = {p.peer_id for p in view.peers if p.checksum_at(epoch) is not None or p.epoch > epoch}
     return set(group) - {me} <= published
+
+
+def seconds_to_round(
+    view: SwarmView, me: str, epoch: int, inner_steps: int, samples_per_step: int, now: float
+) -> float:
+    """When the first of our epoch-mates will reach the end of its round and start matchmaking, from the speed
+    and step in their records (corrected for the records' age); inf when no mate is training."""
+    soonest = float("inf")
+    for p in view.peers:
+        if p.peer_id == me or p.epoch != epoch or p.state not in _ACTIVE:
+            continue
+        if p.state != PeerState.training.value:
+            return 0.0
+        if p.samples_per_second > 0:
+            left = (inner_steps - p.inner_step) * samples_per_step / p.samples_per_second - max(0.0, now - p.time)
+            soonest = min(soonest, max(0.0, left))
+    return soonest
+
+
+def round_due(
+    view: SwarmView,
+    me: str,
+    epoch: int,
+    min_group_size: int,
+    inner_steps: int,
+    samples_per_step: int,
+    my_step_seconds: float,
+    now: float,
+) -> bool:
+    """A round closes on the swarm's progress, not on each peer's step count: a peer ends its round, with the
+    steps it has, when its epoch-mates have started matchmaking without it, or when the first of them will
+    reach the end of its round before this peer could finish half a step more (records are up to a refresh
+    old, so the estimate runs early; equal peers should not all stop a step short). Pseudo-gradients are weighted by
+    samples, so a slow peer's smaller contribution counts for what it is (dynamic local updates, as in Async
+    DiLoCo)."""
+    if round_started_without(view, me, epoch, min_group_size):
+        return True
+    return seconds_to_round(view, me, epoch, inner_steps, samples_per_step, now) < 0.5 * my_step_seconds

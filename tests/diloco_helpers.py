@@ -25,6 +25,8 @@ def tiny_manifest(
     name: str = "engine-test",
     seed: int = 1234,
     join_rounds_early: bool = True,
+    overlap: bool = False,
+    replay_rounds: int = 4,
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -54,6 +56,8 @@ def tiny_manifest(
             target_group_size=8,
             consistency_timeout=5.0,
             join_rounds_early=join_rounds_early,
+            overlap=overlap,
+            replay_rounds=replay_rounds,
         ),
         init_seed=seed,
     )

@@ -21,6 +21,7 @@ from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optim
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
 from swarm.rounds import RoundOutcome  # noqa: E402
+from swarm.state_store import find_latest  # noqa: E402
 
 
 def main() -> int:
@@ -32,6 +33,10 @@ def main() -> int:
     parser.add_argument("--max-epochs", type=int, required=True)
     parser.add_argument("--extra-params", type=int, default=0)
     parser.add_argument("--poison-epoch", type=int, default=-1, help="turn the weights to NaN in this epoch")
+    parser.add_argument(
+        "--settle-at-step", type=int, default=-1, help="overlapped: apply a round in flight after this many steps"
+    )
+    parser.add_argument("--resume", action="store_true", help="start from the newest state file in --out/state")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -56,8 +61,12 @@ def main() -> int:
         listener=listener,
         progress_interval=0.5,
     )
+    resume = None
+    if args.resume:
+        found = find_latest(args.out / "state", manifest.run_id)
+        resume = found.path if found is not None else None
     try:
-        peer.start(model)
+        peer.start(model, resume=resume)
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -70,6 +79,8 @@ def main() -> int:
             args.poison_epoch = -1  # once: a diverged step, as after an fp16 overflow
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))
+        if peer.inner_step == args.settle_at_step:
+            peer.settle()  # the outer step lands at a known step, so the run can be compared with a reference
         loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
         report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
         if report is not None:

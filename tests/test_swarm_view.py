@@ -10,7 +10,9 @@ from swarm.swarm_view import (
     groupmates_published,
     mates_coming,
     resync_needed,
+    round_due,
     round_started_without,
+    seconds_to_round,
     swarm_moved_on,
 )
 
@@ -109,3 +111,19 @@ def test_round_rules_moved_on_mates_coming_started_without_us_and_groupmates_pub
     assert not groupmates_published(partly, group, "me", 4)
     done = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=5))  # moved past it counts
     assert groupmates_published(done, group, "me", 4)
+
+
+def test_a_slow_peer_ends_its_round_when_the_swarm_is_about_to_start_one():
+    now = time.time()
+    fast = [record(f"f{i}", epoch=2, inner_step=19, sps=8.0) for i in range(2)]  # 1 step of 4 samples left: 0.5 s
+    view = view_of(*fast, record("slow", epoch=2, inner_step=4, sps=2.0))
+    eta = seconds_to_round(view, "slow", 2, inner_steps=20, samples_per_step=4, now=now)
+    assert 0.4 < eta <= 0.5
+    # the slow peer's step takes 2 s: it cannot finish another before the round starts, so it ends now
+    assert round_due(view, "slow", 2, 2, 20, 4, my_step_seconds=2.0, now=now)
+    # a peer as fast as the others does not stop a step short
+    assert not round_due(view, "f0", 2, 2, 20, 4, my_step_seconds=0.5, now=now)
+    # old records count: 5 s later the fast peers are surely there
+    assert seconds_to_round(view, "slow", 2, 20, 4, now=now + 5) == 0.0
+    # mates of other epochs, or none training, say nothing
+    assert seconds_to_round(view_of(record("x", epoch=3, sps=8.0)), "slow", 2, 20, 4, now) == float("inf")

@@ -1,0 +1,98 @@
+"""Overlapped rounds under faults, and catching up by replay: real peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from diloco_helpers import tiny_manifest
+from swarm_harness import wait_for
+from test_engine_faults import assert_consistent, assert_rounds_bounded
+
+
+def events_of(swarm, rank: int, kind: str) -> list[dict]:
+    return [e for e in swarm.events(rank) if e["kind"] == kind]
+
+
+def events_since_restart(swarm, rank: int, kind: str) -> list[dict]:
+    """The events file is appended to across a restart: keep what the second life logged."""
+    events = swarm.events(rank)
+    first_left = next(i for i, e in enumerate(events) if e["kind"] == "left")
+    return [e for e in events[first_left + 1 :] if e["kind"] == kind]
+
+
+def test_a_peer_killed_during_a_background_allreduce_leaves_the_survivors_consistent(make_swarm):
+    # a 20M-float ballast makes each all-reduce last long enough to be interrupted while the next round trains
+    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, allreduce_timeout=15.0, overlap=True)
+    swarm = make_swarm(manifest)
+    epochs = 5
+    for rank in range(3):
+        swarm.start(rank, epochs, extra_params=20_000_000, wait_ready=rank == 0)
+    (epoch,) = wait_for(
+        lambda: [e for e in range(epochs) if swarm.marker(2, "averaging", e).exists()][:1],
+        180,
+        "the victim to start a background all-reduce",
+        poll=0.005,
+    )
+    swarm.kill(2)
+    for rank in (0, 1):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+        assert_rounds_bounded(swarm.reports(rank), manifest)
+    assert_consistent(swarm, (0, 1), epochs)
+    after = [r for rank in (0, 1) for r in swarm.reports(rank) if r["epoch"] > epoch]
+    assert any(r["averaged"] and r["group_size"] == 2 for r in after), after  # the two went on together
+
+
+def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and_averages(make_swarm):
+    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True)
+    swarm = make_swarm(manifest)
+    epochs = 10
+    swarm.start(0, epochs)
+    swarm.start(1, epochs)
+    wait_for(swarm.marker(0, "averaging", 2).exists, 180, "a round in flight at epoch 2")
+    swarm.start(2, epochs)
+    for rank in range(3):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    assert events_of(swarm, 2, "state_loaded"), swarm.events(2)
+    assert any(r["averaged"] and r["group_size"] == 3 for r in swarm.reports(2)), swarm.reports(2)
+    assert_consistent(swarm, range(3), epochs)
+
+
+def test_a_restarted_peer_replays_the_rounds_it_missed_even_when_its_donor_dies_mid_replay(make_swarm):
+    """Peer 2 leaves at epoch 2 and comes back a few rounds later from its checkpoint: it catches up by
+    replaying the rounds' averages (not the whole state). The first donor it asks is killed as the replay
+    starts; it must still end on the swarm's state, by replaying from the other or by downloading."""
+    # a round lasts ~2 s here and a restart takes a few: allow the longest replay so timing cannot force a download
+    manifest = tiny_manifest(
+        compression="fp4", matchmaking_timeout=15.0, allreduce_timeout=15.0, overlap=True, replay_rounds=7
+    )
+    swarm = make_swarm(manifest)
+    epochs = 14
+    for rank in range(3):
+        swarm.start(rank, 2 if rank == 2 else epochs, wait_ready=rank == 0)
+    assert swarm.wait_exit(2, 180) == 0, swarm.log(2)
+    wait_for(lambda: swarm.marker(0, "training", 3).exists(), 180, "the swarm to reach epoch 3")
+    (swarm.out(2) / "maddrs.txt").unlink()
+    swarm.start(2, epochs, extra_args=("--resume",))
+    started = wait_for(lambda: events_since_restart(swarm, 2, "replay_started"), 120, "the replay to start", poll=0.005)
+    assert started[0]["target"] - started[0]["epoch"] >= 2, started
+    swarm.kill(0)
+    assert swarm.wait_exit(1, 300) == 0, swarm.log(1)
+    assert swarm.wait_exit(2, 300) == 0, swarm.log(2)
+    assert events_since_restart(swarm, 2, "replayed") or events_since_restart(swarm, 2, "state_loaded"), swarm.events(2)
+    assert_consistent(swarm, (1, 2), epochs)
+
+
+def test_replay_is_used_instead_of_a_download_when_nothing_goes_wrong(make_swarm):
+    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True, replay_rounds=7)
+    swarm = make_swarm(manifest)
+    epochs = 10
+    for rank in range(3):  # peers 0 and 2 keep averaging while peer 1 is away, so every round has an update
+        swarm.start(rank, 2 if rank == 1 else epochs, wait_ready=rank == 0)
+    assert swarm.wait_exit(1, 180) == 0, swarm.log(1)
+    wait_for(lambda: swarm.marker(0, "training", 3).exists(), 180, "the swarm to reach epoch 3")
+    (swarm.out(1) / "maddrs.txt").unlink()
+    swarm.start(1, epochs, extra_args=("--resume",))
+    for rank in range(3):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    replayed = events_since_restart(swarm, 1, "replayed")
+    assert replayed and replayed[0]["target"] - replayed[0]["epoch"] >= 2, swarm.events(1)
+    assert not events_since_restart(swarm, 1, "state_loaded"), "a replayed peer downloads nothing"
+    assert_consistent(swarm, range(3), epochs)
