@@ -7,8 +7,11 @@ disjoint shard of the built-in corpus (as real peers do), and
   equivalent: M times the batch, one gradient average per step);
 - ``diloco-*`` lets each worker take H AdamW steps on its own batches, then applies
   the swarm's own outer step (``swarm.outer.OuterState``) to the averaged
-  pseudo-gradient; FP16 runs round-trip every pseudo-gradient and their average
-  through hivemind's Float16Compression, as the swarm's all-reduce does on the wire;
+  pseudo-gradient; each ``--variants`` entry sets H, the wire (FP16 round-trips every
+  pseudo-gradient and their average through hivemind's Float16Compression; fp4 and
+  sparse use the swarm's codecs with error feedback and re-encode the average, as a
+  reducer does), blocking or overlapped rounds (delayed or eager, landing D inner
+  steps into the next round) and the outer optimizer's settings;
 - ``single`` is one worker stepping through all the same batches one at a time
   (M times as many steps at the original batch).
 
@@ -43,10 +46,21 @@ from client.data import SequenceStream, eval_batches, load_tokenizer, shard_orde
 from client.model import build_model, count_parameters
 from client.presets import build_manifest
 from client.trainer import lr_at
-from swarm import RunManifest
+from swarm import RunManifest, codecs
 from swarm.outer import OuterState
 
 NAME = "convergence"
+DEFAULT_VARIANTS = [
+    "h=10",
+    "h=50",
+    "h=50,wire=fp16",
+    "h=10,mode=delayed,delay=5",
+    "h=10,mode=eager,delay=5",
+    "h=10,wire=fp4,mode=delayed,delay=5",
+    "h=10,wire=fp4,mode=eager,delay=5",
+    "h=10,wire=sparse,mode=delayed,delay=5",
+    "h=10,lr=1.0,momentum=0",
+]
 
 
 @dataclass
@@ -85,10 +99,10 @@ class Setup:
     eval_set: list[torch.Tensor]
     shards: list[int]
 
-    def manifest(self, total_steps: int) -> RunManifest:
+    def manifest(self, total_steps: int, extra: list[str] = ()) -> RunManifest:
         """The preset, with the cosine schedule ending at this run's last step."""
         return build_manifest(
-            self.preset, overrides=[f"samples_per_step={self.batch}", f"inner.total_steps={total_steps}"]
+            self.preset, overrides=[f"samples_per_step={self.batch}", f"inner.total_steps={total_steps}", *extra]
         )
 
     @property
@@ -171,49 +185,176 @@ def run_sequential(setup: Setup, name: str, kind: str, batch_at: Callable[[int],
 
 
 def fp16_round_trip(tensor: torch.Tensor) -> torch.Tensor:
-    """What one pass over the swarm's FP16 wire does to a tensor (swarm.averaging ExactAllReduceRunner)."""
+    """What one pass over the swarm's FP16 wire does to a tensor (swarm.allreduce ExactAllReduceRunner)."""
     kind = Float16Compression().compression_type
     return deserialize_torch_tensor(serialize_torch_tensor(tensor, kind))
 
 
-def average(pseudo_gradients: list[list[torch.Tensor]], fp16: bool) -> list[torch.Tensor]:
-    """Equal-weight mean of the workers' pseudo-gradients; FP16 inputs and output as on the wire, sum in fp32."""
+def through_wire(tensor: torch.Tensor, wire: str, average: bool) -> torch.Tensor:
+    """A sender's values (``average`` False) or a reducer's average as every groupmate decodes them. fp4 and
+    sparse senders' values are already on the codec's grid (error feedback quantized them)."""
+    flat = tensor.reshape(-1)
+    if wire == "fp16":
+        return fp16_round_trip(tensor)
+    if wire == "fp4" and average:
+        return codecs.fp4_decode(codecs.fp4_encode(flat), flat.numel()).view(tensor.shape)
+    if wire == "sparse" and average:
+        return codecs.sparse_decode(codecs.sparse_encode_average(flat), flat.numel()).view(tensor.shape)
+    return tensor
+
+
+def average(pseudo_gradients: list[list[torch.Tensor]], wire: str) -> list[torch.Tensor]:
+    """Equal-weight mean of the workers' pseudo-gradients, summed in fp32, through the wire both ways."""
     averaged = []
     for parts in zip(*pseudo_gradients):
-        inputs = [fp16_round_trip(p) if fp16 else p for p in parts]
-        mean = torch.stack(inputs).mean(dim=0)
-        averaged.append(fp16_round_trip(mean) if fp16 else mean)
+        inputs = [through_wire(p, wire, average=False) for p in parts]
+        averaged.append(through_wire(torch.stack(inputs).mean(dim=0), wire, average=True))
     return averaged
 
 
-def run_diloco(setup: Setup, inner_steps: int, fp16: bool) -> Curve:
+@dataclass(frozen=True)
+class Variant:
+    """One DiLoCo configuration. ``mode``: ``blocking`` (the outer step at the round's end), ``delayed`` (the
+    workers go on from the old global model; the average lands ``delay`` inner steps into the next round, and
+    moves every worker by the same step), ``eager`` (each worker steps at once with its own pseudo-gradient as a
+    stand-in, corrected to the average when it lands; arXiv 2502.12996)."""
+
+    inner_steps: int
+    wire: str = "fp32"  # fp32, fp16, fp4 or sparse
+    mode: str = "blocking"
+    delay: int = 0
+    outer_lr: float | None = None  # None: the preset's
+    outer_momentum: float | None = None
+
+    @property
+    def name(self) -> str:
+        name = f"diloco-h{self.inner_steps}-{self.wire}"
+        if self.mode != "blocking":
+            name += f"-{self.mode}{self.delay}"
+        if self.outer_lr is not None or self.outer_momentum is not None:
+            name += f"-outer{self.outer_lr}m{self.outer_momentum}"
+        return name
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``h=10,wire=fp4,mode=delayed,delay=5,lr=1.0,momentum=0``"""
+        fields = dict(item.split("=", 1) for item in text.split(","))
+        return cls(
+            inner_steps=int(fields.pop("h")),
+            wire=fields.pop("wire", "fp32"),
+            mode=fields.pop("mode", "blocking"),
+            delay=int(fields.pop("delay", 0)),
+            outer_lr=float(fields["lr"]) if "lr" in fields else None,
+            outer_momentum=float(fields["momentum"]) if "momentum" in fields else None,
+        )
+
+
+def _tentative_step(outer: OuterState, pseudo_gradient: list[torch.Tensor]) -> list[torch.Tensor]:
+    """How much ``outer.step(pseudo_gradient)`` would move the parameters, without moving them."""
+    trial = OuterState(outer.params, outer.spec, epoch=outer.epoch)
+    trial.momentum = [m.clone() for m in outer.momentum]
+    before = [p.clone() for p in trial.params]
+    trial.step(pseudo_gradient)
+    return [a - b for a, b in zip(trial.params, before)]
+
+
+def run_diloco(setup: Setup, variant: Variant) -> Curve:
     """M workers, H inner steps each per round, the swarm's OuterState for the outer Nesterov step."""
-    manifest = setup.manifest(total_steps=setup.steps)
-    name = f"diloco-h{inner_steps}-{'fp16' if fp16 else 'fp32'}"
+    h = variant.inner_steps
+    overrides = []
+    if variant.outer_lr is not None:
+        overrides.append(f"outer.lr={variant.outer_lr}")
+    if variant.outer_momentum is not None:
+        nesterov = "true" if variant.outer_momentum else "false"
+        overrides += [f"outer.momentum={variant.outer_momentum}", f"outer.nesterov={nesterov}"]
+    manifest = setup.manifest(total_steps=setup.steps, extra=overrides)
     models = [build_model(manifest) for _ in range(setup.workers)]
     optimizers = [make_optimizer(m, manifest) for m in models]
-    outer = OuterState(list(models[0].parameters()), manifest.outer)
-    rounds = setup.steps // inner_steps
-    curve = Curve(name, "diloco", optimizer_steps=setup.steps, communication_rounds=rounds)
-    curve.settings = dict(inner_steps=inner_steps, fp16=fp16, outer=manifest.outer.model_dump())
+    params = [list(m.parameters()) for m in models]
+    outer = OuterState(params[0], manifest.outer)
+    residuals = [[torch.zeros_like(p) for p in outer.params] for _ in models]
+    rounds = setup.steps // h
+    curve = Curve(variant.name, "diloco", optimizer_steps=setup.steps, communication_rounds=rounds)
+    curve.settings = dict(
+        inner_steps=h, wire=variant.wire, mode=variant.mode, delay=variant.delay, outer=manifest.outer.model_dump()
+    )
     curve.add(0, evaluate(models[0], setup.eval_set))
+    pending: tuple[list[torch.Tensor], list[list[torch.Tensor]] | None] | None = None
+    wire_bytes: list[float] = []
+
+    def land() -> None:
+        averaged, stand_ins = pending
+        moved = _tentative_step(outer, averaged)
+        outer.step(averaged)
+        with torch.no_grad():
+            for w, worker in enumerate(params):
+                for i, p in enumerate(worker):
+                    p.add_(moved[i] - (stand_ins[w][i] if stand_ins is not None else 0))
+
     for r in range(rounds):
-        pseudo_gradients = []
-        for w, (model, optimizer) in enumerate(zip(models, optimizers)):
-            outer.write_to(list(model.parameters()))
-            for h in range(inner_steps):
-                step = r * inner_steps + h
+        for k in range(h):
+            if pending is not None and k == variant.delay:
+                land()
+                pending = None
+            step = r * h + k
+            for w, (model, optimizer) in enumerate(zip(models, optimizers)):
                 inner_step(model, optimizer, setup.batches[w][step], lr_at(manifest, step), manifest.inner.grad_clip)
-            pseudo_gradients.append(outer.pseudo_gradient(list(model.parameters())))
-        outer.step(average(pseudo_gradients, fp16))
-        done = (r + 1) * inner_steps
+        if pending is not None:
+            land()
+            pending = None
+        pseudo_gradients = []
+        for w in range(setup.workers):
+            delta = outer.pseudo_gradient(params[w])
+            if variant.wire in ("fp4", "sparse"):
+                codecs.apply_error_feedback(delta, residuals[w], variant.wire)
+            pseudo_gradients.append(delta)
+        averaged = average(pseudo_gradients, variant.wire)
+        wire_bytes.append(bytes_per_param(pseudo_gradients[0], averaged, variant.wire))
+        if variant.mode == "blocking":
+            outer.step(averaged)
+            for worker in params:
+                outer.write_to(worker)
+        else:
+            stand_ins = None
+            if variant.mode == "eager":
+                stand_ins = [_tentative_step(outer, delta) for delta in pseudo_gradients]
+            for w, worker in enumerate(params):
+                outer.write_to(worker)
+                if stand_ins is not None:
+                    with torch.no_grad():
+                        for p, s in zip(worker, stand_ins[w]):
+                            p.add_(s)
+            pending = (averaged, stand_ins)
+            if variant.delay >= h:
+                land()  # lands at the next boundary: the same as blocking with the workers one round behind
+                pending = None
+        done = (r + 1) * h
         if done % setup.eval_every == 0 or r + 1 == rounds:
-            outer.write_to(list(models[0].parameters()))
-            curve.add(done * setup.tokens_per_ddp_step, evaluate(models[0], setup.eval_set))
+            scored = build_model(manifest)
+            outer.write_to(list(scored.parameters()))
+            if pending is not None:  # the global model as it will be once the round in flight lands
+                moved = _tentative_step(outer, pending[0])
+                with torch.no_grad():
+                    for p, m in zip(scored.parameters(), moved):
+                        p.add_(m)
+            curve.add(done * setup.tokens_per_ddp_step, evaluate(scored, setup.eval_set))
+    curve.settings["bytes_per_param"] = sum(wire_bytes) / len(wire_bytes)
     return curve
 
 
-def butterfly_bytes(numel: int, workers: int, bytes_per_value: int) -> float:
+def bytes_per_param(sent: list[torch.Tensor], averaged: list[torch.Tensor], wire: str) -> float:
+    """One encoded pseudo-gradient per parameter, averaged over both directions (a sender's, the average)."""
+    numel = sum(t.numel() for t in sent)
+    if wire in ("fp32", "fp16"):
+        return 4.0 if wire == "fp32" else 2.0
+    encode = codecs.fp4_encode if wire == "fp4" else codecs.sparse_encode
+    encode_average = codecs.fp4_encode if wire == "fp4" else codecs.sparse_encode_average
+    out = sum(len(encode(t.reshape(-1))) for t in sent)
+    back = sum(len(encode_average(t.reshape(-1))) for t in averaged)
+    return (out + back) / 2 / numel
+
+
+def butterfly_bytes(numel: int, workers: int, bytes_per_value: float) -> float:
     """Bytes one worker sends in one butterfly all-reduce: scatter-reduce plus all-gather."""
     return 2 * bytes_per_value * numel * (workers - 1) / workers
 
@@ -227,15 +368,16 @@ def summarize(curves: list[Curve], setup: Setup, numel: int) -> dict:
             ratios[f"{c.name}/ddp"] = dict(
                 eval_loss_ratio=c.final / ddp.final, perplexity_ratio=math.exp(c.final - ddp.final)
             )
-    for c in curves:
-        if c.name.endswith("-fp16") and c.name.replace("-fp16", "-fp32") in by_name:
-            ref = by_name[c.name.replace("-fp16", "-fp32")]
+    for c in curves:  # every other variant against blocking fp32 DiLoCo with the same H
+        ref = by_name.get(f"diloco-h{c.settings.get('inner_steps')}-fp32")
+        if c.kind == "diloco" and ref is not None and ref is not c:
             ratios[f"{c.name}/{ref.name}"] = dict(
                 eval_loss_ratio=c.final / ref.final, perplexity_ratio=math.exp(c.final - ref.final)
             )
     communication = {}
     for c in curves:
-        per_round = butterfly_bytes(numel, setup.workers, 2 if c.name.endswith("-fp16") else 4)
+        per_value = c.settings.get("bytes_per_param", 4.0)
+        per_round = butterfly_bytes(numel, setup.workers, per_value)
         communication[c.name] = dict(
             rounds=c.communication_rounds, bytes_sent_per_worker=c.communication_rounds * per_round
         )
@@ -271,18 +413,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="M: DiLoCo workers, and the DDP batch multiple")
     p.add_argument("--steps", type=int, default=250, help="optimizer steps of each DiLoCo worker and of DDP")
     p.add_argument("--batch", type=int, default=4, help="sequences per worker step (the tiny preset has 8)")
-    p.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50], help="H values for fp32 DiLoCo")
-    p.add_argument("--fp16-inner-steps", type=int, nargs="*", default=[50], help="H values also run with FP16")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=DEFAULT_VARIANTS,
+        help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager][,delay=D]"
+        "[,lr=OUTER_LR][,momentum=M]",
+    )
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
     p.add_argument("--eval-every", type=int, default=50, help="DDP-equivalent steps between held-out scores")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.workers, args.steps, args.inner_steps, args.fp16_inner_steps = 2, 6, [2, 3], [3]
+        args.workers, args.steps = 2, 6
+        args.variants = ["h=2", "h=3", "h=3,wire=fp16", "h=3,wire=fp4,mode=delayed,delay=1", "h=3,mode=eager,delay=1"]
         args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
-    for h in {*args.inner_steps, *args.fp16_inner_steps}:
-        if args.steps % h or args.steps % args.eval_every:
-            p.error(f"--steps {args.steps} must be a multiple of H={h} and of --eval-every {args.eval_every}")
+    args.variants = [Variant.parse(v) for v in args.variants]
+    for v in args.variants:
+        if args.steps % v.inner_steps or args.steps % args.eval_every:
+            p.error(f"--steps {args.steps} must be a multiple of H={v.inner_steps} and of --eval-every")
     return args
 
 
@@ -306,10 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
     ]
-    for h in args.inner_steps:
-        plan.append((f"h{h}", lambda h=h: run_diloco(setup, h, fp16=False)))
-    for h in args.fp16_inner_steps:
-        plan.append((f"h{h}-fp16", lambda h=h: run_diloco(setup, h, fp16=True)))
+    for variant in args.variants:
+        plan.append((variant.name, lambda v=variant: run_diloco(setup, v)))
     plan.append(
         (
             "single",

@@ -1,16 +1,18 @@
 """Real peers on slow links: how busy does the compute stay, and where does a round's time go?
 
 Four real ``swarm-client`` processes, each in its own network namespace behind a
-``tc tbf``-shaped link (see benchmarks/netns.py). One swarm per wire format (FP32,
-then FP16) runs through phases of link rate: unlimited first, then each
-``--rates`` value, with the limit changed live on every link. A phase counts only
-rounds that started after its limit was set; the first round of the run (start-up,
-state download) is left out.
+``tc tbf``-shaped link (see benchmarks/netns.py). One swarm per mode (a wire
+format, blocking or overlapped rounds: ``--modes``) runs through phases of link
+rate: unlimited first, then each ``--rates`` value, with the limit changed live on
+every link. A phase counts only rounds that started after its limit was set; the
+first round of the run (start-up, state download) is left out.
 
 Per peer and round it records compute utilization (inner-step time over wall
 time), the round's split (compute, matchmaking, all-reduce, outer step, other),
-the all-reduce payload against the butterfly theory, the wire bytes on the veth,
-and the all-reduce goodput as a share of the link rate.
+the all-reduce payload against the butterfly theory and per parameter, the wire
+bytes on the veth, and the all-reduce goodput as a share of the link rate. In an
+overlapped round the all-reduce runs while the next round trains: its seconds are
+not idle time, and ``waited`` is what the loop did wait for it.
 
 Run (as root): ``python -m benchmarks.wan``.
 """
@@ -40,9 +42,15 @@ from client.model import build_model, count_parameters
 from client.presets import build_manifest
 
 NAME = "wan"
-WIRE = {"fp32": "none", "fp16": "fp16"}
-BYTES_PER_VALUE = {"fp32": 4, "fp16": 2}
-PARTS = ("compute", "matchmaking", "allreduce", "outer", "consistency")
+MODES = {  # name: (averaging.compression, averaging.overlap)
+    "fp32": ("none", False),
+    "fp16": ("fp16", False),
+    "fp16-overlap": ("fp16", True),
+    "fp4-overlap": ("fp4", True),
+    "sparse-overlap": ("sparse", True),
+}
+BYTES_PER_VALUE = {"none": 4, "fp16": 2, "fp4": 0.5 + 1 / 1024, "sparse": None}  # sparse: what the data says
+PARTS = ("compute", "matchmaking", "allreduce", "outer", "consistency", "waited")
 
 
 def butterfly_bytes(numel: int, group_size: int, bytes_per_value: int) -> float:
@@ -50,10 +58,12 @@ def butterfly_bytes(numel: int, group_size: int, bytes_per_value: int) -> float:
     return 2 * bytes_per_value * numel * (group_size - 1) / group_size
 
 
-def overrides(args: argparse.Namespace, wire: str) -> list[str]:
+def overrides(args: argparse.Namespace, mode: str) -> list[str]:
+    compression, overlap = MODES[mode]
     return [
         f"inner_steps={args.inner_steps}",
-        f"averaging.compression={WIRE[wire]}",
+        f"averaging.compression={compression}",
+        f"averaging.overlap={'true' if overlap else 'false'}",
         f"averaging.target_group_size={args.peers}",
         f"averaging.matchmaking_time={args.matchmaking_time}",
     ]
@@ -139,7 +149,11 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
             r["utilization"] = r["seconds"]["compute"] / r["wall_seconds"] if r["wall_seconds"] > 0 else None
             r["other_seconds"] = max(0.0, r["wall_seconds"] - sum(r["seconds"].values()))
             k = r["group_size"]
-            r["theory_bytes"] = butterfly_bytes(numel, k, BYTES_PER_VALUE[wire]) if r["averaged"] and k > 1 else 0.0
+            per_value = BYTES_PER_VALUE[MODES[wire][0]]
+            averaged = r["averaged"] and k > 1
+            r["theory_bytes"] = butterfly_bytes(numel, k, per_value) if averaged and per_value else None
+            # one encoded pseudo-gradient per parameter, both directions: payload / (2 (k-1)/k N)
+            r["bytes_per_param"] = r["bytes_sent"] / butterfly_bytes(numel, k, 1) if averaged else None
             ar = r["seconds"]["allreduce"]
             mbit = r["bytes_sent"] * 8 / ar / 1e6 if r["bytes_sent"] and ar > 0 else None
             r["allreduce_goodput_mbit"] = mbit
@@ -166,6 +180,7 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         round_seconds=mean("wall_seconds"),
         seconds={k: mean(k, "seconds") for k in PARTS} | {"other": mean("other_seconds")},
         payload_sent_bytes=mean("bytes_sent"),
+        bytes_per_param=mean("bytes_per_param"),
         payload_received_bytes=mean("bytes_received"),
         theory_bytes=mean("theory_bytes"),
         wire_tx_bytes=mean("wire_tx_bytes"),
@@ -237,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 10.0], help="link rates in Mbit/s")
-    p.add_argument("--wires", nargs="+", choices=list(WIRE), default=["fp32", "fp16"])
+    p.add_argument("--modes", dest="wires", nargs="+", choices=list(MODES), default=["fp16", "fp4-overlap"])
     p.add_argument("--inner-steps", type=int, default=10, help="H")
     p.add_argument("--rounds", type=int, default=2, help="measured rounds per peer and phase")
     p.add_argument("--matchmaking-time", type=float, default=2.0)
@@ -357,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             rounds_per_phase=args.rounds,
             threads_per_peer=args.threads,
             tbf="rate R, burst max(64 KiB, 20 ms at R), latency 100 ms, on both ends of every veth",
-            theory_bytes_per_round={w: butterfly_bytes(numel, args.peers, BYTES_PER_VALUE[w]) for w in args.wires},
+            theory_bytes_per_round={
+                w: butterfly_bytes(numel, args.peers, BYTES_PER_VALUE[MODES[w][0]])
+                for w in args.wires
+                if BYTES_PER_VALUE[MODES[w][0]]
+            },
         ),
         figures=figures,
         slowdown_vs_unlimited=slowdowns(figures),

@@ -52,14 +52,16 @@ def test_convergence_smoke(tmp_path: Path):
     record = load_result(tmp_path, "convergence", run_smoke("convergence", tmp_path, timeout=120))
     runs = {r["name"]: r for r in record["runs"]}
     assert {"ddp", "single", "diloco-h2-fp32", "diloco-h3-fp32", "diloco-h3-fp16"} <= set(runs)
+    assert {"diloco-h3-fp4-delayed1", "diloco-h3-fp32-eager1"} <= set(runs)
     for run in runs.values():
         assert all(positive_finite(v) for v in run["eval_loss"])
         assert run["tokens"][0] == 0 and run["tokens"][-1] == record["sizes"]["tokens_per_run"]
         assert run["eval_loss"][-1] < run["eval_loss"][0], f"{run['name']} did not learn at all"
     assert runs["diloco-h3-fp32"]["communication_rounds"] == 2 and runs["ddp"]["communication_rounds"] == 6
     assert len(set(record["sizes"]["worker_shards"])) == record["sizes"]["workers"]  # disjoint shards
-    for key in ("diloco-h2-fp32/ddp", "diloco-h3-fp16/diloco-h3-fp32"):
+    for key in ("diloco-h2-fp32/ddp", "diloco-h3-fp16/diloco-h3-fp32", "diloco-h3-fp4-delayed1/diloco-h3-fp32"):
         assert positive_finite(record["ratios"][key]["eval_loss_ratio"])
+    assert 0.45 < runs["diloco-h3-fp4-delayed1"]["settings"]["bytes_per_param"] < 0.55
     # FP16 rounding changes the outcome by far less than the algorithm does
     assert abs(record["ratios"]["diloco-h3-fp16/diloco-h3-fp32"]["eval_loss_ratio"] - 1) < 0.01
 
@@ -75,9 +77,9 @@ def test_wan_smoke(tmp_path: Path):
     if not IS_ROOT:
         return assert_refuses_without_root("wan", tmp_path)
     record = load_result(tmp_path, "wan", run_smoke("wan", tmp_path, timeout=400))
-    assert set(record["figures"]) == {"fp32", "fp16"}
+    assert set(record["figures"]) == {"fp16", "fp4-overlap"}
     theory = record["sizes"]["theory_bytes_per_round"]
-    assert theory["fp32"] == pytest.approx(2 * theory["fp16"])
+    assert theory["fp16"] == pytest.approx(2 / (0.5 + 1 / 1024) * theory["fp4-overlap"])
     for phases in record["figures"].values():
         assert [p["rate_mbit"] for p in phases] == [None, 20.0]
         for phase in phases:
@@ -90,7 +92,10 @@ def test_wan_smoke(tmp_path: Path):
             assert phase["wire_tx_bytes"] >= 0.9 * phase["payload_sent_bytes"]
         limited = phases[1]
         assert 0 < limited["goodput_share_of_link"] <= 1.1
-    slowdown = record["slowdown_vs_unlimited"]["fp32@20mbit"]
+    # one encoded pseudo-gradient per parameter, scales included, averaged over both directions
+    assert all(0.45 < ph["bytes_per_param"] < 0.6 for ph in record["figures"]["fp4-overlap"])
+    assert all(1.9 < ph["bytes_per_param"] < 2.2 for ph in record["figures"]["fp16"])
+    slowdown = record["slowdown_vs_unlimited"]["fp16@20mbit"]
     assert slowdown["round_time_ratio"] > 0 and slowdown["equal_compute_ratio"] > 0
 
 

@@ -1,0 +1,87 @@
+"""The headline figures, gathered from the benchmarks' results into ``benchmarks/results/headline.json``.
+
+Each figure names the result file and the entry it came from, so it can be traced to
+the run (and the command) that measured it. Run after the benchmarks:
+``python -m benchmarks.headline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, print_table
+
+OVERLAP_MODE = "delayed"  # the overlapped variant the client runs (see docs/benchmarks.md)
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _phase(wan: dict, mode: str, rate: float | None) -> dict | None:
+    return next((ph for ph in wan["figures"].get(mode, []) if ph["rate_mbit"] == rate), None)
+
+
+def gather(out: Path) -> dict:
+    figures: dict[str, dict] = {}
+
+    def put(key: str, value, source: str) -> None:
+        figures[key] = dict(value=value, source=source)
+
+    wan = _load(out, "wan")
+    if wan is not None:
+        for rate, label in ((10.0, "10mbit"), (100.0, "100mbit")):
+            for mode, key in (("fp4-overlap", "overlap"), ("fp16", "blocking_fp16")):
+                phase = _phase(wan, mode, rate)
+                if phase is not None:
+                    put(f"utilization_{label}_{key}", phase["utilization"], f"wan.json figures[{mode}] @ {rate} Mbit/s")
+        for mode, key in (("fp4-overlap", "4bit"), ("sparse-overlap", "sparse")):
+            values = [ph["bytes_per_param"] for ph in wan["figures"].get(mode, []) if ph.get("bytes_per_param")]
+            if values:
+                put(
+                    f"bytes_per_param_per_round_{key}",
+                    statistics.fmean(values),
+                    f"wan.json figures[{mode}], all phases",
+                )
+    convergence = _load(out, "convergence")
+    if convergence is not None:
+        ratios = convergence["ratios"]
+        for variant, key in (
+            (f"diloco-h10-fp4-{OVERLAP_MODE}5", "loss_ratio_overlap_4bit_vs_blocking_fp32"),
+            (f"diloco-h10-sparse-{OVERLAP_MODE}5", "loss_ratio_overlap_sparse_vs_blocking_fp32"),
+            (f"diloco-h10-fp32-{OVERLAP_MODE}5", "loss_ratio_overlap_fp32_vs_blocking_fp32"),
+        ):
+            entry = ratios.get(f"{variant}/diloco-h10-fp32")
+            if entry is not None:
+                put(key, entry["eval_loss_ratio"], f"convergence.json ratios[{variant}/diloco-h10-fp32]")
+    churn = _load(out, "churn")
+    if churn is not None:
+        join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)
+        if join is not None:
+            put("joiner_10mbit_first_averaged_round_s", join["to_first_averaged_round"], "churn.json joins @ 10 Mbit/s")
+    slow = _load(out, "slowpeer")
+    if slow is not None:
+        put("slow_peer_share_of_rounds_averaged", slow["slow_peer_share_of_rounds_averaged"], "slowpeer.json")
+        put("slow_peer_speed_ratio", slow["speed_ratio_fast_over_slow"], "slowpeer.json")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    figures = gather(args.out)
+    headline = {key: entry["value"] for key, entry in figures.items()}
+    headline["sources"] = {key: entry["source"] for key, entry in figures.items()}
+    (args.out / "headline.json").write_text(json.dumps(headline, indent=2) + "\n")
+    print_table("headline", ["figure", "value", "from"], [(k, v["value"], v["source"]) for k, v in figures.items()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
