@@ -18,8 +18,13 @@ from benchmarks.common import RESULTS_DIR, print_table
 OVERLAP_MODE = "delayed"  # the overlapped variant the client runs (see docs/benchmarks.md)
 
 
+# where each benchmark's run for the headline writes; the overlap and codec variants of convergence run apart
+# from its default run (--steps 1000 --variants ... --out <results>/convergence-overlap)
+SOURCES = {"convergence": "convergence-overlap/convergence.json"}
+
+
 def _load(out: Path, name: str) -> dict | None:
-    path = out / f"{name}.json"
+    path = out / SOURCES.get(name, f"{name}.json")
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -58,7 +63,7 @@ def gather(out: Path) -> dict:
         ):
             entry = ratios.get(f"{variant}/diloco-h10-fp32")
             if entry is not None:
-                put(key, entry["eval_loss_ratio"], f"convergence.json ratios[{variant}/diloco-h10-fp32]")
+                put(key, entry["eval_loss_ratio"], f"{SOURCES['convergence']} ratios[{variant}/diloco-h10-fp32]")
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

@@ -170,6 +170,8 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
     workdir.mkdir(parents=True)
     print(f"[{label}] code {code}", flush=True)
     sets = manifest_sets(args)
+    if code == REPO:  # --set names fields the baseline's code may not have (overlap, codecs)
+        sets += [a for s in args.sets for a in ("--set", s)]
     a = Peer(code, workdir, "a", ["start", "--preset", args.preset, *sets, "--micro-batch", str(args.micro_batch)])
     peers = [a]
     try:
@@ -324,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for each stage")
     p.add_argument("--leave-timeout", type=float, default=90.0)
     p.add_argument("--workdir", type=Path, default=None, help="keep the peers' files here (default: temporary)")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="manifest overrides for the current code")
     args = p.parse_args(argv)
     if args.smoke:  # the tiny model, one round, no baseline: checks the benchmark end to end, not the budget
         args.preset, args.rounds, args.baseline = "tiny", 1, ""

@@ -41,6 +41,8 @@ class Throttle:
         self.share = share_of_a_core
 
     def __enter__(self) -> Throttle:
+        if os.geteuid() != 0:
+            raise SystemExit("This benchmark slows one peer with a cgroup CPU quota, which needs root.")
         if not (CGROUP_ROOT / "cpu.cfs_quota_us").exists():
             raise SystemExit(f"no cgroup v1 cpu controller at {CGROUP_ROOT}: this benchmark needs one (and root)")
         self.path.mkdir(exist_ok=True)
@@ -171,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         if fast and per_peer[slow]["steps_per_second"]
         else None
     )
+    fast_shares = [v["share_of_swarm_rounds"] for v in per_peer.values() if not v["slow"]]
+    fast_share_mean = statistics.fmean(fast_shares) if None not in fast_shares and fast_shares else None
+    slow_share = per_peer[slow]["share_of_swarm_rounds"]
     record = dict(
         benchmark=NAME,
         smoke=args.smoke,
@@ -180,12 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         swarm_rounds=swarm_rounds,
         measured_seconds=round(end - start, 1),
         speed_ratio_fast_over_slow=speed_ratio,
-        slow_peer_share_of_rounds_averaged=per_peer[slow]["share_of_swarm_rounds"],
+        slow_peer_share_of_rounds_averaged=slow_share,
+        # the baseline in the same run: the fast peers' own share
+        ratios=dict(
+            slow_share_over_fast_share=slow_share / fast_share_mean
+            if slow_share is not None and fast_share_mean
+            else None
+        ),
         per_peer=per_peer,
         wall_seconds=clock.seconds,
     )
     print_table(
-        f"{swarm_rounds} swarm rounds; the slow peer ran {speed_ratio or 0:.1f}x slower",
+        f"{swarm_rounds} swarm rounds; the slow peer ran {speed_ratio or 0:.1f}x slower; its share over the fast"
+        f" peers' {record['ratios']['slow_share_over_fast_share'] or 0:.2f}",
         ["peer", "slow", "rounds", "averaged", "share", "steps/s", "samples/round", "resynced"],
         [
             (

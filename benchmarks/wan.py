@@ -7,10 +7,11 @@ rate: unlimited first, then each ``--rates`` value, with the limit changed live 
 every link. A phase counts only rounds that started after its limit was set; the
 first round of the run (start-up, state download) is left out.
 
-Per peer and round it records compute utilization (inner-step time over wall
-time), the round's split (compute, matchmaking, all-reduce, outer step, other),
-the all-reduce payload against the butterfly theory and per parameter, the wire
-bytes on the veth, and the all-reduce goodput as a share of the link rate. In an
+Per peer it records compute utilization (the inner steps' seconds over the wall
+seconds from its first measured round's start to its last's end); per round, the
+split (compute, matchmaking, all-reduce, outer step, other), the all-reduce
+payload against the butterfly theory and per parameter, the wire bytes on the
+veth, and (blocking rounds) the all-reduce goodput as a share of the link rate. In an
 overlapped round the all-reduce runs while the next round trains: its seconds are
 not idle time, and ``waited`` is what the loop did wait for it.
 
@@ -137,6 +138,14 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
                 )
             )
         out["peers"][p.index] = rows
+        # utilization from the steps themselves: in an overlapped swarm a round is reported when its average
+        # lands, inside the next round, so one round's compute and wall time do not line up
+        if selected:
+            first, last = round_start(selected[0]), selected[: len(rows)][-1]["time"]
+            steps = [s for s in p.records("step") if first <= s["time"] - s["step_seconds"] and s["time"] <= last]
+            out.setdefault("windows", {})[p.index] = dict(
+                seconds=last - first, compute=sum(s["step_seconds"] for s in steps), steps=len(steps)
+            )
     return out
 
 
@@ -155,13 +164,15 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
             # one encoded pseudo-gradient per parameter, both directions: payload / (2 (k-1)/k N)
             r["bytes_per_param"] = r["bytes_sent"] / butterfly_bytes(numel, k, 1) if averaged else None
             ar = r["seconds"]["allreduce"]
-            mbit = r["bytes_sent"] * 8 / ar / 1e6 if r["bytes_sent"] and ar > 0 else None
+            # an overlapped round's all-reduce is timed between inner steps, too coarsely for a rate
+            timed = not MODES[wire][1]
+            mbit = r["bytes_sent"] * 8 / ar / 1e6 if timed and r["bytes_sent"] and ar > 0 else None
             r["allreduce_goodput_mbit"] = mbit
             r["goodput_share_of_link"] = mbit / rate if mbit is not None and rate else None
-        wall = sum(r["wall_seconds"] for r in rows)
+        window = phase.get("windows", {}).get(index)
         per_peer[index] = dict(
             rounds=len(rows),
-            utilization=sum(r["seconds"]["compute"] for r in rows) / wall if wall else None,
+            utilization=window["compute"] / window["seconds"] if window and window["seconds"] > 0 else None,
         )
         all_rows += rows
 
@@ -170,12 +181,14 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         values = [v for v in values if v is not None]
         return statistics.fmean(values) if values else None
 
-    wall = sum(r["wall_seconds"] for r in all_rows)
+    windows = list(phase.get("windows", {}).values())
+    wall = sum(w["seconds"] for w in windows)
     return dict(
         rate_mbit=rate,
         rounds=len(all_rows),
         averaged_rounds=sum(r["averaged"] for r in all_rows),
-        utilization=sum(r["seconds"]["compute"] for r in all_rows) / wall if wall else None,
+        # inner-step seconds over wall seconds, per peer from its first measured round's start to its last's end
+        utilization=sum(w["compute"] for w in windows) / wall if wall else None,
         utilization_per_peer=per_peer,
         round_seconds=mean("wall_seconds"),
         seconds={k: mean(k, "seconds") for k in PARTS} | {"other": mean("other_seconds")},
@@ -278,7 +291,7 @@ def report(record: dict, out: Path) -> None:
                     wire,
                     "unlimited" if ph["rate_mbit"] is None else f"{ph['rate_mbit']:g}",
                     ph["rounds"],
-                    f"{ph['utilization'] * 100:.1f}%",
+                    "-" if ph["utilization"] is None else f"{ph['utilization'] * 100:.1f}%",
                     ph["round_seconds"],
                     s["compute"],
                     s["matchmaking"],
