@@ -423,6 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
     p.add_argument("--eval-every", type=int, default=50, help="DDP-equivalent steps between held-out scores")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-references", dest="references", action="store_false", help="skip the ddp and single runs")
     args = p.parse_args(argv)
     if args.smoke:
         args.workers, args.steps = 2, 6
@@ -447,22 +448,15 @@ def main(argv: list[str] | None = None) -> int:
         f"convergence: {args.preset} preset ({numel / 1e6:.2f}M parameters), M={m} workers x {setup.steps} steps x "
         f"{setup.batch} sequences; {setup.steps * setup.tokens_per_ddp_step:,} tokens per run; shards {setup.shards}"
     )
-    plan: list[tuple[str, Callable[[], Curve]]] = [
-        (
-            "ddp",
-            lambda: run_sequential(
-                setup, "ddp", "ddp", lambda t: torch.cat([b[t] for b in setup.batches]), setup.steps
-            ),
-        ),
-    ]
+    plan: list[tuple[str, Callable[[], Curve]]] = []
+    if args.references:
+        ddp_batch = lambda t: torch.cat([b[t] for b in setup.batches])  # noqa: E731
+        plan.append(("ddp", lambda: run_sequential(setup, "ddp", "ddp", ddp_batch, setup.steps)))
     for variant in args.variants:
         plan.append((variant.name, lambda v=variant: run_diloco(setup, v)))
-    plan.append(
-        (
-            "single",
-            lambda: run_sequential(setup, "single", "single", lambda t: setup.batches[t % m][t // m], m * setup.steps),
-        )
-    )
+    if args.references:
+        single_batch = lambda t: setup.batches[t % m][t // m]  # noqa: E731
+        plan.append(("single", lambda: run_sequential(setup, "single", "single", single_batch, m * setup.steps)))
     curves: list[Curve] = []
     for _, run in plan:
         t0 = time.monotonic()
