@@ -18,9 +18,13 @@ from benchmarks.common import RESULTS_DIR, print_table
 OVERLAP_MODE = "delayed"  # the overlapped variant the client runs (see docs/benchmarks.md)
 
 
-# where each benchmark's run for the headline writes; the overlap and codec variants of convergence run apart
-# from its default run (--steps 1000 --variants ... --out <results>/convergence-overlap)
-SOURCES = {"convergence": "convergence-overlap/convergence.json"}
+# where each benchmark's run for the headline writes: apart from the benchmarks' default runs (which
+# docs/benchmarks.md describes too), with --out <results>/<name>-overlap
+SOURCES = {
+    "convergence": "convergence-overlap/convergence.json",
+    "wan": "wan-overlap/wan.json",
+    "churn": "churn-overlap/churn.json",
+}
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -44,14 +48,18 @@ def gather(out: Path) -> dict:
             for mode, key in (("fp4-overlap", "overlap"), ("fp16", "blocking_fp16")):
                 phase = _phase(wan, mode, rate)
                 if phase is not None:
-                    put(f"utilization_{label}_{key}", phase["utilization"], f"wan.json figures[{mode}] @ {rate} Mbit/s")
+                    put(
+                        f"utilization_{label}_{key}",
+                        phase["utilization"],
+                        f"{SOURCES['wan']} figures[{mode}] @ {rate} Mbit/s",
+                    )
         for mode, key in (("fp4-overlap", "4bit"), ("sparse-overlap", "sparse")):
             values = [ph["bytes_per_param"] for ph in wan["figures"].get(mode, []) if ph.get("bytes_per_param")]
             if values:
                 put(
                     f"bytes_per_param_per_round_{key}",
                     statistics.fmean(values),
-                    f"wan.json figures[{mode}], all phases",
+                    f"{SOURCES['wan']} figures[{mode}], all phases",
                 )
     convergence = _load(out, "convergence")
     if convergence is not None:
@@ -68,7 +76,11 @@ def gather(out: Path) -> dict:
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)
         if join is not None:
-            put("joiner_10mbit_first_averaged_round_s", join["to_first_averaged_round"], "churn.json joins @ 10 Mbit/s")
+            put(
+                "joiner_10mbit_first_averaged_round_s",
+                join["to_first_averaged_round"],
+                f"{SOURCES['churn']} joins @ 10 Mbit/s",
+            )
     slow = _load(out, "slowpeer")
     if slow is not None:
         put("slow_peer_share_of_rounds_averaged", slow["slow_peer_share_of_rounds_averaged"], "slowpeer.json")

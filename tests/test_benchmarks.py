@@ -177,7 +177,7 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     )
     slow = dict(slow_peer_share_of_rounds_averaged=0.92, speed_ratio_fast_over_slow=4.1)
     for name, record in dict(wan=wan, convergence=dict(ratios=ratios), churn=churn, slowpeer=slow).items():
-        path = tmp_path / ("convergence-overlap/convergence.json" if name == "convergence" else f"{name}.json")
+        path = tmp_path / (f"{name}-overlap/{name}.json" if name != "slowpeer" else f"{name}.json")
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record))
     proc = subprocess.run(
