@@ -32,14 +32,28 @@ def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | N
     )
 
 
+SPAWNED: list[subprocess.Popen] = []  # killed after each test (conftest), whether it passed or not
+
+
 def spawn(*args: str, log: Path) -> subprocess.Popen:
     handle = log.open("w")
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "client.cli", *args],
         stdout=handle,
         stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
+    SPAWNED.append(proc)
+    return proc
+
+
+def kill_spawned() -> None:
+    """A failed assertion must not leave a training peer behind to slow every later test."""
+    while SPAWNED:
+        proc = SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 120) -> str:

@@ -5,7 +5,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from client_helpers import kill_spawned  # noqa: E402
 from swarm_harness import WorkerSwarm  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_peer_outlives_its_test():
+    yield
+    kill_spawned()
 
 
 @pytest.fixture
