@@ -253,7 +253,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from client.doctor import DoctorOptions, print_check, run_checks
+    from client.doctor import FAIL, WARN, DoctorOptions, print_check, run_checks
     from client.logs import setup_logging
 
     setup_logging(None, args.verbose)
@@ -267,8 +267,8 @@ def _doctor(args: argparse.Namespace) -> int:
         timeout=args.timeout,
     )
     checks = run_checks(options, print_check)
-    failed = [c for c in checks if c.outcome == "fail"]
-    warned = [c for c in checks if c.outcome == "warn"]
+    failed = [c for c in checks if c.outcome == FAIL]
+    warned = [c for c in checks if c.outcome == WARN]
     print(f"{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warnings, {len(failed)} failed")
     return 1 if failed else 0
 

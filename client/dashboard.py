@@ -21,7 +21,7 @@ from rich.text import Text
 from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
-from swarm import RunManifest, SwarmView
+from swarm import PeerState, RunManifest, SwarmView
 
 REFRESH_PER_SECOND = 2
 SPARK = "▁▂▃▄▅▆▇█"
@@ -124,7 +124,7 @@ def _peer_row(peer: TrackedPeer, own_id: str | None, inner_steps: int, now: floa
     name = f"{r.name} (you)" if r.peer_id == own_id else r.name
     if peer.gone:
         state = f"{peer.gone_reason} {now - (peer.gone_since or now):.0f} s ago"
-    elif r.state in ("downloading state", "re-syncing"):
+    elif r.state in (PeerState.downloading_state, PeerState.resyncing):
         state = f"{r.state} {100 * r.download_progress:.0f}%"
     else:
         state = r.state

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm import SwarmView
+from swarm import PeerState, SwarmView
 
 
 @dataclass(frozen=True)
@@ -27,25 +27,25 @@ class OwnState:
 
 def why_idle(me: OwnState, view: SwarmView | None) -> str:
     others = [p for p in view.peers if p.peer_id != me.peer_id] if view is not None else []
-    if me.state == "starting":
+    if me.state == PeerState.starting:
         return "starting: loading the model and joining the swarm"
-    if me.state in ("downloading state", "re-syncing"):
+    if me.state in (PeerState.downloading_state, PeerState.resyncing):
         source = f" from peer {me.download_donor[-8:]}" if me.download_donor else ""
-        prefix = "re-syncing: " if me.state == "re-syncing" else ""
+        prefix = "re-syncing: " if me.state == PeerState.resyncing else ""
         return f"{prefix}downloading state {100 * me.download_fraction:.0f}%{source}"
-    if me.state == "leaving":
+    if me.state == PeerState.leaving:
         return "leaving: finishing the step and writing a checkpoint"
     if view is not None and not others:
         if me.has_initial_peers:
             return "no peers reachable: check --initial-peers (training alone meanwhile)"
-        if me.state == "matchmaking":
+        if me.state == PeerState.matchmaking:
             return "alone in the swarm: this round falls back to a local outer step"
         return "training alone: nobody else has joined this run yet"
-    if me.state == "averaging":
+    if me.state == PeerState.averaging:
         return "averaging pseudo-gradients with the group"
-    if me.state == "matchmaking":
+    if me.state == PeerState.matchmaking:
         mates = [p for p in others if p.epoch == me.epoch]
-        behind = [p for p in mates if p.state == "training" and p.inner_step < me.inner_steps]
+        behind = [p for p in mates if p.state == PeerState.training and p.inner_step < me.inner_steps]
         if behind:
             eta = _eta(behind, me.inner_steps, me.samples_per_step)
             plural = "peer" if len(behind) == 1 else "peers"
@@ -54,7 +54,7 @@ def why_idle(me: OwnState, view: SwarmView | None) -> str:
         if not mates:
             return f"looking for a group: no other peer is at epoch {me.epoch} yet"
         return f"matchmaking with {len(mates)} peer(s) at epoch {me.epoch}"
-    if me.state == "training":
+    if me.state == PeerState.training:
         eta = _eta([me], me.inner_steps, me.samples_per_step)
         when = f", round in ~{eta:.0f} s" if eta is not None else ""
         return f"not idle: training step {me.inner_step}/{me.inner_steps}{when}"

@@ -18,6 +18,7 @@ from client.health import status_fields, stuck_after, write_status
 from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmSnapshot
 from client.trainer import Trainer
+from swarm import PeerState
 
 PLAIN_SWARM_EVERY = 30.0  # seconds between the swarm summary lines without a dashboard
 
@@ -74,7 +75,7 @@ class TrainingTick:
     def __call__(self, snapshot: SwarmSnapshot) -> None:
         own = self.write_status()
         due = self._last_print is None or time.monotonic() - self._last_print > PLAIN_SWARM_EVERY
-        if self.print_line is not None and snapshot.view is not None and own.state == "training" and due:
+        if self.print_line is not None and snapshot.view is not None and own.state == PeerState.training and due:
             self._last_print = time.monotonic()
             self.print_line(swarm_line(snapshot, self.trainer.manifest.seq_len))
             self.print_line(f"why idle: {why_idle(own, snapshot.view)}")

@@ -26,10 +26,11 @@ from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, 
 from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, count_parameters, model_config, parameter_shapes
+from client.peer_events import describe
 from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate
 from client.telemetry import Telemetry
-from swarm import LeaveRequested, Peer, RoundOutcome, RoundReport, RunManifest, SwarmError
+from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -374,47 +375,18 @@ class Trainer:
                 "a restart begins it afresh, as a joiner does.",
             )
 
-    def _on_event(self, kind: str, data: dict[str, Any]) -> None:
+    def _on_event(self, kind: PeerEvent, data: dict[str, Any]) -> None:
         """The peer's events (on the training thread, the state writer's, or the peer's own while it catches up)."""
-        if kind == "state":
+        if kind == PeerEvent.state:
             self.telemetry.set_state(data["state"])
-        elif kind == "left":
-            self.telemetry.set_state("left")
-        elif kind == "resync":
-            self.note("resync", f"re-syncing: {data['reason']}")
-        elif kind == "download_started":
+        elif kind == PeerEvent.left:
+            self.telemetry.set_state(PeerState.left)
+        elif kind == PeerEvent.download_started:
             self.telemetry.download_donor = data["donor"]
-            self.note("download", f"downloading the training state from peer {data['donor'][-8:]}")
-        elif kind == "download_deferred":
-            self.note(
-                "download",
-                f"waiting ~{data['eta']:.0f} s for the swarm's round to end before downloading: at the last "
-                f"download's speed it takes ~{data['expected']:.0f} s, more than is left of this round",
-            )
-        elif kind == "state_loaded":
-            self.note("state_loaded", f"state of epoch {data['epoch']} loaded from {data['donor'][-8:]}")
-        elif kind == "download_failed":
-            self.note("download_failed", f"state download from {data['donor'][-8:]} failed: {data['reason']}")
-        elif kind == "initialized":
-            self.note("initialized", f"starting at epoch {data['epoch']}: {data['reason']}")
-        elif kind == "state_saved":
+        elif kind == PeerEvent.state_saved:
             if data["seconds"] > 0:
                 self._disk_rate = data["bytes"] / data["seconds"]
             self.telemetry.checkpoint(data["epoch"], data["bytes"], data["seconds"])
-        elif kind == "state_save_failed":
-            self.note("log", f"Writing the checkpoint failed ({data['reason']}); the previous one is kept.")
-        elif kind == "averaging_error":
-            self.note("log", f"averaging failed: {data['reason']}; this round is local")
-        elif kind == "replay_started":
-            self.note("download", f"catching up from epoch {data['epoch']} to {data['target']} by replaying the rounds")
-        elif kind == "replayed":
-            self.note(
-                "state_loaded",
-                f"caught up to epoch {data['target']} by replaying {data['target'] - data['epoch']} rounds",
-            )
-        elif kind == "replay_failed":
-            self.note(
-                "download_failed", f"replay stopped at epoch {data['epoch']} ({data['reason']}): downloading the state"
-            )
-        elif kind == "checkpoint_unusable":
-            self.note("log", f"Checkpoint {Path(data['path']).name} is unusable ({data['reason']}); it is skipped.")
+        line = describe(kind, data)
+        if line is not None:
+            self.note(*line)

@@ -32,7 +32,7 @@ _EXPORTS = {
     ],
     "swarm.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
     "swarm.peer": ["Peer"],
-    "swarm.rounds": ["PeerStats", "RoundOutcome", "RoundReport"],
+    "swarm.rounds": ["PeerEvent", "PeerStats", "RoundOutcome", "RoundReport"],
     "swarm.records": ["PeerState", "ProgressRecord"],
     "swarm.registry": ["choose_run", "fetch_manifest", "list_runs", "publish_manifest"],
     "swarm.swarm_view": ["Consensus", "SwarmView", "consensus"],
@@ -50,6 +50,7 @@ __all__ = [
     "NetworkConfigError",
     "OuterOptimizerSpec",
     "Peer",
+    "PeerEvent",
     "PeerState",
     "PeerStats",
     "PortTakenError",
@@ -110,5 +111,5 @@ if TYPE_CHECKING:
     from swarm.peer import Peer
     from swarm.records import PeerState, ProgressRecord
     from swarm.registry import choose_run, fetch_manifest, list_runs, publish_manifest
-    from swarm.rounds import PeerStats, RoundOutcome, RoundReport
+    from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
     from swarm.swarm_view import Consensus, SwarmView, consensus

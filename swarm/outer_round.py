@@ -35,7 +35,7 @@ from swarm.averaging import AllReduceOutcome, Averaging, RoundAborted, epoch_gro
 from swarm.codecs import apply_error_feedback
 from swarm.errors import LeaveRequested
 from swarm.records import PeerState
-from swarm.rounds import RoundOutcome, RoundReport, short_reason
+from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
 from swarm.swarm_view import groupmates_published, mates_coming, swarm_moved_on
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class OuterRound:
             flight.fallback = short_reason(e)
             if not isinstance(e, EXPECTED_FAILURES):  # a bug is not "no group": say so, and what the log holds
                 flight.fallback = f"internal error ({type(e).__name__}: {short_reason(e)}; details in the log)"
-                peer.emit("averaging_error", dict(reason=flight.fallback))
+                peer.emit(PeerEvent.averaging_error, dict(reason=flight.fallback))
             # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
             coming = mates_coming(peer.view(), peer.peer_id, flight.epoch)
             if time.monotonic() < flight.wait_until and coming and not peer.stop_requested:
@@ -248,7 +248,7 @@ class OuterRound:
             peer.begin_round()
         peer.announce_state()
         peer.set_state(PeerState.training, publish=True)
-        peer.emit("round", dict(report=report))
+        peer.emit(PeerEvent.round, dict(report=report))
         if not self.overlapped:
             self.check_consistency(report, group)
         return report

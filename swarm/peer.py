@@ -39,7 +39,7 @@ from swarm.outer_round import ERROR_FEEDBACK, Flight, OuterRound
 from swarm.presence import Presence
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
-from swarm.rounds import PeerStats, RoundReport
+from swarm.rounds import PeerEvent, PeerStats, RoundReport
 from swarm.state_store import SavedState, StateStore
 from swarm.state_sync import StateSync
 from swarm.swarm_view import (
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 LEAVE_SECONDS = 10.0  # the most leave() spends telling others and stopping its processes
 
 
-Listener = Callable[[str, dict[str, Any]], None]
+Listener = Callable[[PeerEvent, dict[str, Any]], None]
 
 
 class Peer:
@@ -237,7 +237,7 @@ class Peer:
             self.presence.stop(timeout=min(2.0, remaining()))
         if self._owns_dht and self._dht is not None:
             self._dht.shutdown()
-        self._emit("left", dict(checkpoint_written=saved))
+        self._emit(PeerEvent.left, dict(checkpoint_written=saved))
         return saved
 
     def request_stop(self) -> None:
@@ -380,12 +380,11 @@ class Peer:
     def _on_state_saved(self, saved: SavedState) -> None:
         """On the state writer's thread: serve the new file, and tell the loop (checkpoint bytes and time)."""
         self.averager.serve_state_file(saved.path, saved.epoch)
-        self._emit(
-            "state_saved", dict(path=str(saved.path), epoch=saved.epoch, bytes=saved.bytes, seconds=saved.seconds)
-        )
+        details = dict(path=str(saved.path), epoch=saved.epoch, bytes=saved.bytes, seconds=saved.seconds)
+        self._emit(PeerEvent.state_saved, details)
 
     def _on_save_failed(self, reason: str) -> None:
-        self._emit("state_save_failed", dict(reason=reason))
+        self._emit(PeerEvent.state_save_failed, dict(reason=reason))
 
     def set_state(self, state: PeerState, publish: bool = False) -> None:
         self._set_state(state, publish)
@@ -395,12 +394,12 @@ class Peer:
 
     def _set_state(self, state: PeerState, publish: bool = False) -> None:
         self.presence.set_state(state, self.epoch, self.inner_step, publish)
-        self._emit("state", dict(state=state.value))
+        self._emit(PeerEvent.state, dict(state=state.value))
 
-    def emit(self, kind: str, data: dict[str, Any]) -> None:
+    def emit(self, kind: PeerEvent, data: dict[str, Any]) -> None:
         self._emit(kind, data)
 
-    def _emit(self, kind: str, data: dict[str, Any]) -> None:
+    def _emit(self, kind: PeerEvent, data: dict[str, Any]) -> None:
         try:
             self._listener(kind, data)
         except Exception:  # a broken listener must not break training

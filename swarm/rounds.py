@@ -6,6 +6,27 @@ import enum
 from dataclasses import dataclass, field
 
 
+class PeerEvent(enum.StrEnum):
+    """What a peer tells its listener (``Peer(listener=...)``), with a dict of details."""
+
+    state = "state"  # state: the PeerState value
+    left = "left"  # checkpoint_written
+    round = "round"  # report: the RoundReport
+    averaging_error = "averaging_error"  # reason: a bug in averaging (the round went local); details in the log
+    resync = "resync"  # reason, epoch
+    initialized = "initialized"  # epoch, reason
+    checkpoint_unusable = "checkpoint_unusable"  # path, reason
+    download_deferred = "download_deferred"  # eta, expected
+    download_started = "download_started"  # donor
+    download_failed = "download_failed"  # donor, reason
+    state_loaded = "state_loaded"  # donor, epoch, checksum
+    replay_started = "replay_started"  # epoch, target
+    replayed = "replayed"  # epoch, target
+    replay_failed = "replay_failed"  # epoch, reason
+    state_saved = "state_saved"  # path, epoch, bytes, seconds
+    state_save_failed = "state_save_failed"  # reason
+
+
 class RoundOutcome(enum.Enum):
     averaged = "averaged"  # the group's average was applied
     local = "local"  # no usable group: our own pseudo-gradient was applied

@@ -20,7 +20,7 @@ from swarm import state_file
 from swarm.allreduce import check_parts, decode_into
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.records import PeerState
-from swarm.rounds import short_reason
+from swarm.rounds import PeerEvent, short_reason
 from swarm.state_file import StateFileError
 from swarm.state_store import residual_path
 from swarm.swarm_view import Resync, SwarmView, consensus, resync_needed
@@ -58,7 +58,7 @@ class StateSync:
         try:
             header = state_file.check(path, run_id=peer.run_id, shapes=peer.outer.shapes)
         except StateFileError as e:
-            peer.emit("checkpoint_unusable", dict(path=str(path), reason=str(e)))
+            peer.emit(PeerEvent.checkpoint_unusable, dict(path=str(path), reason=str(e)))
             return False
         with peer.shield():
             peer.outer.load_file(path, header)
@@ -80,13 +80,13 @@ class StateSync:
         others = [p for p in view.peers if p.peer_id != peer.peer_id and p.latest_checksum is not None]
         if not others:
             reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
-            peer.emit("initialized", dict(epoch=peer.epoch, reason=reason))
+            peer.emit(PeerEvent.initialized, dict(epoch=peer.epoch, reason=reason))
             if not resumed:
                 peer.save_state()
             return
         agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
         if resumed and agreed is not None and agreed.epoch == peer.epoch and agreed.agrees(peer.outer.checksum()):
-            peer.emit("initialized", dict(epoch=peer.epoch, reason="checkpoint agrees with the swarm"))
+            peer.emit(PeerEvent.initialized, dict(epoch=peer.epoch, reason="checkpoint agrees with the swarm"))
             return
         peer.set_state(PeerState.downloading_state, publish=True)
         if not self.download_consensus_state():
@@ -119,7 +119,7 @@ class StateSync:
     def resync(self, why: str) -> bool:
         peer = self.peer
         peer.set_state(PeerState.resyncing, publish=True)
-        peer.emit("resync", dict(reason=why, epoch=peer.epoch))
+        peer.emit(PeerEvent.resync, dict(reason=why, epoch=peer.epoch))
         ok = self.download_consensus_state()
         if ok:
             peer.stats.resyncs += 1
@@ -180,7 +180,7 @@ class StateSync:
         ours = consensus(view.peers, start)
         if ours is None or not ours.agrees(peer.outer.checksum()):
             return False
-        peer.emit("replay_started", dict(epoch=start, target=target))
+        peer.emit(PeerEvent.replay_started, dict(epoch=start, target=target))
         for epoch in range(start, target):
             agreed = consensus(view.peers, epoch + 1)
             if agreed is None:
@@ -194,13 +194,13 @@ class StateSync:
                 if outcome != ReplayStep.unavailable:
                     break
             if outcome != ReplayStep.applied:  # unavailable everywhere, or it broke our state: download it all
-                peer.emit("replay_failed", dict(epoch=epoch, reason=outcome.value))
+                peer.emit(PeerEvent.replay_failed, dict(epoch=epoch, reason=outcome.value))
                 return False
         with peer.shield():
             peer.outer.reset_residual()
             peer.outer.write_to(peer.params)
             peer.save_state()
-        peer.emit("replayed", dict(epoch=start, target=target))
+        peer.emit(PeerEvent.replayed, dict(epoch=start, target=target))
         return True
 
     def _replay_one(self, donor: str, epoch: int, expected: str) -> ReplayStep:
@@ -226,7 +226,8 @@ class StateSync:
                 return ReplayStep.broken  # leaving: no more donors
             except Exception as e:
                 logger.debug("update %d from %s unusable", epoch, donor, exc_info=True)
-                peer.emit("download_failed", dict(donor=donor, reason=f"update of epoch {epoch}: {short_reason(e)}"))
+                reason = f"update of epoch {epoch}: {short_reason(e)}"
+                peer.emit(PeerEvent.download_failed, dict(donor=donor, reason=reason))
                 return ReplayStep.unavailable
             with peer.shield(), peer.averager.get_tensors() as buffers:
                 for tensor, parts in zip(buffers, held):
@@ -249,7 +250,7 @@ class StateSync:
         if expected < MIN_DEFERRED_DOWNLOAD or view.eta_next_round >= expected:
             return view
         avg = peer.manifest.averaging
-        peer.emit("download_deferred", dict(eta=view.eta_next_round, expected=expected))
+        peer.emit(PeerEvent.download_deferred, dict(eta=view.eta_next_round, expected=expected))
         epoch, deadline = view.global_epoch, time.monotonic() + view.eta_next_round + avg.matchmaking_timeout
         while time.monotonic() < deadline and not peer.stop_requested:
             time.sleep(0.5)
@@ -260,7 +261,7 @@ class StateSync:
 
     def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
         peer = self.peer
-        peer.emit("download_started", dict(donor=donor))
+        peer.emit(PeerEvent.download_started, dict(donor=donor))
         destination = peer.store.temporary_path(f"download-{donor[-8:]}")
         try:
             return self._fetch_and_load(donor, destination, chunk_timeout, timeout)
@@ -285,7 +286,7 @@ class StateSync:
             return False
         except Exception as e:
             logger.debug("state download from %s failed", donor, exc_info=True)
-            peer.emit("download_failed", dict(donor=donor, reason=short_reason(e)))
+            peer.emit(PeerEvent.download_failed, dict(donor=donor, reason=short_reason(e)))
             return False
         self._download_rate = destination.stat().st_size / max(time.monotonic() - started, 1e-3)
         try:
@@ -294,12 +295,12 @@ class StateSync:
             if agreed is None or not agreed.agrees(header.checksum):
                 raise StateFileError("the state is not the one most peers hold for its epoch")
         except StateFileError as e:
-            peer.emit("download_failed", dict(donor=donor, reason=str(e)))
+            peer.emit(PeerEvent.download_failed, dict(donor=donor, reason=str(e)))
             return False
         with peer.shield():  # a stop signal waits for the outer state to be whole again
             peer.outer.load_file(destination, header)
             peer.outer.write_to(peer.params)
             peer.averager.note_epoch(header.epoch)
             peer.store.adopt(destination, header, peer.state_extra())
-        peer.emit("state_loaded", dict(donor=donor, epoch=header.epoch, checksum=header.checksum))
+        peer.emit(PeerEvent.state_loaded, dict(donor=donor, epoch=header.epoch, checksum=header.checksum))
         return True
