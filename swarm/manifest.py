@@ -88,7 +88,8 @@ class AveragingSpec(_Frozen):
     compression: Literal["none", "fp16", "scaled-fp16", "fp4", "sparse"] = "fp16"
     sparse_k: int = Field(64, ge=1, le=128)  # sparse: values sent per chunk of 4096
     # overlapped: after H steps the pseudo-gradient is averaged in the background while the next round's inner
-    # steps run, and the outer step lands when the average does (at the latest, at the next round's start)
+    # steps run, from the global model moved by our own pseudo-gradient's step; when the average lands (at the
+    # latest, at the next round's start) the group's step replaces that stand-in (eager updates)
     overlap: bool = False
     # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
     # instead of downloading the whole state

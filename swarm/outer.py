@@ -36,6 +36,9 @@ def checksum(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+STAND_IN_DTYPE = torch.bfloat16
+
+
 class OuterState:
     """The global parameters (fp32, CPU), their momentum buffers and the epoch.
 
@@ -96,6 +99,21 @@ class OuterState:
                     target.add_(update.to(target.device, target.dtype), alpha=-lr)
             self.epoch += 1
             self._checksum = None
+
+    def stand_in(
+        self, pseudo_gradient: Sequence[torch.Tensor], dtype: torch.dtype = STAND_IN_DTYPE
+    ) -> list[torch.Tensor]:
+        """How far ``step(pseudo_gradient)`` would move each parameter, without moving anything: an overlapped
+        round's stand-in for the group's step with this peer's own pseudo-gradient (eager updates, arXiv
+        2502.12996). Kept in ``dtype`` (bf16: 2 bytes per parameter); it only ever moves the local model."""
+        lr, mu = self.spec.lr, self.spec.momentum
+        out = []
+        with self.lock, torch.no_grad():
+            for buf, grad in zip(self.momentum, pseudo_gradient):
+                future = buf.mul(mu).add_(grad)
+                update = grad.add(future, alpha=mu) if self.spec.nesterov else future
+                out.append(update.mul_(-lr).to(dtype))
+        return out
 
     def write_to(self, model_params: Sequence[torch.Tensor]) -> None:
         with self.lock, torch.no_grad():

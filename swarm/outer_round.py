@@ -4,8 +4,10 @@ while it runs, ``finish`` (apply, save, announce), and in a blocking round ``che
 ``begin``: a late consistency check of the epoch we are leaving; the pseudo-gradient
 written into the averager's buffer (never sent when not finite), with error feedback
 for the codecs that use it; then matchmaking and the all-reduce start in the averager
-process. In an **overlapped** round the model restarts from the global copy at once and
-training goes on while the round runs; in a **blocking** one the loop waits.
+process. In an **overlapped** round the model restarts at once from the global copy moved
+by the step our own pseudo-gradient would make (its stand-in: eager updates, arXiv
+2502.12996), and training goes on while the round runs; in a **blocking** one the loop
+waits.
 
 ``poll``: the averaging is retried while epoch-mates are still on their way, given up
 when the swarm finished the round without us, and bounded by the manifest's timeouts.
@@ -13,7 +15,8 @@ when the swarm finished the round without us, and bounded by the manifest's time
 ``finish``: the outer step with the group's average or, failing a group, our own
 pseudo-gradient (a "local" round); a group whose values cannot be used (groupmates at
 another epoch, non-finite values) is skipped. An overlapped round moves the model by
-the same step, so the inner steps taken meanwhile are kept. Then the new state's file,
+the same step and takes the stand-in back, so the inner steps taken meanwhile are kept
+on top of the group's step. Then the new state's file,
 its checksum, and (blocking) a comparison with the groupmates' checksums.
 """
 
@@ -67,6 +70,7 @@ class Flight:
     attempt: Averaging | None = None
     attempt_started: float = 0.0
     stage_times: dict[str, float] = field(default_factory=dict)
+    stand_in: list[torch.Tensor] | None = None  # overlapped: the step the local model took ahead of the group
     outcome: AllReduceOutcome | None = None
     fallback: str | None = None  # why the group's average is not used
     aborted: RoundAborted | None = None
@@ -96,9 +100,11 @@ class OuterRound:
             return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
         seconds["pseudo_gradient"] = time.monotonic() - t0
         flight = Flight(epoch, peer.round_samples, seconds, time.monotonic() + peer.manifest.averaging.wait_for_peers)
-        if self.overlapped:
-            with peer.shield():
-                peer.outer.write_to(peer.params)  # the next round's inner steps start from the global model
+        if self.overlapped:  # the next round starts at once from the global model moved by our own step
+            with peer.shield(), peer.averager.get_tensors() as buffers:
+                flight.stand_in = peer.outer.stand_in(buffers)
+                peer.outer.write_to(peer.params)
+                _add(peer.params, flight.stand_in, 1.0)
             peer.begin_round()
         peer.set_state(PeerState.matchmaking, publish=True)
         self._attempt(flight)
@@ -219,6 +225,9 @@ class OuterRound:
                     peer.outer.step(buffers, shift=peer.params if self.overlapped else None)
                 if not self.overlapped:
                     peer.outer.write_to(peer.params)
+            if flight.stand_in is not None:  # the group's step (or none) replaces the one taken ahead
+                _add(peer.params, flight.stand_in, -1.0)
+                flight.stand_in = None
             peer.outer.checksum()
             peer.save_state()
         seconds["outer"] = time.monotonic() - t1
@@ -291,6 +300,12 @@ class OuterRound:
             checksum=peer.outer.checksum(),
             seconds=seconds,
         )
+
+
+def _add(params: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], sign: float) -> None:
+    with torch.no_grad():
+        for p, step in zip(params, steps):
+            p.add_(step.to(p.device, p.dtype), alpha=sign)
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -56,9 +56,10 @@ SETTLE = 1  # overlapped rounds: the average is applied after this many inner st
 def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torch.Tensor]:
     """The same algorithm in one process, as the swarm runs it with ``--settle-at-step SETTLE``: at each
     round's end every worker's pseudo-gradient (with error feedback for a lossy codec) is averaged, the
-    reducer's average goes through the codec, the workers restart from the global model at once (overlapped)
-    and keep training; SETTLE steps later the outer step lands on the global model and moves each worker's
-    model by the same amount."""
+    reducer's average goes through the codec, each worker restarts at once from the global model moved by
+    its own pseudo-gradient's step (its stand-in, in bf16) and keeps training; SETTLE steps later the outer
+    step lands on the global model, moves each worker's model by the same amount and takes its stand-in
+    back (eager updates)."""
     torch.set_num_threads(1)
     codec = manifest.averaging.compression
     with seeded_init(manifest):
@@ -72,14 +73,18 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
         residuals.append([torch.zeros_like(p) for p in global_params])
     pending = None
 
+    stand_ins: list[list[torch.Tensor]] = []
+
     def land() -> None:
-        for model, _ in workers:
+        for (model, _), stand_in in zip(workers, stand_ins):
             with torch.no_grad():
                 shifted = [p.detach() for p in model.parameters()]
                 before = [g.clone() for g in outer.params]
                 outer_copy = OuterState(before, manifest.outer, epoch=outer.epoch)  # the same step, for the shift
                 outer_copy.momentum = [m.clone() for m in outer.momentum]
                 outer_copy.step(pending, shift=shifted)
+                for p, s in zip(shifted, stand_in):
+                    p.sub_(s.float())
         outer.step(pending)
 
     while outer.epoch < rounds:
@@ -92,13 +97,17 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
             for rank, (model, optimizer) in zip(ranks, workers):
                 inner_step(model, optimizer, make_batch(rank, outer.epoch, step))
         else:
-            sent = []
+            sent, stand_ins = [], []
             for (model, _), residual in zip(workers, residuals):
                 delta = outer.pseudo_gradient(list(model.parameters()))
                 if codec in ("fp4", "sparse"):
                     apply_error_feedback(delta, residual, codec)
                 sent.append(delta)
+                stand_ins.append(outer.stand_in(delta))
                 outer.write_to(list(model.parameters()))
+                with torch.no_grad():
+                    for p, s in zip(model.parameters(), stand_ins[-1]):
+                        p.add_(s.float())
             mean = [torch.stack([d[i] for d in sent]).mean(0) for i in range(len(global_params))]
             pending = [through_codec(m, codec) for m in mean]
     return [p.clone() for p in outer.params]

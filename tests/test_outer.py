@@ -60,3 +60,22 @@ def test_pseudo_gradient_is_written_into_the_callers_buffers():
     state.pseudo_gradient_into(buffers, list(model.parameters()))
     assert torch.equal(buffers[0], torch.zeros_like(buffers[0]))
     assert torch.allclose(buffers[1], torch.full_like(buffers[1], 0.5))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_stand_in_is_the_step_the_pseudo_gradient_would_make_and_moves_nothing(nesterov):
+    torch.manual_seed(1)
+    params = [torch.randn(64, 8), torch.randn(33)]
+    state = OuterState(params, OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=nesterov))
+    state.step([torch.randn_like(p) for p in params])  # some momentum
+    before, momentum, epoch = [p.clone() for p in state.params], [m.clone() for m in state.momentum], state.epoch
+    delta = [torch.randn_like(p) for p in params]
+    exact = state.stand_in(delta, dtype=torch.float32)
+    rounded = state.stand_in(delta)
+    assert all(r.dtype == torch.bfloat16 for r in rounded)  # 2 bytes per parameter while a round is in the air
+    assert state.epoch == epoch and all(torch.equal(a, b) for a, b in zip(state.params, before))
+    assert all(torch.equal(a, b) for a, b in zip(state.momentum, momentum))
+    state.step(delta)
+    for moved, a, b, r in zip(exact, state.params, before, rounded):
+        assert torch.allclose(moved, a - b, atol=1e-6)
+        assert torch.allclose(r.float(), a - b, rtol=1e-2, atol=1e-2)
