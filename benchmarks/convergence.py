@@ -56,9 +56,8 @@ DEFAULT_VARIANTS = [
     "h=50,wire=fp16",
     "h=10,mode=delayed,delay=5",
     "h=10,mode=eager,delay=5",
-    "h=10,wire=fp4,mode=delayed,delay=5",
     "h=10,wire=fp4,mode=eager,delay=5",
-    "h=10,wire=sparse,mode=delayed,delay=5",
+    "h=10,wire=sparse,mode=eager,delay=5",
     "h=10,lr=1.0,momentum=0",
 ]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, print_table
 
-OVERLAP_MODE = "delayed"  # the overlapped variant the client runs (see docs/benchmarks.md)
+OVERLAP_MODE = "eager"  # the overlapped variant the client runs (see docs/benchmarks.md)
 
 
 # where each benchmark's run for the headline writes: apart from the benchmarks' default runs (which

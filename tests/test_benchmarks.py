@@ -169,8 +169,8 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
         }
     )
     ratios = {
-        "diloco-h10-fp4-delayed5/diloco-h10-fp32": dict(eval_loss_ratio=1.004),
-        "diloco-h10-fp32-delayed5/diloco-h10-fp32": dict(eval_loss_ratio=1.001),
+        "diloco-h10-fp4-eager5/diloco-h10-fp32": dict(eval_loss_ratio=1.004),
+        "diloco-h10-fp32-eager5/diloco-h10-fp32": dict(eval_loss_ratio=1.001),
     }
     churn = dict(
         joins=[dict(rate_mbit=50.0, to_first_averaged_round=20.0), dict(rate_mbit=10.0, to_first_averaged_round=44.0)]
