@@ -34,6 +34,7 @@ from pathlib import Path
 
 from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, save_figure
 from benchmarks.common import write_json as write_record
+from benchmarks.peers import read_records
 from benchmarks.pss import TreeSampler
 
 NAME = "memory"
@@ -103,17 +104,7 @@ class Peer:
         return self.state()
 
     def records(self, kind: str) -> list[dict]:
-        if not self.jsonl.exists():
-            return []
-        out = []
-        for line in self.jsonl.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("type") == kind:
-                out.append(record)
-        return out
+        return read_records(self.jsonl, kind)
 
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""

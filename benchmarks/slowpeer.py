@@ -13,7 +13,6 @@ Run (as root, for the cgroup): ``python -m benchmarks.slowpeer``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, save_figure
 from benchmarks.common import write_json as write_record
+from benchmarks.peers import read_records as records
 
 NAME = "slowpeer"
 REPO = Path(__file__).resolve().parent.parent
@@ -60,20 +60,6 @@ class Throttle:
             self.path.rmdir()
         except OSError:
             pass
-
-
-def records(path: Path, kind: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if r.get("type") == kind:
-            out.append(r)
-    return out
 
 
 def spawn(index: int, args: argparse.Namespace, workdir: Path, head: list[str]) -> tuple[subprocess.Popen, Path, Path]:
