@@ -11,6 +11,7 @@ deadline.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate
 from client.telemetry import Telemetry
 from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
+
+logger = logging.getLogger(__name__)
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -361,13 +364,21 @@ class Trainer:
         size = 2 * 4 * self.parameters
         expected = size / self._disk_rate
         if not self.stop.requested or expected < seconds_left / 2:
-            checkpoint.save_inner(
-                self.ckpt_dir,
-                self.peer.outer.checksum(),
-                self.optimizer.state_dict(),
-                self.scaler.state_dict(),
-                self._state_extra()["data"],
-            )
+            try:
+                checkpoint.save_inner(
+                    self.ckpt_dir,
+                    self.peer.outer.checksum(),
+                    self.optimizer.state_dict(),
+                    self.scaler.state_dict(),
+                    self._state_extra()["data"],
+                )
+            except (OSError, RuntimeError) as e:  # a full disk: the outer checkpoint is what matters
+                logger.debug("saving the inner optimizer state failed", exc_info=True)
+                self.note(
+                    "log",
+                    f"Inner optimizer state not saved ({type(e).__name__}: {str(e)[:120]}); free disk space in "
+                    f"{self.ckpt_dir}. A restart begins it afresh, as a joiner does.",
+                )
         else:
             self.note(
                 "log",

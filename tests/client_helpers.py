@@ -47,9 +47,13 @@ def spawn(*args: str, log: Path) -> subprocess.Popen:
     return proc
 
 
-def kill_spawned() -> None:
-    """A failed assertion must not leave a training peer behind to slow every later test."""
-    while SPAWNED:
+def kill_spawned(keep: int = 0) -> None:
+    """A failed assertion must not leave a training peer behind to slow every later test.
+
+    The first ``keep`` processes stay: they belong to a wider fixture (a module's swarm) that outlives
+    the test.
+    """
+    while len(SPAWNED) > keep:
         proc = SPAWNED.pop()
         if proc.poll() is None:
             proc.kill()

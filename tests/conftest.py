@@ -5,14 +5,22 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client_helpers import kill_spawned  # noqa: E402
+from client_helpers import SPAWNED, kill_spawned  # noqa: E402
 from swarm_harness import WorkerSwarm  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_peer_outlives_its_module():
+    yield
+    kill_spawned()
 
 
 @pytest.fixture(autouse=True)
 def _no_peer_outlives_its_test():
+    # module-scoped fixtures (a shared swarm, a donor) are set up before this one: their peers stay
+    before = len(SPAWNED)
     yield
-    kill_spawned()
+    kill_spawned(keep=before)
 
 
 @pytest.fixture

@@ -174,8 +174,19 @@ def test_sigterm_in_the_middle_of_an_inner_step(donor):
 
 def test_sigterm_in_a_round(donor):
     _, peer, _, run_id = donor
-    # alone, a round spends averaging.matchmaking_timeout (5 s) looking for a group: a fresh "matchmaking" is mid-round
-    peer.wait(lambda: peer.state(fresh=0.3) in ("matchmaking", "averaging"), "a round", poll=0.02)
+    # alone, a round spends averaging.matchmaking_timeout (5 s) looking for a group: the moment the state turns
+    # from training to matchmaking is mid-round (a "matchmaking" seen later may be a round already ending)
+    seen = []
+
+    def round_just_began() -> bool:
+        state = peer.state(fresh=0.3)
+        if state is None:
+            return False
+        began = bool(seen) and seen[-1] == "training" and state in ("matchmaking", "averaging")
+        seen.append(state)
+        return began
+
+    peer.wait(round_just_began, "a round", poll=0.02)
     peer.terminate()
     text = peer.log.read_text()
     assert "round abandoned: this peer is leaving" in text and "Traceback" not in text
