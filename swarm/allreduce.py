@@ -33,6 +33,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from swarm.codecs import CODECS
+from swarm.manifest import Aggregation
+from swarm.robust import RobustPartReducer
 
 
 @dataclass(frozen=True)
@@ -136,9 +138,12 @@ class ExactAllReduceRunner(AllReduceRunner):
     excluded), which the dashboard and the benchmarks report per round.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, aggregation: Aggregation = Aggregation.centered_clip, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.tensor_part_container.__class__ = HeldOutputContainer
+        plain = self.tensor_part_reducer  # hivemind's running sum, replaced before any part arrives
+        self.tensor_part_reducer = RobustPartReducer(plain.part_shapes, plain.num_senders, aggregation)
+        plain.finalize()
         self.bytes_sent = self.bytes_received = 0
 
     async def _count(

@@ -27,6 +27,7 @@ def tiny_manifest(
     join_rounds_early: bool = True,
     overlap: bool = False,
     replay_rounds: int = 4,
+    aggregation: str = "centered-clip",
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -58,6 +59,7 @@ def tiny_manifest(
             join_rounds_early=join_rounds_early,
             overlap=overlap,
             replay_rounds=replay_rounds,
+            aggregation=aggregation,
         ),
         init_seed=seed,
     )

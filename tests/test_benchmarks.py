@@ -158,6 +158,21 @@ def test_slowpeer_smoke(tmp_path: Path):
     assert 0 <= record["slow_peer_share_of_rounds_averaged"] <= 1
 
 
+@pytest.mark.timeout(420)
+def test_byzantine_smoke(tmp_path: Path):
+    record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
+    baseline, attacked = record["scenarios"]
+    assert (baseline["scenario"], attacked["scenario"]) == ("honest/mean", "scale/centered-clip")
+    assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
+    for scenario in (baseline, attacked):
+        for peer in scenario["honest_peers"]:
+            assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1
+            assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"]
+    assert baseline["ratio_to_honest_mean"] == 1.0
+    # a pseudo-gradient x1000 against CenteredClip: the honest peers still train
+    assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5
+
+
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     """headline.py only copies figures out of the benchmarks' results: each key from the entry it names."""
     phase = lambda rate, util, bpp: dict(rate_mbit=rate, utilization=util, bytes_per_param=bpp)  # noqa: E731

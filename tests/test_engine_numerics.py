@@ -157,7 +157,7 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def test_three_peers_match_reference_diloco_without_compression(make_swarm):
-    manifest = tiny_manifest(compression="none", min_group_size=3, join_rounds_early=False)
+    manifest = tiny_manifest(compression="none", min_group_size=3, join_rounds_early=False, aggregation="mean")
     finals = run_swarm(make_swarm, manifest)
     reference = reference_diloco(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
@@ -178,7 +178,7 @@ def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_sw
     and the inner steps that follow can grow it, so 2e-4 is allowed: still 50x smaller than the
     training's own movement, checked below. All peers must agree exactly.
     """
-    manifest = tiny_manifest(compression="fp16", min_group_size=3, join_rounds_early=False)
+    manifest = tiny_manifest(compression="fp16", min_group_size=3, join_rounds_early=False, aggregation="mean")
     finals = run_swarm(make_swarm, manifest)
     reference = reference_diloco(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
@@ -199,7 +199,9 @@ def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwis
     algorithm in one process. The reducer sums in fp32 in the order parts arrive, so a value on a rounding
     boundary of the codec can land one level apart from the reference; all but a few values must match
     closely, and groupmates must agree exactly."""
-    manifest = tiny_manifest(compression=compression, min_group_size=3, join_rounds_early=False, overlap=True)
+    manifest = tiny_manifest(
+        compression=compression, min_group_size=3, join_rounds_early=False, overlap=True, aggregation="mean"
+    )
     finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(SETTLE)))
     reference = reference_overlapped(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
@@ -220,3 +222,19 @@ def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwis
             sent = [f["reports"][epoch]["bytes_sent"] for f in finals]
             theory = 2 * total * (len(finals) - 1) / len(finals)
             assert all(per_value[0] < s / theory < per_value[1] for s in sent), (compression, sent, theory)
+
+
+def test_centered_clip_keeps_groupmates_bitwise_equal_and_honest_peers_near_the_mean(make_swarm):
+    """The run's default reducer (CenteredClip over capped weights and median-clipped norms) with the fp4
+    codec and overlapped rounds: groupmates agree exactly, and three honest peers land close to plain DiLoCo."""
+    manifest = tiny_manifest(compression="fp4", min_group_size=3, join_rounds_early=False, overlap=True)
+    finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(SETTLE)))
+    reference = reference_overlapped(manifest, RANKS, ROUNDS)
+    with seeded_init(manifest):
+        initial = [p.detach() for p in make_model(manifest).parameters()]
+    movement = sum(float((a - b).norm() ** 2) for a, b in zip(reference, initial)) ** 0.5
+    error = sum(float((a - b).norm() ** 2) for a, b in zip(finals[0]["params"], reference)) ** 0.5
+    assert error < movement / 10, (error, movement)
+    assert len({f["checksum"] for f in finals}) == 1
+    for final in finals[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(final["params"], finals[0]["params"]))

@@ -1,0 +1,83 @@
+"""The stock ``swarm-client`` with one lie, for the byzantine benchmark and tests.
+
+``python -m benchmarks.attacker ATTACK [--factor F] -- join ...`` runs the real client,
+except that the pseudo-gradient it puts in its averaging buffers each round (after
+its own checks and error feedback, so exactly what goes on the wire), or the weight
+it claims, is replaced:
+
+- ``scale``: multiplied by ``factor`` (default 1000: finite, well inside FP16);
+- ``sign``: multiplied by ``-factor`` (default 4);
+- ``random``: Gaussian noise with ``factor`` times the honest norm (default 10);
+- ``stale``: the first round's pseudo-gradient, sent again every round;
+- ``weight``: the honest pseudo-gradient sign-flipped, claiming ``factor`` times the
+  samples it did (default 1000);
+- ``ipm``: "a little is enough" style inner-product manipulation: ``-factor`` times
+  its own honest pseudo-gradient scaled to a tenth (default 1), small enough to pass
+  norm checks.
+
+It follows the protocol in everything else. Nothing here is part of the product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+ATTACKS = {"scale": 1000.0, "sign": 4.0, "random": 10.0, "stale": 1.0, "weight": 1000.0, "ipm": 1.0}
+
+
+def install(attack: str, factor: float) -> None:
+    from swarm.averaging import PseudoGradientAverager
+    from swarm.outer_round import OuterRound
+
+    fill = OuterRound._fill_pseudo_gradient
+    first: list[torch.Tensor] = []
+    generator = torch.Generator().manual_seed(666)
+
+    def lying_fill(self) -> bool:
+        if not fill(self):
+            return False
+        with self.peer.averager.get_tensors() as buffers:
+            if attack == "stale" and not first:
+                first.extend(b.clone() for b in buffers)
+            for i, b in enumerate(buffers):
+                if attack == "scale":
+                    b.mul_(factor)
+                elif attack in ("sign", "weight"):
+                    b.mul_(-factor if attack == "sign" else -1.0)
+                elif attack == "random":
+                    noise = torch.randn(b.shape, generator=generator)
+                    b.copy_(noise * (factor * b.norm() / noise.norm().clamp_min(1e-12)))
+                elif attack == "stale":
+                    b.copy_(first[i])
+                elif attack == "ipm":
+                    b.mul_(-0.1 * factor)
+        return True
+
+    OuterRound._fill_pseudo_gradient = lying_fill
+    if attack == "weight":
+        start = PseudoGradientAverager.start_averaging
+
+        def inflated(self, *, weight: float, **kwargs):
+            return start(self, weight=weight * factor, **kwargs)
+
+        PseudoGradientAverager.start_averaging = inflated
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attacker", description=__doc__.split("\n")[0])
+    p.add_argument("attack", choices=sorted(ATTACKS))
+    p.add_argument("--factor", type=float, default=None)
+    args = p.parse_args(argv[:split])
+    install(args.attack, ATTACKS[args.attack] if args.factor is None else args.factor)
+    from client.cli import main as client_main
+
+    return client_main(argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

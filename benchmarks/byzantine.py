@@ -1,0 +1,184 @@
+"""One lying peer among honest ones: how far does it move the swarm, with and without the defences?
+
+Each scenario is a fresh run of real ``swarm-client`` peers on 127.0.0.1 (``tiny``
+preset, every round needs the whole group: ``averaging.min_group_size`` = peers).
+One peer is ``benchmarks.attacker`` (the stock client that lies about its
+pseudo-gradient or its weight) or, in the honest runs, the stock client. Each peer
+trains ``--rounds`` rounds and scores its model on the held-out shard at the start
+and the end; peer N has the same identity, hence the same data, in every scenario. The figure
+is the honest peers' mean held-out loss at the end,
+divided by that of the honest run with today's plain mean, measured in the same
+invocation:
+
+- ``honest / mean``: the baseline (hivemind's plain weighted mean);
+- ``honest / centered-clip``: the cost of the defences without an attacker;
+- ``ATTACK / mean``: what the attack does to an undefended swarm;
+- ``ATTACK / centered-clip``: what it does against the defences.
+
+A loss that is not finite (the swarm diverged) is recorded as null and shown as
+"diverged". Run: ``python -m benchmarks.byzantine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.attacker import ATTACKS
+from benchmarks.common import Stopwatch, add_common_args, command_line, finite, machine_info, print_table, write_json
+
+NAME = "byzantine"
+REPO = Path(__file__).resolve().parent.parent
+_JOIN = re.compile(r"swarm-client join --initial-peers (?P<maddrs>.+) --run (?P<run>[0-9a-f]{16})")
+DEFAULT_SCENARIOS = [
+    "honest/mean",
+    "honest/centered-clip",
+    "scale/mean",
+    *(f"{attack}/centered-clip" for attack in ATTACKS),
+    "honest/mean#2",  # the baseline again: how far apart two honest runs land (the noise floor)
+]
+
+
+def spawn(index: int, workdir: Path, head: list[str], attack: str | None) -> tuple[subprocess.Popen, Path]:
+    """Peer ``index`` keeps one identity across scenarios (``ROOT/identity-N.key``): its peer id picks its
+    data shards, so every scenario trains on the same sequences and only the aggregation and the lie differ."""
+    log = workdir / f"peer{index}.log"
+    head = [*head, "--identity", str(workdir.parent / f"identity-{index}.key")]
+    prefix = ["-m", "benchmarks.attacker", attack, "--"] if attack else ["-m", "client.cli"]
+    command = [sys.executable, *prefix, *head, "--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu"]
+    command += ["--workdir", str(workdir / f"peer{index}"), "--name", f"{'liar' if attack else 'honest'}-{index}"]
+    command += ["--no-dashboard", "--log-json", str(workdir / f"peer{index}.jsonl")]
+    command += ["--result-file", str(workdir / f"peer{index}.result.json")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with log.open("w") as handle:
+        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return proc, log
+
+
+def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
+    attack, aggregation = scenario.split("#")[0].split("/")
+    attack = None if attack == "honest" else attack
+    workdir = root / scenario.replace("/", "-").replace("#", "-")
+    workdir.mkdir(parents=True)
+    sets = [
+        f"averaging.aggregation={aggregation}",
+        f"averaging.min_group_size={args.peers}",
+        "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
+        f"inner_steps={args.inner_steps}",
+        f"init_seed={args.seed}",
+        *args.sets,
+    ]
+    tail = ["--max-epochs", str(args.rounds), "--eval-sequences", str(args.eval_sequences)]
+    started = time.monotonic()
+    procs = [spawn(0, workdir, ["start", "--preset", "tiny", *(a for s in sets for a in ("--set", s)), *tail], None)]
+    try:
+        deadline = time.monotonic() + 180
+        while not (match := _JOIN.search(procs[0][1].read_text() if procs[0][1].exists() else "")):
+            if time.monotonic() > deadline or procs[0][0].poll() is not None:
+                raise SystemExit(f"the first peer did not start:\n{procs[0][1].read_text()[-3000:]}")
+            time.sleep(0.3)
+        join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"], *tail]
+        for i in range(1, args.peers):
+            procs.append(spawn(i, workdir, join, attack if i == args.peers - 1 else None))
+        deadline = time.monotonic() + args.timeout
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    honest = []
+    for i in range(args.peers - (1 if attack else 0)):
+        result = workdir / f"peer{i}.result.json"
+        data = json.loads(result.read_text()) if result.exists() else {}
+        honest.append(
+            dict(
+                peer=i,
+                exit=procs[i][0].returncode,
+                epoch=data.get("epoch"),
+                averaged_rounds=data.get("averaged_rounds"),
+                eval_loss_start=finite(data.get("eval_loss_start")),
+                eval_loss_end=finite(data.get("eval_loss_end")),
+            )
+        )
+    ends = [h["eval_loss_end"] for h in honest]
+    return dict(
+        scenario=scenario,
+        attack=attack,
+        aggregation=aggregation,
+        honest_peers=honest,
+        honest_loss_end=statistics.fmean(ends) if ends and None not in ends else None,
+        seconds=round(time.monotonic() - started, 1),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.byzantine", description=__doc__.split("\n")[0])
+    add_common_args(p)
+    p.add_argument("--peers", type=int, default=3, help="peers per run, one of them the liar")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--inner-steps", type=int, default=20, help="H")
+    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help="ATTACK/AGGREGATION, comma-separated")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest overrides")
+    p.add_argument("--timeout", type=float, default=900.0, help="per scenario")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.inner_steps, args.eval_sequences = 2, 5, 8
+        args.scenarios = "honest/mean,scale/centered-clip"
+    clock = Stopwatch()
+    root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
+    scenarios = args.scenarios.split(",")
+    if scenarios[0] != "honest/mean":
+        scenarios.insert(0, "honest/mean")  # the baseline, measured in the same run
+    results = []
+    for scenario in scenarios:
+        print(f"running {scenario} ...", flush=True)
+        results.append(run_scenario(scenario, args, root))
+        print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
+    baseline = results[0]["honest_loss_end"]
+    for r in results:
+        r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
+    record = dict(
+        benchmark=NAME,
+        smoke=args.smoke,
+        command=command_line(),
+        machine=machine_info(),
+        sizes=dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, sets=args.sets),
+        baseline="honest/mean",
+        scenarios=results,
+        workdir=str(root),
+        wall_seconds=clock.seconds,
+    )
+    print_table(
+        f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
+        ["scenario", "honest loss", "ratio to honest/mean", "seconds"],
+        [
+            (r["scenario"], r["honest_loss_end"] or "diverged", r["ratio_to_honest_mean"] or "-", r["seconds"])
+            for r in results
+        ],
+    )
+    write_json(args.out, NAME, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Robust aggregation: what a reducer does with its groupmates' parts, so that one liar moves little.
+
+A reducer holds every sender's copy of its part (not a running sum), and when all
+have arrived it computes, in sender order (so the result is a function of the
+inputs alone):
+
+1. **checks**: a part of the wrong size, or with a NaN or an infinity, is refused (its
+   sender is dropped from the round); a weight that is not a finite number >= 0 is
+   refused the same way;
+2. **capped weights**: each sender's sample weight is capped at the group's median,
+   so claiming a huge sample count buys nothing;
+3. **norm clipping**: each part is scaled down to at most the median of the parts'
+   norms, so a scaled pseudo-gradient counts as an ordinary one;
+4. **CenteredClip** (Karimireddy et al. 2021; BTARD, arXiv 2106.11257): starting from
+   the coordinate-wise median, ``v += sum_i w_i * clip(x_i - v, tau) / sum_i w_i`` a
+   few times, with ``tau`` the median distance to the start, so a part far from the
+   group's consensus pulls with the force of at most ``tau``;
+5. **inner range**: each coordinate is clamped between the second-lowest and the
+   second-highest value sent for it (as sent, before clipping), so one liar cannot drag any coordinate outside what
+   the others sent (with three senders this is the coordinate-wise median). Without it a
+   sign-flipped pseudo-gradient still pulled like one honest peer every round, and in
+   ``benchmarks/byzantine.py`` the honest peers' held-out loss ended 90% above an honest
+   run's; with it, 2%.
+
+With honest parts all within ``tau`` of their mean, CenteredClip is the plain
+weighted mean (step 5 then moves only the coordinates where the mean lies outside the
+inner range). The reducer encodes its result once and every groupmate decodes the
+same bytes, so groupmates stay bitwise equal whatever is computed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+import torch
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+
+from swarm.manifest import Aggregation
+
+CENTERED_CLIP_ITERATIONS = 5
+# norms are clipped to CLIP_FACTOR x the median norm, deviations to CLIP_FACTOR x the median distance; a liar
+# then pulls about as hard as CLIP_FACTOR honest peers (1.0: as one; a larger factor costs honest runs less)
+CLIP_FACTOR = 1.0
+
+
+class RefusedPart(AllreduceException):
+    """A sender's part or weight that cannot be averaged: its sender is dropped from the round."""
+
+
+def check_part(values: torch.Tensor, numel: int, weight: float) -> torch.Tensor:
+    """The part as a flat float32 tensor, or RefusedPart saying what is wrong with it."""
+    if not (isinstance(weight, float | int) and math.isfinite(weight) and weight >= 0):
+        raise RefusedPart(f"a sender's weight is {weight!r}")
+    if values.numel() != numel:
+        raise RefusedPart(f"a sender's part has {values.numel()} values, not {numel}")
+    flat = values.reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(flat).all()):
+        raise RefusedPart("a sender's part holds NaN or infinite values")
+    return flat
+
+
+def capped_weights(weights: Sequence[float]) -> torch.Tensor:
+    """Each weight capped at the median weight (the lower median for an even count)."""
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    return torch.minimum(w, w.median())
+
+
+def robust_mean(
+    parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation, clip: float = CLIP_FACTOR
+) -> torch.Tensor:
+    """The reducer's result for one part from each sender's checked values (same length, finite)."""
+    w = capped_weights(weights) if aggregation == Aggregation.centered_clip else torch.tensor(weights).double()
+    if float(w.sum()) <= 0:  # everyone sent weight 0 (all auxiliary, say): the plain mean of nothing is zero
+        return torch.zeros_like(parts[0])
+    stacked = torch.stack(list(parts))
+    if aggregation == Aggregation.mean or len(parts) == 1:
+        return (stacked.double() * (w / w.sum())[:, None]).sum(0).float()
+    w = (w / w.sum()).float()
+    raw = stacked
+    norms = stacked.norm(dim=1)
+    limit = clip * norms.median()
+    stacked = stacked * torch.clamp(limit / norms.clamp_min(1e-30), max=1.0)[:, None]
+    center = stacked.median(dim=0).values if len(parts) > 2 else (stacked * w[:, None]).sum(0)
+    tau = clip * (stacked - center).norm(dim=1).median()
+    if float(tau) == 0.0:
+        return _within_inner_range(center, raw)
+    for _ in range(CENTERED_CLIP_ITERATIONS):
+        diff = stacked - center
+        scale = torch.clamp(tau / diff.norm(dim=1).clamp_min(1e-30), max=1.0)
+        center = center + (diff * (w * scale)[:, None]).sum(0)
+    return _within_inner_range(center, raw)
+
+
+def _within_inner_range(center: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """Each coordinate clamped between the second-lowest and the second-highest value sent (before any
+    clipping): one liar cannot drag a coordinate outside what the others sent (with three senders, this is
+    the median)."""
+    if sent.shape[0] <= 2:
+        return center
+    ordered = sent.sort(dim=0).values
+    return torch.minimum(torch.maximum(center, ordered[1]), ordered[-2])
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's TensorPartReducer, holding each sender's part and combining them with ``robust_mean``."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
+        self.aggregation = aggregation
+        self.received: list[tuple[torch.Tensor, float] | None] = [None] * num_senders
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        self.received = [None] * self.num_senders
+        super().reset_accumulators()
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        if part_index != self.current_part_index:
+            raise RefusedPart(f"a sender sent part {part_index} twice")
+        future = self.current_part_future
+        numel = math.prod(self.part_shapes[part_index])
+        try:
+            flat = check_part(tensor_part, numel, weight)
+        except RefusedPart:  # the caller drops this sender; the part is not counted, so nobody waits for it
+            self.num_parts_received[sender_index] -= 1
+            raise
+        self.received[sender_index] = (flat, float(weight))
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        # a sender that failed before this part is not in ``received``; one that failed after it still counts
+        held = [r for r in self.received if r is not None]
+        shape = self.part_shapes[self.current_part_index]
+        if held:
+            result = robust_mean([p for p, _ in held], [w for _, w in held], self.aggregation).reshape(shape)
+        else:
+            result = torch.zeros(shape)
+        self.current_part_future.set_result(result)
+        self.reset_accumulators()

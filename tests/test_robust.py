@@ -1,0 +1,136 @@
+"""Robust aggregation (swarm.robust) as pure functions, and the reducer that uses them, in process."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from swarm.manifest import Aggregation
+from swarm.robust import RefusedPart, RobustPartReducer, capped_weights, check_part, robust_mean
+
+N = 4096
+
+
+def honest(count: int, seed: int = 0, spread: float = 0.3) -> list[torch.Tensor]:
+    """Correlated pseudo-gradients: a shared direction plus each peer's own noise."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(N, generator=g)
+    return [common + spread * torch.randn(N, generator=g) for _ in range(count)]
+
+
+def mean(parts, weights=None) -> torch.Tensor:
+    weights = weights or [1.0] * len(parts)
+    return sum(w * p for w, p in zip(weights, parts)) / sum(weights)
+
+
+def relative_error(x: torch.Tensor, target: torch.Tensor) -> float:
+    return float((x - target).norm() / target.norm())
+
+
+def test_plain_mean_is_the_weighted_mean():
+    parts = honest(3)
+    out = robust_mean(parts, [1.0, 2.0, 3.0], Aggregation.mean)
+    assert torch.allclose(out, mean(parts, [1.0, 2.0, 3.0]), atol=1e-6)
+
+
+def test_honest_parts_close_together_come_out_near_their_mean():
+    parts = honest(4, spread=0.3)
+    out = robust_mean(parts, [1.0] * 4, Aggregation.centered_clip)
+    assert relative_error(out, mean(parts)) < 0.05
+
+
+def test_two_honest_parts_are_their_mean():
+    parts = honest(2)
+    out = robust_mean(parts, [1.0, 1.0], Aggregation.centered_clip)
+    assert relative_error(out, mean(parts)) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        lambda x: 1000 * x,  # scaled
+        lambda x: -4 * x,  # sign-flipped
+        lambda x: torch.randn(N, generator=torch.Generator().manual_seed(9)) * 10 * x.norm() / math.sqrt(N),
+        lambda x: torch.full_like(x, 50.0),  # constant
+    ],
+    ids=["scaled", "sign-flipped", "random", "constant"],
+)
+@pytest.mark.parametrize("group", [3, 4])
+def test_one_liar_moves_the_result_little(lie, group):
+    parts = honest(group)
+    honest_mean = mean(parts[:-1])
+    attacked = parts[:-1] + [lie(parts[-1])]
+    plain = robust_mean(attacked, [1.0] * group, Aggregation.mean)
+    robust = robust_mean(attacked, [1.0] * group, Aggregation.centered_clip)
+    assert relative_error(robust, honest_mean) < 0.5
+    assert relative_error(robust, honest_mean) < relative_error(plain, honest_mean) / 2
+
+
+def test_an_inflated_weight_is_capped_at_the_median():
+    assert capped_weights([10.0, 12.0, 1e9]).tolist() == [10.0, 12.0, 12.0]
+    parts = honest(3)
+    attacked = parts[:2] + [-parts[2]]
+    out = robust_mean(attacked, [10.0, 10.0, 1e9], Aggregation.centered_clip)
+    assert float(torch.dot(out, mean(parts[:2]))) > 0  # still points the honest way
+
+
+@pytest.mark.parametrize(
+    "values, weight, why",
+    [
+        (torch.tensor([1.0, float("nan"), 0.0]), 1.0, "NaN"),
+        (torch.tensor([1.0, float("inf"), 0.0]), 1.0, "NaN or infinite"),
+        (torch.zeros(2), 1.0, "2 values"),
+        (torch.zeros(3), -1.0, "weight"),
+        (torch.zeros(3), float("inf"), "weight"),
+    ],
+)
+def test_a_malformed_part_or_weight_is_refused(values, weight, why):
+    with pytest.raises(RefusedPart, match=why):
+        check_part(values, 3, weight)
+
+
+def run_reducer(parts: list[torch.Tensor], order: list[int], refuse: int | None = None) -> torch.Tensor:
+    """Three senders, one part each, arriving in ``order``; ``refuse``'s part is NaN and its stream fails."""
+
+    async def main() -> torch.Tensor:
+        reducer = RobustPartReducer([torch.Size([N])], len(parts), Aggregation.centered_clip)
+
+        async def send(i: int) -> torch.Tensor | None:
+            await asyncio.sleep(0.01 * order.index(i))
+            values = torch.full((N,), float("nan")) if i == refuse else parts[i]
+            try:
+                return await reducer.accumulate_part(i, 0, values, weight=1.0)
+            except RefusedPart:
+                reducer.on_sender_failed(i)  # what the all-reduce runner does when a stream breaks
+                return None
+
+        results = await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(len(parts)))), timeout=10)
+        return next(r for r in results if r is not None)
+
+    return asyncio.run(main())
+
+
+def test_the_reducer_gives_the_same_bits_whatever_order_parts_arrive_in():
+    parts = honest(3)
+    first = run_reducer(parts, [0, 1, 2])
+    assert torch.equal(first, run_reducer(parts, [2, 0, 1]))
+    assert torch.equal(first, robust_mean(parts, [1.0] * 3, Aggregation.centered_clip))
+
+
+def test_the_reducer_drops_a_refused_sender_and_finishes_without_it():
+    parts = honest(3)
+    out = run_reducer(parts, [0, 2, 1], refuse=2)
+    assert torch.equal(out, robust_mean(parts[:2], [1.0, 1.0], Aggregation.centered_clip))
+
+
+@pytest.mark.parametrize("group", [3, 4, 5])
+def test_one_liar_cannot_drag_any_coordinate_outside_what_the_honest_peers_sent(group):
+    parts = honest(group - 1, spread=1.0)
+    liar = -100 * mean(parts)  # far away, and against the honest direction
+    out = robust_mean([*parts, liar], [1.0] * group, Aggregation.centered_clip)
+    stacked = torch.stack(parts)
+    assert bool(((out >= stacked.min(0).values - 1e-6) & (out <= stacked.max(0).values + 1e-6)).all())
+    assert float(torch.dot(out, mean(parts))) > 0
