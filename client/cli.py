@@ -37,6 +37,7 @@ ENV_VARS = {
     "no_dashboard": "SWARM_NO_DASHBOARD",
     "log_json": "SWARM_LOG_JSON",
     "max_age": "SWARM_HEALTH_MAX_AGE",
+    "secret_file": "SWARM_SECRET_FILE",
 }
 
 
@@ -75,6 +76,17 @@ def _add_initial_peers(p: argparse.ArgumentParser, required: bool) -> None:
     )
 
 
+def _add_secret_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        default=_env("secret_file", None),
+        metavar="FILE",
+        help="a closed run's secret (at least 16 bytes; never sent, logged or published): only peers holding "
+        "the same one take part. Without it the run is open [SWARM_SECRET_FILE]",
+    )
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -106,6 +118,7 @@ def _add_workdir(p: argparse.ArgumentParser) -> None:
 
 def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -> None:
     _add_initial_peers(p, initial_peers_required)
+    _add_secret_file(p)
     p.add_argument("--name", default=_env("name", ""), help="display name shown to others [SWARM_NAME]")
     p.add_argument(
         "--identity",
@@ -199,12 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="watch a run without training: peers, epochs, speed")
     _add_initial_peers(status, required=True)
+    _add_secret_file(status)
     status.add_argument("--run", default=_env("run", None), help="run id, when the swarm hosts several [SWARM_RUN]")
     status.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (for scripts)")
     status.add_argument("--verbose", action="store_true", default=_env("verbose", False), help=argparse.SUPPRESS)
 
     doctor = sub.add_parser("doctor", help="check this machine and the network before joining")
     _add_initial_peers(doctor, required=False)
+    _add_secret_file(doctor)
     _add_workdir(doctor)
     doctor.add_argument("--host-ip", default=_env("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
     _add_host_port(doctor)
@@ -248,7 +263,13 @@ def _status(args: argparse.Namespace) -> int:
     from swarm import NetworkConfig
 
     setup_logging(None, args.verbose)
-    network = NetworkConfig(initial_peers=args.initial_peers, host_ip="0.0.0.0", host_port=0, client_mode=True)
+    network = NetworkConfig(
+        initial_peers=args.initial_peers,
+        host_ip="0.0.0.0",
+        host_port=0,
+        client_mode=True,
+        secret=_secret(args),
+    )
     return run_status(network, args.run, as_json=args.json, live=sys.stdout.isatty())
 
 
@@ -265,12 +286,19 @@ def _doctor(args: argparse.Namespace) -> int:
         announce_ip=args.announce_ip,
         device=args.device,
         timeout=args.timeout,
+        secret=_secret(args),
     )
     checks = run_checks(options, print_check)
     failed = [c for c in checks if c.outcome == FAIL]
     warned = [c for c in checks if c.outcome == WARN]
     print(f"{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warnings, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _secret(args: argparse.Namespace):
+    from client.run import read_secret
+
+    return read_secret(args.secret_file)
 
 
 def _health(args: argparse.Namespace) -> int:

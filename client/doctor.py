@@ -20,6 +20,7 @@ import psutil
 from rich.console import Console
 
 from swarm import NetworkConfig, SwarmError, claim_port, list_runs, start_dht
+from swarm.access import RunSecret
 from swarm.errors import PortTakenError
 from swarm.network import DEFAULT_PORT, probe_peers
 
@@ -48,6 +49,7 @@ class DoctorOptions:
     announce_ip: str | None = None
     device: str = "auto"
     timeout: float = 15.0
+    secret: RunSecret | None = None  # a closed run's keys
 
 
 def run_checks(options: DoctorOptions, report: Callable[[Check], None]) -> list[Check]:
@@ -183,6 +185,7 @@ def _network(options: DoctorOptions) -> list[Check]:
         host_port=options.host_port,
         announce_ip=options.announce_ip,
         startup_timeout=options.timeout,
+        secret=options.secret,
     )
     checks: list[Check] = []
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from client.logs import setup_logging
 from client.signals import STOP
-from swarm import NetworkConfig, SwarmError
+from swarm import NetworkConfig, RunSecret, SwarmError
 
 _workdir_lock = None  # held for the life of the process
 
@@ -66,7 +66,13 @@ def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
         announce_ip=args.announce_ip,
         identity_path=args.identity or workdir / "identity.key",
         client_mode=args.client_mode,
+        secret=read_secret(args.secret_file),
     )
+
+
+def read_secret(path: Path | None) -> RunSecret | None:
+    """A closed run's keys from ``--secret-file`` (None: an open run)."""
+    return None if path is None else RunSecret.from_file(path)
 
 
 def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
@@ -94,6 +100,8 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
     hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
     network = _network(args, workdir)
+    if manifest is not None and network.secret is not None:  # a closed run: its id is another run's
+        manifest = manifest.model_copy(update=dict(access=network.secret.tag))
     dashboard = use_dashboard(args)
     say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
     claim = claim_port(network.host_ip, network.host_port)

@@ -18,9 +18,11 @@ _EXPORTS = {
         "ManifestError",
         "NetworkConfigError",
         "PortTakenError",
+        "SecretError",
         "StateDownloadError",
         "SwarmError",
     ],
+    "swarm.access": ["RunSecret"],
     "swarm.init": ["seeded_init"],
     "swarm.manifest": [
         "AveragingSpec",
@@ -58,6 +60,8 @@ __all__ = [
     "RoundOutcome",
     "RoundReport",
     "RunManifest",
+    "RunSecret",
+    "SecretError",
     "StateDownloadError",
     "SwarmError",
     "SwarmView",
@@ -89,12 +93,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from swarm.access import RunSecret
     from swarm.errors import (
         BootstrapError,
         LeaveRequested,
         ManifestError,
         NetworkConfigError,
         PortTakenError,
+        SecretError,
         StateDownloadError,
         SwarmError,
     )

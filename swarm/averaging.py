@@ -27,8 +27,10 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
 from hivemind.utils.asyncio import as_aiter, azip
 
+from swarm.access import RunSecret
 from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.codecs import CODECS
+from swarm.manifest import Aggregation
 from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)
@@ -121,11 +123,19 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
         run_id: str,
         update_dir: Path | None = None,
         keep_updates: int = 0,
+        aggregation: Aggregation = Aggregation.centered_clip,
+        secret: RunSecret | None = None,
+        start: bool = False,
         **kwargs: Any,
     ):
         self._round_stats: dict[bytes, tuple] = {}
-        self._init_transfer(update_dir, keep_updates, run_id)
-        super().__init__(averaged_tensors, dht, **kwargs)
+        self.aggregation = aggregation
+        self._init_transfer(update_dir, keep_updates, run_id, secret)
+        super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
+            self.schema_hash = secret.schema_hash(self.schema_hash)
+        if start:
+            self.run_in_background(await_ready=True)
 
     # ---- averaging (runs in the averager process) ------------------------------------------------
 
@@ -140,6 +150,7 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            aggregation=self.aggregation,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

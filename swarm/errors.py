@@ -33,3 +33,7 @@ class StateDownloadError(SwarmError):
 class LeaveRequested(BaseException):
     """The peer was told to leave (a stop signal). Not an error, so not an ``Exception``: like
     ``KeyboardInterrupt`` it passes through the ``except Exception`` of a round or a download."""
+
+
+class SecretError(SwarmError):
+    """A closed run's secret that is missing, unreadable, too short, or not this run's."""

@@ -7,6 +7,7 @@ with it. Volunteers therefore never copy hyperparameters by hand.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from typing import Any, Literal
@@ -80,6 +81,13 @@ class OuterOptimizerSpec(_Frozen):
         return self
 
 
+class Aggregation(enum.StrEnum):
+    """How a reducer combines its groupmates' parts (``swarm.robust``)."""
+
+    mean = "mean"  # the plain weighted mean, as hivemind does (parts still checked)
+    centered_clip = "centered-clip"
+
+
 class AveragingSpec(_Frozen):
     """How pseudo-gradients are averaged, and how long anyone waits for anyone."""
 
@@ -91,6 +99,10 @@ class AveragingSpec(_Frozen):
     # steps run, from the global model moved by our own pseudo-gradient's step; when the average lands (at the
     # latest, at the next round's start) the group's step replaces that stand-in (eager updates)
     overlap: bool = False
+    # how a reducer combines its groupmates' parts (swarm.robust): centered-clip caps weights at the median,
+    # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;
+    # mean is hivemind's plain weighted mean (parts are checked for size and finiteness either way)
+    aggregation: Aggregation = Aggregation.centered_clip
     # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
     # instead of downloading the whole state
     replay_rounds: int = Field(4, ge=0, le=7)  # at most CHECKSUM_HISTORY - 1: each step is checked
@@ -132,6 +144,8 @@ class RunManifest(_Frozen):
     averaging: AveragingSpec = AveragingSpec()
     mixed_precision: Literal["fp16", "bf16"] = "fp16"  # on GPUs; bf16 only where the GPU supports it
     init_seed: int = 0
+    # a closed run's access tag (swarm.access): derived from its secret, which is never in here; None: open run
+    access: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     version: Literal[1] = 1
 
     @model_validator(mode="after")

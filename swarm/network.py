@@ -33,7 +33,9 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
+from swarm.access import RunSecret, SecretAuthorizer
 from swarm.errors import BootstrapError, NetworkConfigError, PortTakenError
+from swarm.identity import adopt_identity, temporary_identity
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
 
@@ -55,6 +57,7 @@ class NetworkConfig(BaseModel):
     use_relay: bool = True
     use_auto_relay: bool = False
     startup_timeout: float = 30.0
+    secret: RunSecret | None = None  # a closed run's keys (swarm.access); None: an open run
 
 
 def parse_initial_peer(text: str) -> Multiaddr:
@@ -195,6 +198,8 @@ def dht_kwargs(config: NetworkConfig, port: int | None = None) -> dict:
         startup_timeout=config.startup_timeout,
         record_validators=global_validators(),
     )
+    if config.secret is not None:
+        kwargs["authorizer"] = SecretAuthorizer(config.secret.dht_key)
     if config.announce_ip is not None:
         if port == 0:
             raise NetworkConfigError("--announce-ip needs a fixed --host-port (not 0) so others know where to dial.")
@@ -213,28 +218,67 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     port is claimed here, and the claim is kept on the returned node as ``dht.port_claim``.
     """
     dht_kwargs(config)  # a wrong address fails before any port is claimed
+    if not config.client_mode:  # records are signed with the libp2p key: one key, one peer id, one vote
+        identity = config.identity_path or temporary_identity()
+        adopt_identity(identity)
+        config = config.model_copy(update=dict(identity_path=identity))
     claim = claim or claim_port(config.host_ip, config.host_port)
     kwargs = dht_kwargs(config, claim.port)
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     try:
         dht = hivemind.DHT(start=True, **kwargs)
         dht.port_claim = claim
+        dht.run_secret = config.secret  # the averager's matchmaking and downloads use the same keys
         return dht
     except Exception as e:
         logger.debug("the DHT failed to start", exc_info=True)
         claim.release()
         text = str(e)
         if kwargs["initial_peers"] and ("bootstrap" in text.lower() or "initial_peers" in text):
-            raise BootstrapError(
-                f"None of the initial peers answered ({', '.join(kwargs['initial_peers'])}). Check that the "
-                "address is current (a restarted peer without --identity gets a new /p2p/ id), that its port "
-                "is open, and that this machine can reach it; then try again."
-            ) from None
+            raise BootstrapError(refusal_message(kwargs["initial_peers"], closed=config.secret is not None)) from None
         if "address already in use" in text.lower() or "bind" in text.lower():
             raise NetworkConfigError(
                 f"Port {claim.port} on {config.host_ip} is taken. Stop the other peer or pick another --host-port."
             ) from None
         raise NetworkConfigError(f"The peer-to-peer daemon could not start: {text}") from None
+
+
+def _listening(maddr: str, timeout: float = 3.0) -> bool:
+    """Whether anything accepts TCP connections at a multiaddr's address (for the bootstrap message)."""
+    try:
+        parsed = Multiaddr(maddr)
+        host = next(parsed.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if _has(parsed, p))
+        port = int(parsed.value_for_protocol("tcp"))
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except Exception:
+        logger.debug("probing %s failed", maddr, exc_info=True)
+        return False
+
+
+def _has(maddr: Multiaddr, protocol: str) -> bool:
+    return protocol in [p.name for p in maddr.protocols()]
+
+
+def refusal_message(initial_peers: Sequence[str], closed: bool) -> str:
+    """Why a bootstrap failed, as far as this machine can tell: nobody there, or someone who would not talk."""
+    listed = ", ".join(initial_peers)
+    if any(_listening(m) for m in initial_peers):
+        if closed:
+            return (
+                f"The initial peers ({listed}) are reachable but refused us. Your --secret-file is not this run's "
+                "secret (or the run is open: leave --secret-file out), or the address's /p2p/ id is out of date."
+            )
+        return (
+            f"The initial peers ({listed}) are reachable but refused us. If this run is closed, pass its secret "
+            "with --secret-file (or SWARM_SECRET_FILE); otherwise check that the address's /p2p/ id is current "
+            "(a restarted peer without --identity gets a new one)."
+        )
+    return (
+        f"None of the initial peers answered ({listed}). Check that the address is current (a restarted peer "
+        "without --identity gets a new /p2p/ id), that its port is open, and that this machine can reach it; "
+        "then try again."
+    )
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -29,6 +29,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from swarm.access import check_access
 from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
 from swarm.errors import LeaveRequested
 from swarm.manifest import RunManifest
@@ -149,6 +150,8 @@ class Peer:
         if self._dht is None:
             assert self._network is not None
             self._dht = start_dht(self._network)
+        secret = getattr(self.dht, "run_secret", None)
+        check_access(self.run_id, self.manifest.access, secret)
         self.dht.add_validators([run_validator(self.run_id)])
         avg = self.manifest.averaging
         self._buffers = [torch.zeros(tuple(shape)) for shape in shapes]
@@ -159,6 +162,8 @@ class Peer:
             run_id=self.run_id,
             update_dir=self.state_dir,
             keep_updates=avg.replay_rounds,
+            aggregation=avg.aggregation,
+            secret=secret,
             start=True,
             prefix=run_prefix(self.run_id),
             target_group_size=avg.target_group_size,

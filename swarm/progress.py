@@ -19,6 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from swarm import dht_calls
+from swarm.identity import peer_id_of_owner
 from swarm.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
 
 PUBLISH_INTERVAL = 2.0
@@ -104,17 +105,21 @@ class ProgressReporter:
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
-    """Every well-formed, unexpired progress record of a run; malformed ones are dropped."""
+    """Every well-formed, unexpired progress record of a run whose ``peer_id`` is its signer's (``swarm.identity``);
+    malformed and mismatched ones are dropped."""
     found = dht_calls.get(dht, progress_key(run_id))
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()
     entries = []
-    for item in found.value.values():
+    for subkey, item in found.value.items():
         if item.value is None or item.expiration_time < now:
             continue
         try:
-            entries.append(PeerEntry(ProgressRecord.parse_obj(item.value), item.expiration_time))
+            record = ProgressRecord.parse_obj(item.value)
         except ValueError:
             continue
+        if record.peer_id != peer_id_of_owner(subkey):  # posing as another peer, or as a second one
+            continue
+        entries.append(PeerEntry(record, item.expiration_time))
     return entries

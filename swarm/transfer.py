@@ -33,6 +33,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
+from swarm.access import RunSecret
 from swarm.allreduce import Dropped, HeldPart
 
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
@@ -116,7 +117,8 @@ def read_update(path: Path, run_id: str, epoch: int, num_tensors: int) -> list[l
 class FileTransfer:
     """The averager's file traffic. Set up in the host (``_init_transfer``) before the process forks."""
 
-    def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str) -> None:
+    def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str, secret: RunSecret | None) -> None:
+        self._secret = secret
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         self._served_path = mp.Array(ctypes.c_char, 4096)
         self._served_epoch = mp.Value(ctypes.c_int64, -1)
@@ -166,10 +168,26 @@ class FileTransfer:
         finally:
             handle.close()
 
+    def _admitted(self, request: averaging_pb2.DownloadData, context: P2PContext) -> dict | None:
+        """The request's fields, if it may be served: in a closed run, only with a token for this requester
+        (as libp2p authenticated it) and this donor, made with the run's transfer key."""
+        try:
+            fields = self.serializer.loads(request.metadata) if request.metadata else {}
+        except Exception:
+            return None
+        if not isinstance(fields, dict):
+            return None
+        if self._secret is not None:
+            token = fields.get("token")
+            requester, donor = context.remote_id.to_bytes(), context.local_id.to_bytes()
+            if not isinstance(token, bytes) or not self._secret.transfer_token_ok(token, requester, donor):
+                return None
+        return fields
+
     async def rpc_download_state(
-        self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+        self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
-        if not self.allow_state_sharing:
+        if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
         current = await self._current_file()
         if current is not None:
@@ -177,15 +195,13 @@ class FileTransfer:
                 yield message
 
     async def rpc_download_update(
-        self, request: averaging_pb2.DownloadData, _context: P2PContext
+        self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         """The average of one round, by its epoch (``request.metadata``: ``{"epoch": E}``)."""
-        if not self.allow_state_sharing or self._update_dir is None:
+        fields = self._admitted(request, context)
+        if not self.allow_state_sharing or self._update_dir is None or fields is None:
             return
-        try:
-            epoch = self.serializer.loads(request.metadata).get("epoch")
-        except Exception:
-            return
+        epoch = fields.get("epoch")
         if isinstance(epoch, int) and epoch >= 0:
             async for message in self._stream_file(update_path(self._update_dir, epoch), epoch):
                 yield message
@@ -256,11 +272,12 @@ class FileTransfer:
         future: MPFuture,
     ) -> None:
         try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            if request is None:
-                stream = await getattr(stub, rpc)(averaging_pb2.DownloadRequest())
-            else:
-                stream = await getattr(stub, rpc)(averaging_pb2.DownloadData(metadata=self.serializer.dumps(request)))
+            donor = PeerID.from_base58(peer_id)
+            stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+            fields = dict(request or {})
+            if self._secret is not None:
+                fields["token"] = self._secret.transfer_token(self._p2p.peer_id.to_bytes(), donor.to_bytes())
+            stream = await getattr(stub, rpc)(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
             loop = asyncio.get_event_loop()
             metadata, received = None, 0
             with open(destination, "wb") as out:

@@ -12,6 +12,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import ManifestError, NetworkConfig, fetch_manifest, list_runs, publish_manifest, start_dht
+from swarm.identity import peer_id_of_owner
 from swarm.progress import ProgressReporter, read_peers
 from swarm.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
 
@@ -58,28 +59,38 @@ def test_forged_and_malformed_progress_records_are_refused(honest_and_attacker):
     run_id = tiny_manifest().run_id
     for dht in (honest, attacker):
         dht.add_validators([run_validator(run_id)])
-    reporter = ProgressReporter(honest, run_id, progress_value("honest"))
+    honest_id, attacker_id = honest.peer_id.to_base58(), peer_id_of_owner(attacker_public)
+    reporter = ProgressReporter(honest, run_id, progress_value(honest_id))
     reporter.start()
     honest_public = RSASignatureValidator().local_public_key
+    assert peer_id_of_owner(honest_public) == honest_id  # records are signed with the libp2p identity key
     key, expiry = progress_key(run_id), get_dht_time() + 30
 
     # the attacker can write under its own key: the refusals below are about forgery, not access
-    assert attacker.store(key, subkey=attacker_public, value=progress_value("attacker"), expiration_time=expiry)
+    assert attacker.store(key, subkey=attacker_public, value=progress_value(attacker_id), expiration_time=expiry)
     # ... but not under the honest peer's key (it cannot sign for it)
     assert not attacker.store(
-        key, subkey=honest_public, value=progress_value("honest", epoch=999), expiration_time=expiry + 1
+        key, subkey=honest_public, value=progress_value(honest_id, epoch=999), expiration_time=expiry + 1
     )
     # ... nor a record of the wrong shape under its own key
     assert not attacker.store(
-        key, subkey=attacker_public, value=progress_value("attacker", epoch="999"), expiration_time=expiry + 2
+        key, subkey=attacker_public, value=progress_value(attacker_id, epoch="999"), expiration_time=expiry + 2
     )
     assert not attacker.store(
-        key, subkey=attacker_public, value=progress_value("attacker", state="king"), expiration_time=expiry + 3
+        key, subkey=attacker_public, value=progress_value(attacker_id, state="king"), expiration_time=expiry + 3
     )
-
     records = {e.record.peer_id: e.record for e in read_peers(honest, run_id)}
-    assert set(records) == {"honest", "attacker"}
-    assert records["honest"].epoch == 3
+    assert set(records) == {honest_id, attacker_id}
+    assert records[honest_id].epoch == 3
+
+    # under its own key it can store a record claiming another peer's id, or a made-up one: the DHT keeps it
+    # (the signature is its own), but readers drop it, since the id is not the one its key gives
+    for i, posing_as in enumerate((honest_id, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")):
+        assert attacker.store(
+            key, subkey=attacker_public, value=progress_value(posing_as, epoch=999), expiration_time=expiry + 5 + i
+        )
+        records = {e.record.peer_id: e.record for e in read_peers(honest, run_id)}
+        assert set(records) == {honest_id} and records[honest_id].epoch == 3, records
     reporter.stop()
 
 
