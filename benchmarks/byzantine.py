@@ -34,7 +34,17 @@ import time
 from pathlib import Path
 
 from benchmarks.attacker import ATTACKS
-from benchmarks.common import Stopwatch, add_common_args, command_line, finite, machine_info, print_table, write_json
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    finite,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 NAME = "byzantine"
 REPO = Path(__file__).resolve().parent.parent
@@ -176,8 +186,36 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
     )
+    args.out.mkdir(parents=True, exist_ok=True)
+    record["plots"] = plot(results, args.out)
     write_json(args.out, NAME, record)
     return 0
+
+
+def plot(results: list[dict], out: Path) -> list[str]:
+    plt = pyplot()
+    if plt is None:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["scenario"] for r in results]
+    ratios = [min(r["ratio_to_honest_mean"] or 3.0, 3.0) for r in results]  # diverged or huge: drawn at 3
+    colors = [
+        "tab:gray" if r["attack"] is None else "tab:red" if r["aggregation"] == "mean" else "tab:blue" for r in results
+    ]
+    bars = ax.bar(range(len(names)), ratios, color=colors)
+    ax.bar_label(
+        bars,
+        labels=[f"{r['ratio_to_honest_mean']:.4g}" if r["ratio_to_honest_mean"] else "diverged" for r in results],
+        fontsize=7,
+    )
+    ax.axhline(1.02, color="gray", linestyle="--", label="goal: within 2% of an honest run")
+    ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("honest loss / honest run's (cap 3)")
+    ax.set_ylim(0.8, 3.2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out, NAME)
+    return [f"{NAME}.png"]
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 _OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
 
-def adopt_identity(path: Path) -> RSAPrivateKey:
-    """Make the libp2p identity key at ``path`` the key this process signs DHT records with (creating the file
-    if needed); call before the DHT starts, so its validators and every record's subkey use it."""
+def adopt_identity(path: Path) -> bool:
+    """Make the libp2p identity key at ``path`` the key this process signs DHT records with, creating the file
+    if needed (True then: a new key, which nobody else can be using); call before the DHT starts, so its
+    validators and every record's subkey use it."""
     path = Path(path).expanduser()
-    if not path.exists():
+    created = not path.exists()
+    if created:
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
     data = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
@@ -45,7 +47,7 @@ def adopt_identity(path: Path) -> RSAPrivateKey:
     key._private_key = serialization.load_der_private_key(data, password=None)
     with RSAPrivateKey._process_wide_key_lock:
         RSAPrivateKey._process_wide_key = key
-    return key
+    return created
 
 
 def temporary_identity() -> Path:

@@ -218,12 +218,15 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     port is claimed here, and the claim is kept on the returned node as ``dht.port_claim``.
     """
     dht_kwargs(config)  # a wrong address fails before any port is claimed
+    fresh_key = False
     if not config.client_mode:  # records are signed with the libp2p key: one key, one peer id, one vote
         identity = config.identity_path or temporary_identity()
-        adopt_identity(identity)
+        fresh_key = adopt_identity(identity)
         config = config.model_copy(update=dict(identity_path=identity))
     claim = claim or claim_port(config.host_ip, config.host_port)
     kwargs = dht_kwargs(config, claim.port)
+    if fresh_key:  # hivemind would start a second daemon to ask the swarm whether a brand-new key is taken
+        kwargs["check_if_identity_free"] = False
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     try:
         dht = hivemind.DHT(start=True, **kwargs)

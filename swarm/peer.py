@@ -298,6 +298,7 @@ class Peer:
             m.samples_per_step,
             step_seconds,
             get_dht_time(),
+            my_steps_left=m.inner_steps - self.inner_step,
         )
 
     def run_outer_round(self) -> None:

@@ -16,11 +16,11 @@ inputs alone):
    few times, with ``tau`` the median distance to the start, so a part far from the
    group's consensus pulls with the force of at most ``tau``;
 5. **inner range**: each coordinate is clamped between the second-lowest and the
-   second-highest value sent for it (as sent, before clipping), so one liar cannot drag any coordinate outside what
+   second-highest of the norm-clipped parts, so one liar cannot drag any coordinate outside what
    the others sent (with three senders this is the coordinate-wise median). Without it a
    sign-flipped pseudo-gradient still pulled like one honest peer every round, and in
-   ``benchmarks/byzantine.py`` the honest peers' held-out loss ended 90% above an honest
-   run's; with it, 2%.
+   ``benchmarks/byzantine.py`` the honest peers' held-out loss ended 1.90x an honest run's;
+   with it, 1.05x (docs/benchmarks.md, section 7).
 
 With honest parts all within ``tau`` of their mean, CenteredClip is the plain
 weighted mean (step 5 then moves only the coordinates where the mean lies outside the
@@ -78,28 +78,28 @@ def robust_mean(
     if aggregation == Aggregation.mean or len(parts) == 1:
         return (stacked.double() * (w / w.sum())[:, None]).sum(0).float()
     w = (w / w.sum()).float()
-    raw = stacked
     norms = stacked.norm(dim=1)
     limit = clip * norms.median()
     stacked = stacked * torch.clamp(limit / norms.clamp_min(1e-30), max=1.0)[:, None]
     center = stacked.median(dim=0).values if len(parts) > 2 else (stacked * w[:, None]).sum(0)
     tau = clip * (stacked - center).norm(dim=1).median()
     if float(tau) == 0.0:
-        return _within_inner_range(center, raw)
+        return _within_inner_range(center, stacked)
     for _ in range(CENTERED_CLIP_ITERATIONS):
         diff = stacked - center
         scale = torch.clamp(tau / diff.norm(dim=1).clamp_min(1e-30), max=1.0)
         center = center + (diff * (w * scale)[:, None]).sum(0)
-    return _within_inner_range(center, raw)
+    return _within_inner_range(center, stacked)
 
 
-def _within_inner_range(center: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-    """Each coordinate clamped between the second-lowest and the second-highest value sent (before any
-    clipping): one liar cannot drag a coordinate outside what the others sent (with three senders, this is
-    the median)."""
-    if sent.shape[0] <= 2:
+def _within_inner_range(center: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:
+    """Each coordinate clamped between the second-lowest and the second-highest of the norm-clipped parts: one
+    liar cannot drag a coordinate outside what the others sent, scaled towards zero at most (with three
+    senders, this is the median). Clipped first: against raw parts, a liar sending x1000 would pick, for
+    every coordinate, the honest extreme on its side, and the step would grow."""
+    if clipped.shape[0] <= 2:
         return center
-    ordered = sent.sort(dim=0).values
+    ordered = clipped.sort(dim=0).values
     return torch.minimum(torch.maximum(center, ordered[1]), ordered[-2])
 
 

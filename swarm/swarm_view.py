@@ -198,13 +198,17 @@ def round_due(
     samples_per_step: int,
     my_step_seconds: float,
     now: float,
+    my_steps_left: int = 2,
 ) -> bool:
     """A round closes on the swarm's progress, not on each peer's step count: a peer ends its round, with the
     steps it has, when its epoch-mates have started matchmaking without it, or when the first of them will
-    reach the end of its round before this peer could finish half a step more (records are up to a refresh
-    old, so the estimate runs early; equal peers should not all stop a step short). Pseudo-gradients are weighted by
-    samples, so a slow peer's smaller contribution counts for what it is (dynamic local updates, as in Async
-    DiLoCo)."""
+    reach the end of its round before this peer could finish one more step: waiting for them in matchmaking
+    costs at most that step, while a step that ends after the group formed costs the whole round. On its own
+    last step a peer finishes it unless the mates will be there within half of it (records are up to a
+    refresh old, so the estimate runs early; equal peers should not all stop a step short). Pseudo-gradients
+    are weighted by samples, so a slow peer's smaller contribution counts for what it is (dynamic local
+    updates, as in Async DiLoCo)."""
     if round_started_without(view, me, epoch, min_group_size):
         return True
-    return seconds_to_round(view, me, epoch, inner_steps, samples_per_step, now) < 0.5 * my_step_seconds
+    eta = seconds_to_round(view, me, epoch, inner_steps, samples_per_step, now)
+    return eta < (my_step_seconds if my_steps_left >= 2 else 0.5 * my_step_seconds)

@@ -62,6 +62,7 @@ ENV_VALUES = {
     "verbose": ("1", True),
     "no_dashboard": ("yes", True),
     "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),
+    "secret_file": ("/run/secrets/swarm", "/run/secrets/swarm"),
 }
 
 
@@ -71,7 +72,7 @@ def test_every_join_option_reads_its_environment_variable(monkeypatch, dest):
     monkeypatch.setenv(ENV_VARS[dest], raw)
     args = build_parser().parse_args(["join"] + ([] if dest == "initial_peers" else ["--initial-peers", PEER]))
     value = getattr(args, dest)
-    assert (str(value) if dest in ("identity", "workdir", "log_json") else value) == expected
+    assert (str(value) if dest in ("identity", "workdir", "log_json", "secret_file") else value) == expected
 
 
 def test_health_reads_its_max_age_variable(monkeypatch):

@@ -224,17 +224,21 @@ def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwis
             assert all(per_value[0] < s / theory < per_value[1] for s in sent), (compression, sent, theory)
 
 
-def test_centered_clip_keeps_groupmates_bitwise_equal_and_honest_peers_near_the_mean(make_swarm):
-    """The run's default reducer (CenteredClip over capped weights and median-clipped norms) with the fp4
-    codec and overlapped rounds: groupmates agree exactly, and three honest peers land close to plain DiLoCo."""
+def test_centered_clip_keeps_groupmates_bitwise_equal_and_moves_the_model_as_diloco_does(make_swarm):
+    """The run's default reducer (robust: with three senders, the coordinate-wise median of the norm-clipped
+    parts) with the fp4 codec and overlapped rounds: groupmates agree exactly, and the model moves the way
+    plain DiLoCo moves it (these peers' data are unrelated random tokens, so their pseudo-gradients barely
+    agree and the median is far from the mean; on real text the loss cost is measured in
+    benchmarks/byzantine.py)."""
     manifest = tiny_manifest(compression="fp4", min_group_size=3, join_rounds_early=False, overlap=True)
     finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(SETTLE)))
     reference = reference_overlapped(manifest, RANKS, ROUNDS)
     with seeded_init(manifest):
         initial = [p.detach() for p in make_model(manifest).parameters()]
-    movement = sum(float((a - b).norm() ** 2) for a, b in zip(reference, initial)) ** 0.5
-    error = sum(float((a - b).norm() ** 2) for a, b in zip(finals[0]["params"], reference)) ** 0.5
-    assert error < movement / 10, (error, movement)
+    ours = torch.cat([(a - b).reshape(-1) for a, b in zip(finals[0]["params"], initial)])
+    theirs = torch.cat([(a - b).reshape(-1) for a, b in zip(reference, initial)])
+    cosine = float(torch.nn.functional.cosine_similarity(ours, theirs, dim=0))
+    assert cosine > 0.5 and 0.5 < float(ours.norm() / theirs.norm()) < 2.0, (cosine, ours.norm(), theirs.norm())
     assert len({f["checksum"] for f in finals}) == 1
     for final in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(final["params"], finals[0]["params"]))

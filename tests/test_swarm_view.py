@@ -122,7 +122,11 @@ def test_a_slow_peer_ends_its_round_when_the_swarm_is_about_to_start_one():
     # the slow peer's step takes 2 s: it cannot finish another before the round starts, so it ends now
     assert round_due(view, "slow", 2, 2, 20, 4, my_step_seconds=2.0, now=now)
     # a peer as fast as the others does not stop a step short
-    assert not round_due(view, "f0", 2, 2, 20, 4, my_step_seconds=0.5, now=now)
+    assert not round_due(view, "f0", 2, 2, 20, 4, my_step_seconds=0.5, now=now, my_steps_left=1)
+    # a peer 3x slower, with steps left, stops as soon as one more step would end after the mates start
+    three = view_of(*(record(f"f{i}", epoch=2, inner_step=18, sps=8.0) for i in range(2)))  # 1.0 s to go
+    assert round_due(three, "slow", 2, 2, 20, 4, my_step_seconds=1.5, now=now, my_steps_left=10)
+    assert not round_due(three, "slow", 2, 2, 20, 4, my_step_seconds=0.8, now=now, my_steps_left=10)
     # old records count: 5 s later the fast peers are surely there
     assert seconds_to_round(view, "slow", 2, 20, 4, now=now + 5) == 0.0
     # mates of other epochs, or none training, say nothing
