@@ -62,9 +62,10 @@ def check_part(values: torch.Tensor, numel: int, weight: float) -> torch.Tensor:
 
 
 def capped_weights(weights: Sequence[float]) -> torch.Tensor:
-    """Each weight capped at the median weight (the lower median for an even count)."""
+    """Each weight capped at the median weight; the upper median for an even count, so that in a group of two
+    a slow peer's few samples do not pull the fast peer's weight down to its own."""
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    return torch.minimum(w, w.median())
+    return torch.minimum(w, w.sort().values[len(w) // 2])
 
 
 def robust_mean(

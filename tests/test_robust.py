@@ -71,6 +71,8 @@ def test_one_liar_moves_the_result_little(lie, group):
 
 def test_an_inflated_weight_is_capped_at_the_median():
     assert capped_weights([10.0, 12.0, 1e9]).tolist() == [10.0, 12.0, 12.0]
+    assert capped_weights([10.0, 12.0, 11.0, 1e9]).tolist() == [10.0, 12.0, 11.0, 12.0]
+    assert capped_weights([25.0, 145.0]).tolist() == [25.0, 145.0]  # a slow peer and a fast one: as they are
     parts = honest(3)
     attacked = parts[:2] + [-parts[2]]
     out = robust_mean(attacked, [10.0, 10.0, 1e9], Aggregation.centered_clip)
