@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per scenario")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.inner_steps, args.eval_sequences = 2, 5, 8
+        args.rounds, args.inner_steps, args.eval_sequences = 1, 3, 4
         args.scenarios = "honest/mean,scale/centered-clip"
     clock = Stopwatch()
     root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))

@@ -39,17 +39,26 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 def read_the_dht(maddr: str) -> str:
     try:
-        dht = hivemind.DHT(initial_peers=[maddr], host_maddrs=LOOPBACK, start=True, startup_timeout=20)
+        dht = hivemind.DHT(initial_peers=[maddr], host_maddrs=LOOPBACK, start=True, startup_timeout=8)
     except Exception as e:  # what an outsider sees: the bootstrap fails
         return f"refused: {type(e).__name__}"
     dht.shutdown()
     return "joined"
 
 
-async def try_the_averager(maddr: str, run_id: str, token_secret: RunSecret | None) -> dict:
+async def try_the_averager(maddr: str, run_id: str, token_secret: RunSecret | None, download_only: bool) -> dict:
     p2p = await P2P.create(initial_peers=[maddr], host_maddrs=LOOPBACK)
     peer = PeerID.from_base58(maddr.split("/p2p/")[1])
     stub = PseudoGradientAverager.get_stub(p2p, peer, namespace=run_prefix(run_id))
+    out = {}
+    if not download_only:
+        out = await try_to_join(stub, run_id)
+    out["download_bytes"] = await try_to_download(stub, p2p, peer, token_secret)
+    await p2p.shutdown()
+    return out
+
+
+async def try_to_join(stub, run_id: str) -> dict:
     # the schema hash this peer would have in an open run of the same preset
     schema = compute_schema_hash([torch.zeros(s) for s in parameter_shapes(build_manifest("tiny", None, []))])
     join_codes: list[str] = []
@@ -79,11 +88,14 @@ async def try_the_averager(maddr: str, run_id: str, token_secret: RunSecret | No
 
     try:
         stream = await stub.rpc_aggregate_part(one_part())
-        message = await asyncio.wait_for(anext(aiter(stream)), 10)
+        message = await asyncio.wait_for(anext(aiter(stream)), 5)
         aggregate = averaging_pb2.MessageCode.Name(message.code)
     except Exception as e:
         aggregate = f"error: {type(e).__name__}"
+    return dict(join=join_codes, aggregate=aggregate)
 
+
+async def try_to_download(stub, p2p, peer, token_secret: RunSecret | None) -> int | str:
     fields = {}
     if token_secret is not None:
         fields["token"] = token_secret.transfer_token(p2p.peer_id.to_bytes(), peer.to_bytes())
@@ -95,8 +107,7 @@ async def try_the_averager(maddr: str, run_id: str, token_secret: RunSecret | No
             received += len(message.tensor_part.buffer)
     except Exception as e:
         received = f"error: {type(e).__name__}"
-    await p2p.shutdown()
-    return dict(join=join_codes, aggregate=aggregate, download_bytes=received)
+    return received
 
 
 def main() -> int:
@@ -104,10 +115,11 @@ def main() -> int:
     parser.add_argument("maddr")
     parser.add_argument("run_id")
     parser.add_argument("--token-secret-file", type=Path, default=None)
+    parser.add_argument("--download-only", action="store_true")
     args = parser.parse_args()
     token_secret = RunSecret.from_file(args.token_secret_file) if args.token_secret_file else None
-    out = dict(dht=read_the_dht(args.maddr))
-    out.update(asyncio.run(try_the_averager(args.maddr, args.run_id, token_secret)))
+    out = {} if args.download_only else dict(dht=read_the_dht(args.maddr))
+    out.update(asyncio.run(try_the_averager(args.maddr, args.run_id, token_secret, args.download_only)))
     print(json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)

@@ -156,7 +156,7 @@ def test_an_outsider_gets_nothing_from_the_dht_matchmaking_all_reduce_or_state_d
     assert seen["aggregate"] in ("BAD_GROUP_ID", "error: TimeoutError"), seen
     assert seen["download_bytes"] == 0, seen
     # the same request with the run's own token is served: the refusal above is the token check
-    assert attempt("--token-secret-file", str(secret))["download_bytes"] > 0
+    assert attempt("--token-secret-file", str(secret), "--download-only")["download_bytes"] > 0
 
 
 def test_a_peer_with_the_secret_joins_and_averages_on_default_ports(closed_run, tmp_path):
