@@ -250,17 +250,14 @@ def _listening(maddr: str, timeout: float = 3.0) -> bool:
     """Whether anything accepts TCP connections at a multiaddr's address (for the bootstrap message)."""
     try:
         parsed = Multiaddr(maddr)
-        host = next(parsed.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if _has(parsed, p))
+        names = {p.name for p in parsed.protocols()}
+        host = next(parsed.value_for_protocol(p) for p in ("ip4", "ip6", "dns4", "dns6", "dns") if p in names)
         port = int(parsed.value_for_protocol("tcp"))
         with socket.create_connection((host, port), timeout=timeout):
             return True
     except Exception:
         logger.debug("probing %s failed", maddr, exc_info=True)
         return False
-
-
-def _has(maddr: Multiaddr, protocol: str) -> bool:
-    return protocol in [p.name for p in maddr.protocols()]
 
 
 def refusal_message(initial_peers: Sequence[str], closed: bool) -> str:

@@ -68,9 +68,7 @@ def capped_weights(weights: Sequence[float]) -> torch.Tensor:
     return torch.minimum(w, w.sort().values[len(w) // 2])
 
 
-def robust_mean(
-    parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation, clip: float = CLIP_FACTOR
-) -> torch.Tensor:
+def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
     """The reducer's result for one part from each sender's checked values (same length, finite)."""
     w = capped_weights(weights) if aggregation == Aggregation.centered_clip else torch.tensor(weights).double()
     if float(w.sum()) <= 0:  # everyone sent weight 0 (all auxiliary, say): the plain mean of nothing is zero
@@ -80,10 +78,10 @@ def robust_mean(
         return (stacked.double() * (w / w.sum())[:, None]).sum(0).float()
     w = (w / w.sum()).float()
     norms = stacked.norm(dim=1)
-    limit = clip * norms.median()
+    limit = CLIP_FACTOR * norms.median()
     stacked = stacked * torch.clamp(limit / norms.clamp_min(1e-30), max=1.0)[:, None]
     center = stacked.median(dim=0).values if len(parts) > 2 else (stacked * w[:, None]).sum(0)
-    tau = clip * (stacked - center).norm(dim=1).median()
+    tau = CLIP_FACTOR * (stacked - center).norm(dim=1).median()
     if float(tau) == 0.0:
         return _within_inner_range(center, stacked)
     for _ in range(CENTERED_CLIP_ITERATIONS):
