@@ -13,7 +13,9 @@ it claims, is replaced:
   samples it did (default 1000);
 - ``ipm``: "a little is enough" style inner-product manipulation: ``-factor`` times
   its own honest pseudo-gradient scaled to a tenth (default 1), small enough to pass
-  norm checks.
+  norm checks;
+- ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
+  average of its slice to the whole group (default 4), and signs for what it sent.
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -25,10 +27,16 @@ import sys
 
 import torch
 
-ATTACKS = {"scale": 1000.0, "sign": 4.0, "random": 10.0, "stale": 1.0, "weight": 1000.0, "ipm": 1.0}
+ATTACKS = {"scale": 1000.0, "sign": 4.0, "random": 10.0, "stale": 1.0, "weight": 1000.0, "ipm": 1.0, "reducer": 4.0}
 
 
 def install(attack: str, factor: float) -> None:
+    if attack == "reducer":
+        import swarm.allreduce
+
+        encode = swarm.allreduce.encode_average
+        swarm.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
+        return
     from swarm.averaging import PseudoGradientAverager
     from swarm.outer_round import OuterRound
 

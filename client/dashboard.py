@@ -22,6 +22,7 @@ from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
 from swarm import PeerState, RunManifest, SwarmView
+from swarm.bans import accused
 
 REFRESH_PER_SECOND = 2
 SPARK = "▁▂▃▄▅▆▇█"
@@ -112,8 +113,13 @@ def _peers_table(source: DashboardSource, now: float) -> Table:
         ("last seen", "right"),
     ):
         table.add_column(column, justify=justify, overflow="ellipsis", no_wrap=column != "device")
+    banned = accused(peer.record for peer in source.watch.snapshot.peers if not peer.gone)
     for peer in source.watch.snapshot.peers:
-        table.add_row(*_peer_row(peer, own_id, source.manifest.inner_steps, now), style="dim" if peer.gone else None)
+        row = _peer_row(peer, own_id, source.manifest.inner_steps, now)
+        why = banned.get(peer.record.peer_id)
+        if why is not None and not peer.gone:  # who banned it, and why (docs/security.md, "Bans")
+            row[6] = f"banned: {why['reasons'][0]} ({len(why['by'])} of us{', all' if why['quorum'] else ''})"
+        table.add_row(*row, style="dim" if peer.gone else "red" if why is not None else None)
     if not source.watch.snapshot.peers:
         table.add_row("(no peers seen yet)", *[""] * 8)
     return table

@@ -42,6 +42,10 @@ def describe(kind: PeerEvent, data: dict[str, Any]) -> tuple[str, str] | None:
         case PeerEvent.replay_failed:
             why = data["reason"]
             return "download_failed", f"replay stopped at epoch {data['epoch']} ({why}): downloading the state"
+        case PeerEvent.banned:
+            ban = data["ban"]
+            who = "our audit" if ban.by == ("self",) else f"{len(ban.by)} of its groupmates"
+            return "banned", f"banned peer {ban.peer_id[-8:]} for the rest of the run: {ban.reason} (caught by {who})"
         case PeerEvent.checkpoint_unusable:
             name = Path(data["path"]).name
             return "log", f"Checkpoint {name} is unusable ({data['reason']}); it is skipped."

@@ -20,6 +20,7 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from swarm.audit import update_digest
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
 from swarm.robust import RobustPartReducer
@@ -145,6 +147,25 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(plain.part_shapes, plain.num_senders, aggregation)
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0
+        # for checked reducers (swarm.audit): the exact parts sent to each reducer, by its index in the group, and
+        # as a reducer, a running digest of each sender's parts, their count, and each sender's weight
+        self.sent_parts: dict[int, list[runtime_pb2.Tensor]] = {}
+        self.input_digests = [hashlib.sha256() for _ in self.sender_peer_ids]
+        self.input_counts = [0 for _ in self.sender_peer_ids]
+        self.input_weights = [0.0 for _ in self.sender_peer_ids]
+
+    def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
+        update_digest(self.input_digests[sender_index], part)
+        self.input_counts[sender_index] += 1
+        self.input_weights[sender_index] = float(weight)
+
+    async def _record_sent(
+        self, peer_index: int, stream: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        kept = self.sent_parts.setdefault(peer_index, [])
+        async for message in stream:
+            kept.append(message.tensor_part)
+            yield message
 
     async def _count(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], *, received: bool
@@ -161,7 +182,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         return _CountingStub(super()._get_peer_stub(peer), self)
 
     def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        return self._count(super()._generate_input_for_peer(peer_index), received=False)
+        return self._count(self._record_sent(peer_index, super()._generate_input_for_peer(peer_index)), received=False)
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -169,11 +190,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id == self.peer_id:
             sender_index = self.sender_peer_ids.index(peer_id)
             loop = asyncio.get_event_loop()
+            ours = container.compression.compression_type
+            kept = self.sent_parts.setdefault(peer_index, [])
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                # our own slice goes through the codec like everyone's, so what we add is bytes a groupmate can
+                # check (lossless for fp4 and sparse, whose values are already on the grid)
+                sent = await loop.run_in_executor(None, serialize_torch_tensor, tensor_part, ours)
+                kept.append(sent)
+                self._received_from(sender_index, sent, self.weight)
+                values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
                 averaged = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, tensor_part, weight=self.weight
+                    sender_index, part_index, values, weight=self.weight
                 )
-                ours = container.compression.compression_type
                 held = await loop.run_in_executor(None, encode_average, averaged, ours)
                 container.register_processed_part(peer_index, part_index, held)
             return
@@ -204,13 +232,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         ours = self.tensor_part_container.compression.compression_type
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, weight, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+            async for tensor_part, weight, message in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part),
                 self._count(stream, received=True),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
-                if part_compression != ours:  # the run's codec for everyone, so that everyone decodes the same
-                    raise AllreduceException(f"a sender used compression {part_compression}, not the run's {ours}")
+                if message.compression != ours:  # the run's codec for everyone, so that everyone decodes the same
+                    raise AllreduceException(f"a sender used compression {message.compression}, not the run's {ours}")
+                self._received_from(sender_index, message, weight)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight

@@ -29,6 +29,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.access import RunSecret
 from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
 from swarm.transfer import FileTransfer
@@ -56,6 +57,10 @@ class AllReduceOutcome:
     excluded_senders: int  # groupmates whose contribution was left out of some parts
     bytes_sent: int = 0  # tensor payload this peer sent (parts to reducers, averages back to senders)
     bytes_received: int = 0  # tensor payload this peer received
+    # checked reducers: what this peer's audits (and its checks of others' accusations) found; each a dict of
+    # peer, verdict (audit.Verdict's value, or auditing.FALSE_ACCUSATION), banned, discarded, receipt (signed)
+    findings: tuple[dict, ...] = ()
+    audit_seconds: float = 0.0
 
 
 class RoundAborted(RuntimeError):
@@ -111,9 +116,10 @@ class Averaging:
         return AllReduceOutcome(**self._control.result())
 
 
-class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
-    """A DecentralizedAverager over pseudo-gradient buffers that also serves and fetches files
-    (``transfer.FileTransfer``): state files, and the rounds' averages kept in ``update_dir`` for replay."""
+class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
+    """A DecentralizedAverager over pseudo-gradient buffers that checks its reducers and refuses banned peers
+    (``auditing.Auditing``), and serves and fetches files (``transfer.FileTransfer``): state files, and the
+    rounds' averages kept in ``update_dir`` for replay."""
 
     def __init__(
         self,
@@ -124,6 +130,8 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
         update_dir: Path | None = None,
         keep_updates: int = 0,
         aggregation: Aggregation = Aggregation.centered_clip,
+        audit: bool = True,
+        audit_timeout: float = 60.0,
         secret: RunSecret | None = None,
         start: bool = False,
         **kwargs: Any,
@@ -131,6 +139,7 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
         self._round_stats: dict[bytes, tuple] = {}
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
+        self._init_auditing(audit, audit_timeout)
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
             self.schema_hash = secret.schema_hash(self.schema_hash)
@@ -143,6 +152,8 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        members = [p.to_base58() for p in group_info.peer_ids]
+        self._check_group(members, group_id)
         runner = ExactAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -158,7 +169,12 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("auxiliary peers do not receive averaged tensors")
             return
+        record = self._open_audit(runner, members) if self._audit_enabled else None
         held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
+        findings, discarded, audit_started = [], 0, time.monotonic()
+        if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone
+            held, discarded, findings = await self._audit_group(runner, record, held)
+        audit_seconds = time.monotonic() - audit_started
 
         def commit() -> None:  # only after the whole all-reduce succeeded, and every part was checked
             for tensor, parts in zip(tensors, held):
@@ -169,16 +185,21 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
         await asyncio.get_event_loop().run_in_executor(None, commit)
         total = max(1, runner.tensor_part_container.total_size)
         self._round_stats[group_id] = (
-            runner.tensor_part_container.failed_size / total,
+            (runner.tensor_part_container.failed_size + discarded) / total,
             len(runner.banned_senders),
             runner.bytes_sent,
             runner.bytes_received,
             held,
+            tuple(findings),
+            audit_seconds,
         )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        dropped, excluded, sent, received, held = self._round_stats.pop(group_info.group_id, (0.0, 0, 0, 0, None))
+        empty = (0.0, 0, 0, 0, None, (), 0.0)
+        dropped, excluded, sent, received, held, findings, audit_seconds = self._round_stats.pop(
+            group_info.group_id, empty
+        )
         ours = gathered.get(self.peer_id)
         if held is not None and isinstance(ours, dict) and isinstance(ours.get("epoch"), int):
             try:  # the average as it came off the wire, for peers that replay the round later
@@ -192,6 +213,8 @@ class PseudoGradientAverager(FileTransfer, DecentralizedAverager):
             excluded_senders=excluded,
             bytes_sent=sent,
             bytes_received=received,
+            findings=findings,
+            audit_seconds=audit_seconds,
         )
 
     # ---- averaging (the host's side) -------------------------------------------------------------

@@ -103,6 +103,10 @@ class AveragingSpec(_Frozen):
     # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;
     # mean is hivemind's plain weighted mean (parts are checked for size and finiteness either way)
     aggregation: Aggregation = Aggregation.centered_clip
+    # checked reducers (swarm.audit): each reducer signs what it received and returned, a groupmate recomputes its
+    # average, and a reducer caught lying has its slice dropped from the round and is banned; the audits take
+    # up to allreduce_timeout more per round (half for audits, half for re-checking accusations)
+    checked_reducers: bool = True
     # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
     # instead of downloading the whole state
     replay_rounds: int = Field(4, ge=0, le=7)  # at most CHECKSUM_HISTORY - 1: each step is checked

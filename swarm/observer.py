@@ -11,6 +11,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
+from swarm.bans import accused
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.progress import PeerEntry, read_peers
@@ -57,6 +58,9 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
     ``{"run_id", "global_epoch", "peers": [{"peer_id", "name", "epoch", "inner_step", "state",
     "samples_per_second", "checksum": {"epoch", "checksum"} | null, "last_seen"}]}``, where
     ``last_seen`` is the unix time of the peer's latest record. Only live peers are listed.
+    ``"banned": [{"peer_id", "reasons", "by", "epoch", "quorum"}]`` lists every peer a live peer
+    banned (``swarm.bans.accused``): why, who says so, since which round, and whether enough
+    of its groupmates say so for every peer to refuse it.
     """
     view = view_of(manifest, entries)
     peers = []
@@ -74,4 +78,5 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
                 last_seen=p.time,
             )
         )
-    return dict(run_id=manifest.run_id, global_epoch=view.global_epoch, peers=peers)
+    banned = [dict(peer_id=peer, **why) for peer, why in accused(e.record for e in entries).items()]
+    return dict(run_id=manifest.run_id, global_epoch=view.global_epoch, peers=peers, banned=banned)

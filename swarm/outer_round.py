@@ -140,7 +140,7 @@ class OuterRound:
             gather=dict(epoch=flight.epoch, samples=flight.samples),
             group_bits=epoch_group_bits(flight.epoch),
             timeout=avg.matchmaking_timeout,
-            hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout + 10,
+            hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout * (2 if avg.checked_reducers else 1) + 10,
             on_stage=on_stage,
             abort_if=lambda: "moved on" if swarm_moved_on(peer.view(), flight.epoch) else None,
             leaving=lambda: peer.stop_requested,
@@ -208,6 +208,8 @@ class OuterRound:
             return self._resync_round(seconds, "the swarm finished this round without us")
 
         outcome = flight.outcome
+        if outcome is not None and outcome.findings:  # caught reducers: ban them, publish the accusations
+            peer.guard.on_findings(outcome.findings, flight.epoch)
         group: tuple[str, ...] = (peer.peer_id,)
         if outcome is not None and flight.fallback is None:
             if self._buffers_finite():

@@ -31,6 +31,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.access import check_access
 from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
+from swarm.bans import BanList, Guard
 from swarm.errors import LeaveRequested
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
@@ -103,6 +104,7 @@ class Peer:
         self.outer: OuterState | None = None
         self.averager: PseudoGradientAverager | None = None
         self.presence: Presence | None = None
+        self.guard: Guard | None = None  # bans (swarm.bans): set up in connect
         self.store: StateStore | None = None
         self.sync = StateSync(self)
         self.rounds = OuterRound(self)
@@ -163,6 +165,8 @@ class Peer:
             update_dir=self.state_dir,
             keep_updates=avg.replay_rounds,
             aggregation=avg.aggregation,
+            audit=avg.checked_reducers,
+            audit_timeout=avg.allreduce_timeout / 2,
             secret=secret,
             start=True,
             prefix=run_prefix(self.run_id),
@@ -170,7 +174,7 @@ class Peer:
             min_group_size=avg.min_group_size,
             min_matchmaking_time=avg.matchmaking_time,
             request_timeout=min(3.0, avg.matchmaking_time / 2),
-            allreduce_timeout=avg.allreduce_timeout,
+            allreduce_timeout=avg.allreduce_timeout * (2 if avg.checked_reducers else 1),
             next_chunk_timeout=avg.chunk_timeout,
             compression=COMPRESSIONS[avg.compression](),
             allow_state_sharing=False,
@@ -189,6 +193,13 @@ class Peer:
             interval=self._progress_interval,
             ttl=self._progress_ttl,
             download_progress=lambda: self.download_progress,
+        )
+        self.guard = Guard(
+            BanList(self.state_dir / "bans.json"),
+            self.peer_id,
+            publish=lambda accusations: self.presence.update(accusations=accusations, publish_now=True),
+            refuse=self.averager.set_bans,
+            announce=lambda ban: self._emit(PeerEvent.banned, dict(ban=ban)),
         )
         self._connected = True
 
@@ -348,7 +359,8 @@ class Peer:
         return self.averager.download_progress if self.averager is not None else 0.0
 
     def view(self) -> SwarmView:
-        entries = read_peers(self.dht, self.run_id)
+        """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
+        entries = self.guard.filter(read_peers(self.dht, self.run_id))
         return build_view(entries, get_dht_time(), self.manifest.inner_steps, self.manifest.samples_per_step)
 
     def entries(self) -> list[PeerEntry]:

@@ -55,6 +55,7 @@ class Presence:
                 client_mode=bool(dht.client_mode),
                 relayed=self._relayed(),
                 checksums=[],
+                accusations=[],
             ),
             interval=interval,
             ttl=ttl,

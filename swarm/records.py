@@ -47,6 +47,15 @@ class EpochChecksum(pv1.BaseModel):
     checksum: pv1.constr(strict=True, regex=r"^[0-9a-f]{64}$")
 
 
+class Accusation(pv1.BaseModel):
+    """A groupmate caught as a lying reducer, with its own signed receipt of that round (``swarm.bans``)."""
+
+    accused: pv1.StrictStr
+    verdict: pv1.StrictStr
+    epoch: pv1.conint(ge=0, strict=True)
+    receipt: pv1.conbytes(strict=True, max_length=16384)
+
+
 class ProgressRecord(pv1.BaseModel):
     """One peer's signed self-report, refreshed every few seconds."""
 
@@ -64,6 +73,7 @@ class ProgressRecord(pv1.BaseModel):
     micro_batch: pv1.conint(ge=0, strict=True) = 0
     download_progress: pv1.confloat(ge=0.0, le=1.0, strict=True) = 0.0  # while downloading state or re-syncing
     checksums: list[EpochChecksum] = []
+    accusations: pv1.conlist(Accusation, max_items=8) = []
     time: pv1.StrictFloat
 
     @pv1.validator("state")

@@ -175,7 +175,7 @@ class FileTransfer:
             fields = self.serializer.loads(request.metadata) if request.metadata else {}
         except Exception:
             return None
-        if not isinstance(fields, dict):
+        if not isinstance(fields, dict) or self._is_banned(context.remote_id):
             return None
         if self._secret is not None:
             token = fields.get("token")

@@ -6,6 +6,7 @@ import pytest
 
 from client.peer_events import describe
 from swarm import PeerEvent
+from swarm.bans import Ban, BanReason
 
 DONOR = "QmSomeDonorPeerIdAbCdEfGh12345678"
 DATA = dict(
@@ -17,6 +18,7 @@ DATA = dict(
     expected=40.0,
     path="/w/checkpoints/state-000003.safetensors",
     checksum="ab" * 32,
+    ban=Ban("QmLiarPeerIdAbCdEfGh12345678", BanReason.wrong_average, 4, ("self",), 0.0),
 )
 SILENT = {PeerEvent.state, PeerEvent.left, PeerEvent.round, PeerEvent.state_saved}  # the loop's state, not lines
 
@@ -29,7 +31,7 @@ def test_every_event_is_a_line_or_deliberately_silent(kind: PeerEvent):
         return
     assert line is not None
     log_kind, text = line
-    assert log_kind in {"resync", "download", "state_loaded", "download_failed", "initialized", "log"}
+    assert log_kind in {"resync", "download", "state_loaded", "download_failed", "initialized", "log", "banned"}
     assert text and "\n" not in text and "{" not in text
 
 
@@ -38,6 +40,10 @@ def test_lines_name_what_the_volunteer_needs():
     assert DONOR[-8:] in describe(PeerEvent.state_loaded, DATA)[1]
     assert "state-000003.safetensors is unusable" in describe(PeerEvent.checkpoint_unusable, DATA)[1]
     assert "this round is local" in describe(PeerEvent.averaging_error, DATA)[1]
+    assert describe(PeerEvent.banned, DATA) == (
+        "banned",
+        "banned peer 12345678 for the rest of the run: wrong average (caught by our audit)",
+    )
     assert describe(PeerEvent.replay_failed, DATA)[0] == "download_failed"
 
 

@@ -48,6 +48,7 @@ def progress_value(peer_id: str, **override) -> dict:
         micro_batch=4,
         download_progress=0.0,  # hivemind's schema check wants every field present, defaults included
         checksums=[],
+        accusations=[],
         time=time.time(),
     )
     value.update(override)

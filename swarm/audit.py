@@ -1,0 +1,201 @@
+"""Checked reducers: commitments to every part, and a groupmate that recomputes each reducer's average.
+
+In a butterfly all-reduce each peer reduces one slice of the model for everyone, so a
+lying reducer could hand the whole group a wrong average for its slice, which the
+checksum check cannot see (everyone holds the same wrong bits). Here, every round:
+
+1. every sender records the exact bytes it sent each reducer; a reducer's own slice goes
+   through the run's codec too, so its contribution is bytes like everyone else's;
+2. each reducer signs a **receipt** with its identity key: the digest of every sender's
+   parts as it received them, their weights, and the digest of the average it sent back;
+3. for every reducer one other groupmate, chosen from the group id, is its **auditor**:
+   it fetches the receipt and the senders' parts, checks the parts against the receipt's
+   digests and the output digest against what it received, recomputes the robust mean
+   and compares it with the average everyone got (``judge``);
+4. a failed audit is sent to the whole group; each groupmate then audits that reducer
+   itself and, if it agrees, drops the slice from this round (it is read as zeros, as
+   when a reducer vanishes), bans the reducer and publishes a signed accusation (the
+   reducer's own signed receipt inside). A false accusation fails every groupmate's own
+   audit, and bans its author instead.
+
+Recomputation is compared within the codec's rounding, not bitwise: two machines with
+other core counts or vector units may sum in another order, and a value on a rounding
+boundary can then land one level apart. A reducer that moves more than a thousandth of
+its values, or any value by more than twice the codec's own error, fails.
+
+This module is pure: the averager process (``averaging.AuditedAverager``) moves the
+bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.identity import peer_id_of_owner
+from swarm.manifest import Aggregation
+from swarm.robust import RefusedPart, check_part, robust_mean
+
+logger = logging.getLogger(__name__)
+RECEIPT_VERSION = 1
+MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
+
+
+class Verdict(enum.StrEnum):
+    """What an audit of one reducer found."""
+
+    passed = "passed"
+    wrong_average = "wrong average"  # the average sent is not the robust mean of the parts it signed for
+    equivocated = "equivocated"  # its signed receipt names another average than the one it sent
+    unanswered = "did not answer its audit"  # no valid receipt or own part in time: the slice cannot be checked
+    inconclusive = "inconclusive"  # a sender's bytes did not match the receipt: sender or reducer lies
+
+
+GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated})
+FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
+
+
+def update_digest(h, part: runtime_pb2.Tensor) -> None:
+    """Feed one serialized part (its codec, dtype, shape and bytes) into a running SHA-256."""
+    header = MSGPackSerializer.dumps([int(part.compression), part.dtype, list(part.size), len(part.buffer)])
+    h.update(len(header).to_bytes(4, "little") + header)
+    h.update(part.buffer)
+
+
+def digest_parts(parts: Iterable[runtime_pb2.Tensor]) -> bytes:
+    """SHA-256 over serialized parts, in order."""
+    h = hashlib.sha256()
+    for part in parts:
+        update_digest(h, part)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What a reducer received and returned in one group's all-reduce."""
+
+    group_id: bytes
+    reducer: str  # base58 peer id
+    senders: tuple[str, ...]  # base58, in sender order
+    weights: tuple[float, ...]
+    inputs: tuple[bytes, ...]  # digest of each sender's parts; b"" for a sender dropped before its last part
+    output: bytes  # digest of the average it sent everyone
+
+    def payload(self) -> bytes:
+        fields = [RECEIPT_VERSION, self.group_id, self.reducer, list(self.senders), list(self.weights)]
+        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output])
+
+    def sign(self, key: RSAPrivateKey | None = None) -> bytes:
+        """The receipt, signed with this process's identity key (the peer's libp2p key, see ``identity``)."""
+        key = RSAPrivateKey.process_wide() if key is None else key
+        payload = self.payload()
+        return MSGPackSerializer.dumps([payload, key.sign(payload), key.get_public_key().to_bytes()])
+
+
+def open_receipt(blob: bytes) -> Receipt | None:
+    """The receipt in a signed blob, if its signature holds and its key is its reducer's; else None."""
+    try:
+        payload, signature, public_key = MSGPackSerializer.loads(blob)
+        version, group_id, reducer, senders, weights, inputs, output = MSGPackSerializer.loads(payload)
+        if version != RECEIPT_VERSION or peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
+            return None
+        if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
+            return None
+        receipt = Receipt(
+            bytes(group_id), str(reducer), tuple(map(str, senders)), tuple(map(float, weights)),
+            tuple(map(bytes, inputs)), bytes(output),
+        )  # fmt: skip
+        if not len(receipt.senders) == len(receipt.weights) == len(receipt.inputs):
+            return None
+        return receipt
+    except Exception:  # another machine's bytes: anything can be wrong with them
+        return None
+
+
+def auditor_of(members: Sequence[str], group_id: bytes, reducer: str) -> str | None:
+    """The groupmate that audits ``reducer``: never itself, spread over the group by the group id."""
+    if len(members) < 2 or reducer not in members:
+        return None
+    shift = 1 + int.from_bytes(hashlib.sha256(group_id).digest()[:4], "little") % (len(members) - 1)
+    return members[(members.index(reducer) + shift) % len(members)]
+
+
+def _decode(part: runtime_pb2.Tensor) -> torch.Tensor:
+    return deserialize_torch_tensor(part).reshape(-1).to(torch.float32)
+
+
+def recompute(
+    parts_by_sender: Sequence[Sequence[runtime_pb2.Tensor]],
+    weights: Sequence[float],
+    numels: Sequence[int],
+    aggregation: Aggregation,
+) -> list[torch.Tensor] | None:
+    """The reducer's result, part by part, from the senders' parts (None if an honest reducer would have
+    refused one of them: then the receipt should not have listed it)."""
+    results = []
+    for j, numel in enumerate(numels):
+        try:
+            values = [check_part(_decode(parts[j]), numel, w) for parts, w in zip(parts_by_sender, weights)]
+        except (RefusedPart, IndexError, RuntimeError, ValueError):
+            return None
+        results.append(robust_mean(values, weights, aggregation))
+    return results
+
+
+def close_enough(sent: torch.Tensor, exact: torch.Tensor, requantized: torch.Tensor) -> bool:
+    """Whether ``sent`` (the average everyone decoded) is ``exact`` (a recomputation) as the codec rounds it:
+    ``requantized`` is ``exact`` through the codec here. Few values may differ, by at most twice the codec's
+    own largest error."""
+    if sent.shape != exact.shape:
+        return False
+    differ = sent != requantized
+    if not bool(differ.any()):
+        return True
+    if float(differ.float().mean()) > MAX_MOVED_FRACTION:
+        return False
+    own_error = float((requantized - exact).abs().max())
+    scale = float(exact.abs().max())
+    return float((sent - exact).abs().max()) <= 2 * own_error + 1e-6 * scale
+
+
+def judge(
+    receipt: Receipt,
+    received_output: Sequence[runtime_pb2.Tensor],
+    served: dict[str, Sequence[runtime_pb2.Tensor]],
+    numels: Sequence[int],
+    aggregation: Aggregation,
+    encode,
+) -> Verdict:
+    """Audit one reducer: ``received_output`` is its average as this peer received it, ``served`` each
+    sender's parts for it as fetched (this peer's own included), ``encode`` the run's codec for an average."""
+    if digest_parts(received_output) != receipt.output:
+        return Verdict.equivocated
+    if any(not digest for digest in receipt.inputs):
+        return Verdict.inconclusive  # a sender dropped mid-way: not checked (rare; the reducer saw it too)
+    for sender, digest in zip(receipt.senders, receipt.inputs):
+        parts = served.get(sender)
+        if parts is None or digest_parts(parts) != digest:
+            logger.debug(
+                "%s's parts for %s: %s", sender, receipt.reducer, "missing" if parts is None else "other bytes"
+            )
+            return Verdict.unanswered if sender == receipt.reducer else Verdict.inconclusive
+    exact = recompute([served[s] for s in receipt.senders], receipt.weights, numels, aggregation)
+    if exact is None or len(received_output) != len(numels):
+        return Verdict.wrong_average
+    for part, value in zip(received_output, exact):
+        try:
+            sent = _decode(part)
+        except Exception:
+            return Verdict.wrong_average
+        if not close_enough(sent, value, _decode(encode(value))):
+            return Verdict.wrong_average
+    return Verdict.passed

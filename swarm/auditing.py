@@ -1,0 +1,314 @@
+"""The averager process's side of checked reducers (``swarm.audit``) and bans.
+
+After every all-reduce, before anything is written into the buffers, each groupmate
+serves what it sent each reducer and, as a reducer, its signed receipt; it audits the
+reducers ``audit.auditor_of`` gives it, tells the group what it found, re-checks any
+accusation itself, and drops the slice of a reducer it caught (read as zeros, as a
+vanished reducer's). Every fetch and every wait is bounded: the audits and the verdicts by
+``audit_timeout``, and re-checks of accusations by another ``audit_timeout`` after that.
+
+Banned peers (ours, and the host's: see ``swarm.bans``) are refused as followers and as
+leaders in matchmaking, as groupmates, and as requesters of state, updates and audit
+data.
+
+This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the
+coroutines run in the averager process; ``set_bans`` is called from the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import typing
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from swarm.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
+from swarm.audit import FALSE_ACCUSATION, GUILTY, Receipt, Verdict, auditor_of, digest_parts, judge, open_receipt
+
+logger = logging.getLogger(__name__)
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+KEEP_ROUNDS = 3  # groups whose sent parts and receipts are kept for auditors
+
+
+@dataclass
+class AuditRound:
+    """One group's all-reduce, as this peer's auditors and its own audits need it."""
+
+    members: list[str]
+    runner: ExactAllReduceRunner
+    receipt: bytes | None = None  # ours, signed, once our own all-reduce is complete
+    outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
+    news: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False  # our receipt is final (or there will be none)
+
+    def sent_to(self, reducer: str) -> list[runtime_pb2.Tensor] | None:
+        return self.runner.sent_parts.get(self.members.index(reducer)) if reducer in self.members else None
+
+
+class Auditing:
+    """Checked reducers and bans, in the averager process."""
+
+    def _init_auditing(self, audit: bool, audit_timeout: float) -> None:
+        self._audit_enabled, self._audit_timeout = audit, audit_timeout
+        self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
+        self._banned: set[str] = set()
+
+    # ---- bans -------------------------------------------------------------------------------------
+
+    def set_bans(self, peers: typing.Iterable[str]) -> None:
+        """(host) Refuse these peers from now on, in addition to those the averager caught itself."""
+        self._outer_pipe.send(("_set_bans", [], dict(peers=sorted(peers))))
+
+    async def _set_bans(self, peers: list[str]) -> None:
+        self._banned.update(peers)
+
+    def _is_banned(self, peer: PeerID) -> bool:
+        return peer.to_base58() in self._banned
+
+    @property
+    def _matchmaking(self):
+        try:
+            return self.__dict__["_swarm_matchmaking"]
+        except KeyError:
+            raise AttributeError("_matchmaking") from None
+
+    @_matchmaking.setter
+    def _matchmaking(self, matchmaking) -> None:  # hivemind sets it in the averager process: never follow a banned
+        request = matchmaking._request_join_group  # leader, whatever the DHT lists
+
+        async def unless_banned(leader: PeerID):
+            return None if self._is_banned(leader) else await request(leader)
+
+        matchmaking._request_join_group = unless_banned
+        self.__dict__["_swarm_matchmaking"] = matchmaking
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._is_banned(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    def _check_group(self, members: list[str], group_id: bytes) -> None:
+        banned = [m for m in members if m in self._banned]
+        if banned:  # a leader that has not heard of the ban yet: this group is not ours
+            error = AllreduceException(f"the group holds a banned peer ({banned[0][-8:]})")
+            running = self._running_groups.get(group_id)
+            if running is not None and not running.done():
+                running.set_exception(error)  # groupmates' streams to us end now, not at their timeout
+            raise error
+
+    # ---- serving auditors -------------------------------------------------------------------------
+
+    def _open_audit(self, runner: ExactAllReduceRunner, members: list[str]) -> AuditRound:
+        record = AuditRound(members, runner)
+        self._audit_rounds[runner.group_id] = record
+        while len(self._audit_rounds) > KEEP_ROUNDS:
+            self._audit_rounds.popitem(last=False)
+        return record
+
+    async def rpc_audit_fetch(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
+        """A groupmate's audit: our signed receipt (``what="receipt"``) or the parts we sent a reducer."""
+        fields = self._admitted(request, context)
+        if fields is None or not isinstance(fields.get("group_id"), bytes):
+            return
+        record = self._audit_rounds.get(fields["group_id"])
+        if record is None or context.remote_id.to_base58() not in record.members:
+            return
+        if fields.get("what") == "receipt":
+            deadline = time.monotonic() + self._audit_timeout
+            while not record.done and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if record.receipt is not None:
+                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(receipt=record.receipt)))
+        elif fields.get("what") == "parts":
+            for part in record.sent_to(str(fields.get("reducer"))) or ():
+                yield averaging_pb2.DownloadData(tensor_part=part)
+
+    async def rpc_audit_verdict(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """An auditor's verdict on one of our group's reducers (only the reducer's auditor is heard)."""
+        fields = self._admitted(request, context)
+        record = self._audit_rounds.get(fields.get("group_id")) if fields and "group_id" in fields else None
+        sender = context.remote_id.to_base58()
+        if record is not None and sender in record.members:
+            reducer = fields.get("reducer")
+            try:
+                verdict = Verdict(fields.get("verdict"))
+            except ValueError:
+                verdict = None
+            if verdict is not None and auditor_of(record.members, record.runner.group_id, reducer) == sender:
+                record.verdicts[reducer] = verdict
+                record.news.set()
+        return averaging_pb2.DownloadData()
+
+    # ---- auditing ---------------------------------------------------------------------------------
+
+    async def _request(self, peer: str, fields: dict) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        target = PeerID.from_base58(peer)
+        stub = self.get_stub(self._p2p, target, namespace=self.prefix)
+        if self._secret is not None:
+            fields["token"] = self._secret.transfer_token(self._p2p.peer_id.to_bytes(), target.to_bytes())
+        return await stub.rpc_audit_fetch(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
+
+    async def _fetch_receipt(self, record: AuditRound, reducer: str) -> tuple[Receipt | None, bytes | None]:
+        stream = await self._request(reducer, dict(group_id=record.runner.group_id, what="receipt"))
+        async for message in stream:
+            blob = self.serializer.loads(message.metadata).get("receipt")
+            receipt = open_receipt(blob) if isinstance(blob, bytes) else None
+            ok = receipt is not None and receipt.group_id == record.runner.group_id and receipt.reducer == reducer
+            if ok and set(receipt.senders) <= set(record.members):
+                return receipt, blob
+            break
+        return None, None
+
+    async def _fetch_parts(self, record: AuditRound, sender: str, reducer: str, limit: int) -> list:
+        stream = await self._request(sender, dict(group_id=record.runner.group_id, what="parts", reducer=reducer))
+        parts, total = [], 0
+        async for message in stream:
+            total += len(message.tensor_part.buffer)
+            if total > limit:
+                raise AllreduceException(f"{sender[-8:]} sent more audit data than it could have sent")
+            parts.append(message.tensor_part)
+        return parts
+
+    async def _audit_one(self, record: AuditRound, reducer: str, deadline: float) -> tuple[Verdict, bytes | None]:
+        """Fetch the receipt and every other sender's parts for ``reducer``, and judge; fetches end by ``deadline``."""
+        me = self.peer_id.to_base58()
+        ours = record.sent_to(reducer)
+        if ours is None:
+            return Verdict.inconclusive, None
+        try:
+            receipt, blob = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+        except Exception:
+            logger.debug("no receipt from %s", reducer, exc_info=True)
+            receipt = blob = None
+        if receipt is None:
+            logger.debug("audited %s: no valid receipt", reducer)
+            return Verdict.unanswered, None
+        limit = 4 * sum(len(p.buffer) for p in ours) + (1 << 16)
+        others = [s for s in receipt.senders if s != me]
+        fetched = await asyncio.gather(
+            *(asyncio.wait_for(self._fetch_parts(record, s, reducer, limit), _left(deadline)) for s in others),
+            return_exceptions=True,
+        )
+        served = {me: ours}
+        for sender, parts in zip(others, fetched):
+            if isinstance(parts, BaseException):
+                logger.debug("no audit parts from %s: %r", sender, parts)
+            else:
+                served[sender] = parts
+        numels = [math.prod(p.size) for p in ours]
+        compression = record.runner.tensor_part_container.compression.compression_type
+
+        def check() -> Verdict:
+            return judge(
+                receipt, record.outputs[reducer], served, numels, self.aggregation,
+                lambda values: encode_average(values, compression),
+            )  # fmt: skip
+
+        verdict = await asyncio.get_event_loop().run_in_executor(None, check)
+        logger.debug(
+            "audited %s: %s (parts from %d of %d senders)", reducer, verdict, len(served), len(receipt.senders)
+        )
+        return verdict, blob
+
+    async def _tell_group(self, record: AuditRound, reducer: str, verdict: Verdict, deadline: float) -> None:
+        me = self.peer_id.to_base58()
+        fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
+
+        async def tell(peer: str) -> None:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            message = dict(fields)
+            if self._secret is not None:
+                message["token"] = self._secret.transfer_token(me_bytes, PeerID.from_base58(peer).to_bytes())
+            await stub.rpc_audit_verdict(averaging_pb2.DownloadData(metadata=self.serializer.dumps(message)))
+
+        me_bytes = self._p2p.peer_id.to_bytes()
+        others = [m for m in record.members if m != me]
+        await asyncio.gather(*(asyncio.wait_for(tell(p), _left(deadline)) for p in others), return_exceptions=True)
+
+    async def _audit_group(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]):
+        """Audit this round's reducers; returns the held parts with caught reducers' slices dropped, the
+        number of values dropped, and what was found (for the host: ``AllReduceOutcome.findings``)."""
+        members, me = record.members, self.peer_id.to_base58()
+        container = runner.tensor_part_container
+        flat = [(t, j) for t, parts in enumerate(held) for j in range(len(parts))]
+        owner, offset = {}, 0
+        for index, count in enumerate(container.num_parts_by_peer):
+            for t, j in flat[offset : offset + count]:
+                owner[(t, j)] = members[index]
+            record.outputs[members[index]] = [held[t][j] for t, j in flat[offset : offset + count]]
+            offset += count
+        reducers = [m for m, out in record.outputs.items() if out and not any(isinstance(p, Dropped) for p in out)]
+        if me in reducers:
+            senders = [p.to_base58() for p in runner.sender_peer_ids]
+            full = len(runner.parts_for_local_averaging)
+            inputs = [h.digest() if n == full else b"" for h, n in zip(runner.input_digests, runner.input_counts)]
+            receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
+                              digest_parts(record.outputs[me]))  # fmt: skip
+            record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
+        record.done = True
+
+        deadline = time.monotonic() + self._audit_timeout
+        mine = [r for r in reducers if auditor_of(members, runner.group_id, r) == me]
+        results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
+        await asyncio.gather(*(self._tell_group(record, r, v, deadline) for r, (v, _) in zip(mine, results)))
+        # (peer, verdict, receipt, drop its slice, ban it): our own audits first
+        found = [
+            (r, v, blob, v in GUILTY or v == Verdict.unanswered, v in GUILTY) for r, (v, blob) in zip(mine, results)
+        ]
+
+        waiting = [r for r in reducers if r not in mine and r != me]
+        while any(r not in record.verdicts for r in waiting) and time.monotonic() < deadline:
+            record.news.clear()
+            try:
+                await asyncio.wait_for(record.news.wait(), max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+        recheck_deadline = time.monotonic() + self._audit_timeout
+        for reducer in waiting:  # an accusation is checked by every groupmate itself before anything is dropped
+            heard = record.verdicts.get(reducer)
+            if heard not in GUILTY and heard != Verdict.unanswered:
+                continue
+            own, blob = await self._audit_one(record, reducer, recheck_deadline)
+            if own == Verdict.passed and heard in GUILTY:
+                found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
+            elif own in GUILTY:
+                found.append((reducer, own, blob, True, True))
+            elif own == Verdict.unanswered:  # it will not let us check it either: its slice cannot be trusted, and
+                found.append((reducer, own, None, True, heard in GUILTY))  # accused, it refused us: we ban it
+
+        findings, dropped = [], 0
+        for peer, verdict, blob, drop, ban in found:
+            if not (drop or ban):
+                continue
+            if ban:
+                self._banned.add(peer)
+            if drop:
+                for (t, j), who in owner.items():
+                    if who == peer and not isinstance(held[t][j], Dropped):
+                        numel = math.prod(held[t][j].size)
+                        held[t][j] = Dropped(numel)
+                        dropped += numel
+            findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
+            logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
+        return held, dropped, findings

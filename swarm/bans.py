@@ -1,0 +1,188 @@
+"""Bans: peers caught by checked reducers, kept out for the rest of the run, and accusations others can check.
+
+A peer bans a groupmate when its own audit (``swarm.auditing``) caught it returning a wrong
+average (or accusing an honest reducer). It then publishes a signed accusation in its
+progress record, with the reducer's own signed receipt inside. Another peer applies a
+ban it did not see itself only when ``QUORUM`` groupmates of the accused, each named as a
+sender in the accused's own receipt, accuse it: one claim, checked by nobody else, bans
+no one (the accuser may be the liar).
+
+A banned peer is dropped from this peer's swarm view, so it is never a state donor, a
+replay donor, a vote on the global epoch or the checksum, or a mate to wait for; the
+averager refuses it in matchmaking and as a groupmate. Bans are kept in
+``bans.json`` next to the state files, so a restart keeps them.
+
+The rules (``quorum_bans``, ``accusation_entry``) are pure functions of records.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from swarm.audit import FALSE_ACCUSATION, Verdict, open_receipt
+from swarm.progress import PeerEntry
+from swarm.records import ProgressRecord
+
+logger = logging.getLogger(__name__)
+
+_open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are re-read every second
+QUORUM = 2  # distinct groupmates whose accusations ban a peer we did not catch ourselves
+MAX_ACCUSATIONS = 8  # kept in our record, newest last
+
+
+class BanReason(enum.StrEnum):
+    wrong_average = Verdict.wrong_average.value  # a reducer's average was not the robust mean of its inputs
+    equivocated = Verdict.equivocated.value  # a reducer signed for another average than it sent
+    unanswered = Verdict.unanswered.value  # accused by its auditor, it would not let us check it either
+    false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
+
+
+@dataclass(frozen=True)
+class Ban:
+    peer_id: str
+    reason: BanReason
+    epoch: int  # the round it was caught in
+    by: tuple[str, ...]  # who caught it: ourselves ("self"), or the accusers
+    since: float  # wall-clock time
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), reason=self.reason.value, by=list(self.by))
+
+
+def accusation_entry(finding: dict, epoch: int) -> dict | None:
+    """The accusation we publish for a ban of ours: with the reducer's signed receipt when there is one (only
+    those, for a wrong average or equivocation, count towards a quorum; the rest say why we banned)."""
+    if not finding.get("banned"):
+        return None
+    try:
+        reason = BanReason(finding.get("verdict"))
+    except ValueError:
+        return None
+    receipt = finding.get("receipt") if isinstance(finding.get("receipt"), bytes) else b""
+    return dict(accused=str(finding["peer"]), verdict=reason.value, epoch=int(epoch), receipt=receipt)
+
+
+def accused(records: Iterable[ProgressRecord]) -> dict[str, dict]:
+    """Every peer someone banned, and why, for dashboards and ``status --json``: ``{peer_id: {"reasons",
+    "by", "epoch", "quorum"}}``; ``quorum`` is whether the accusations ban it for every peer (``quorum_bans``)."""
+    records = list(records)
+    quorum = quorum_bans(records)
+    found: dict[str, dict] = {}
+    for record in records:
+        for entry in record.accusations:
+            item = found.setdefault(entry.accused, dict(reasons=set(), by=set(), epoch=entry.epoch))
+            item["reasons"].add(entry.verdict)
+            item["by"].add(record.peer_id)
+            item["epoch"] = min(item["epoch"], entry.epoch)
+    return {
+        peer: dict(reasons=sorted(i["reasons"]), by=sorted(i["by"]), epoch=i["epoch"], quorum=peer in quorum)
+        for peer, i in found.items()
+    }
+
+
+def quorum_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
+    """Peers accused, each with a receipt signed by the accused, by ``QUORUM`` distinct senders of that receipt."""
+    accusers: dict[str, dict[str, tuple[BanReason, int]]] = {}
+    for record in records:
+        for entry in record.accusations:
+            receipt = _open_receipt(entry.receipt)
+            if receipt is None or receipt.reducer != entry.accused or record.peer_id not in receipt.senders:
+                continue
+            if entry.accused == record.peer_id:
+                continue
+            try:
+                reason = BanReason(entry.verdict)
+            except ValueError:
+                continue
+            if reason == BanReason.false_accusation:
+                continue
+            accusers.setdefault(entry.accused, {})[record.peer_id] = (reason, entry.epoch)
+    bans = {}
+    for accused, by in accusers.items():
+        if len(by) >= QUORUM:
+            reason, epoch = min(by.values(), key=lambda item: item[1])
+            bans[accused] = Ban(accused, reason, epoch, tuple(sorted(by)), time.time())
+    return bans
+
+
+class BanList:
+    """This peer's bans, kept in a JSON file (``bans.json``) so a restart keeps them."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.bans: dict[str, Ban] = {}
+        try:
+            for item in json.loads(self.path.read_text()):
+                ban = Ban(str(item["peer_id"]), BanReason(item["reason"]), int(item["epoch"]), tuple(item["by"]),
+                          float(item["since"]))  # fmt: skip
+                self.bans[ban.peer_id] = ban
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.warning("%s is unreadable; starting with no bans", self.path)
+            logger.debug("bans file", exc_info=True)
+
+    def __contains__(self, peer_id: str) -> bool:
+        return peer_id in self.bans
+
+    def add(self, ban: Ban) -> bool:
+        """True if the peer was not banned before (the file is rewritten then)."""
+        if ban.peer_id in self.bans:
+            return False
+        self.bans[ban.peer_id] = ban
+        tmp = self.path.with_name(f".tmp-{self.path.name}")
+        try:
+            tmp.write_text(json.dumps([b.to_json() for b in self.bans.values()], indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            logger.debug("could not write %s", self.path, exc_info=True)
+        return True
+
+
+class Guard:
+    """Keeps a peer's bans: from its own audits, and from others' accusations once a quorum holds."""
+
+    def __init__(
+        self,
+        bans: BanList,
+        own_peer_id: str,
+        *,
+        publish: Callable[[list[dict]], None],
+        refuse: Callable[[Iterable[str]], None],
+        announce: Callable[[Ban], None],
+    ):
+        self.bans, self.own_peer_id = bans, own_peer_id
+        self._publish, self._refuse, self._announce = publish, refuse, announce
+        self.accusations: list[dict] = []
+        if bans.bans:
+            refuse(bans.bans)
+
+    def on_findings(self, findings: Sequence[dict], epoch: int) -> None:
+        """What a round's audits found (``AllReduceOutcome.findings``)."""
+        for finding in findings:
+            if finding.get("banned"):
+                self._ban(Ban(str(finding["peer"]), BanReason(finding["verdict"]), epoch, ("self",), time.time()))
+            entry = accusation_entry(finding, epoch)
+            if entry is not None:
+                self.accusations = (self.accusations + [entry])[-MAX_ACCUSATIONS:]
+                self._publish(self.accusations)
+
+    def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
+        """Apply the quorum's bans, and return the entries of peers that are not banned."""
+        for ban in quorum_bans(e.record for e in entries).values():
+            if ban.peer_id != self.own_peer_id:
+                self._ban(ban)
+        return [e for e in entries if e.record.peer_id not in self.bans]
+
+    def _ban(self, ban: Ban) -> None:
+        if self.bans.add(ban):
+            self._refuse([ban.peer_id])
+            self._announce(ban)

@@ -1,0 +1,206 @@
+"""Checked reducers and bans as pure rules: receipts, the auditor's choice, the judgement, the quorum."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.allreduce import encode_average
+from swarm.audit import Receipt, Verdict, auditor_of, digest_parts, judge, open_receipt, recompute
+from swarm.bans import QUORUM, Ban, BanList, BanReason, Guard, accusation_entry, quorum_bans
+from swarm.codecs import CODECS, apply_error_feedback
+from swarm.identity import peer_id_of_owner
+from swarm.manifest import Aggregation
+from swarm.records import Accusation, ProgressRecord
+
+CODEC_TYPES = {
+    "none": runtime_pb2.CompressionType.NONE,
+    "fp16": runtime_pb2.CompressionType.FLOAT16,
+    "fp4": CODECS["fp4"].compression_type,
+    "sparse": CODECS["sparse"].compression_type,
+}
+
+
+def peer_of(key: RSAPrivateKey) -> str:
+    return peer_id_of_owner(b"[owner:" + key.get_public_key().to_bytes() + b"]")
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return [RSAPrivateKey() for _ in range(4)]
+
+
+def sender_parts(codec: str, seed: int, sizes=(1 << 20, 5000)) -> list[runtime_pb2.Tensor]:
+    """One sender's parts for a reducer, as the wire carries them (on the codec's grid first, as the host does)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for size in sizes:
+        values = torch.randn(size, generator=g) * 1e-3
+        if codec in ("fp4", "sparse"):
+            apply_error_feedback([values], [torch.zeros_like(values)], codec)
+        parts.append(serialize_torch_tensor(values, CODEC_TYPES[codec]))
+    return parts
+
+
+def honest_round(codec: str, senders: int = 3, lie=None):
+    """Each sender's parts, and the reducer's average of them as it would send it (``lie`` changes the values)."""
+    served = [sender_parts(codec, seed) for seed in range(senders)]
+    weights = [10.0, 12.0, 8.0][:senders]
+    numels = [1 << 20, 5000]
+    exact = recompute(served, weights, numels, Aggregation.centered_clip)
+    values = [v if lie is None else lie(v) for v in exact]
+    output = [encode_average(v, CODEC_TYPES[codec]) for v in values]
+    return served, weights, numels, output
+
+
+def receipt_for(key, names, served, weights, output, group_id=b"g" * 20) -> Receipt:
+    inputs = tuple(digest_parts(parts) for parts in served)
+    return Receipt(group_id, peer_of(key), tuple(names), tuple(weights), inputs, digest_parts(output))
+
+
+def run_judge(codec, served, weights, numels, output, receipt, names):
+    return judge(
+        receipt,
+        output,
+        dict(zip(names, served)),
+        numels,
+        Aggregation.centered_clip,
+        lambda v: encode_average(v, CODEC_TYPES[codec]),
+    )
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "fp4", "sparse"])
+def test_an_honest_reducer_passes_and_a_lying_one_is_caught(keys, codec):
+    names = [peer_of(k) for k in keys[:3]]
+    served, weights, numels, output = honest_round(codec)
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    assert run_judge(codec, served, weights, numels, output, receipt, names) == Verdict.passed
+
+    for lie in (lambda v: -4 * v, lambda v: v * 1.5, lambda v: v + 1e-4):
+        served, weights, numels, output = honest_round(codec, lie=lie)
+        receipt = receipt_for(keys[0], names, served, weights, output)
+        assert run_judge(codec, served, weights, numels, output, receipt, names) == Verdict.wrong_average
+
+
+def test_a_few_values_moved_far_are_caught_and_rounding_flips_are_not(keys):
+    names = [peer_of(k) for k in keys[:3]]
+
+    def spike(v):  # one value in a million, far off: under the moved-fraction limit, over the error bound
+        v = v.clone()
+        v[7] = 10.0
+        return v
+
+    served, weights, numels, output = honest_round("fp16", lie=spike)
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    assert run_judge("fp16", served, weights, numels, output, receipt, names) == Verdict.wrong_average
+
+    def nudge(v):  # a value a hair off, as another machine's summation order may leave it: same rounding class
+        v = v.clone()
+        v[7] = torch.nextafter(v[7], torch.tensor(1.0))
+        return v
+
+    served, weights, numels, output = honest_round("fp16", lie=nudge)
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    assert run_judge("fp16", served, weights, numels, output, receipt, names) == Verdict.passed
+
+
+def test_an_average_other_than_the_signed_one_is_equivocation_and_bad_inputs_are_inconclusive(keys):
+    names = [peer_of(k) for k in keys[:3]]
+    served, weights, numels, output = honest_round("fp4")
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    other = [encode_average(torch.zeros(n), CODEC_TYPES["fp4"]) for n in numels]
+    assert run_judge("fp4", served, weights, numels, other, receipt, names) == Verdict.equivocated
+
+    tampered = [served[0], sender_parts("fp4", 99), served[2]]  # a sender serves other bytes than it sent
+    assert run_judge("fp4", tampered, weights, numels, output, receipt, names) == Verdict.inconclusive
+    # the reducer's own part not served as it signed for: the slice cannot be checked
+    receipt = receipt_for(keys[2], names, served, weights, output)
+    assert run_judge("fp4", tampered[:1] + [served[1], tampered[1]], weights, numels, output, receipt, names) == (
+        Verdict.unanswered
+    )
+
+
+def test_receipts_open_only_with_their_reducers_key(keys):
+    names = [peer_of(k) for k in keys[:3]]
+    served, weights, _, output = honest_round("fp4")
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    blob = receipt.sign(keys[0])
+    assert open_receipt(blob) == receipt
+    assert open_receipt(receipt.sign(keys[1])) is None  # signed by someone else than the reducer it names
+    assert open_receipt(blob[:-5] + b"xxxxx") is None
+    assert open_receipt(b"garbage") is None
+
+
+def test_every_reducer_has_one_auditor_that_is_not_itself():
+    members = [f"peer{i}" for i in range(4)]
+    seen = set()
+    for g in range(40):
+        group_id = g.to_bytes(4, "little") * 5
+        auditors = [auditor_of(members, group_id, r) for r in members]
+        assert all(a is not None and a != r for a, r in zip(auditors, members))
+        seen.update(auditors)
+    assert seen == set(members)  # the work is spread
+    assert auditor_of(["a"], b"x", "a") is None
+
+
+def record(key, accusations=()) -> ProgressRecord:
+    return ProgressRecord(
+        peer_id=peer_of(key), name="p", device="cpu", epoch=3, inner_step=0, samples_per_second=0.0,
+        tokens_processed=0, state="training", last_loss=None, client_mode=False, relayed=False,
+        accusations=[Accusation(**a) for a in accusations], time=time.time(),
+    )  # fmt: skip
+
+
+def test_a_ban_spreads_only_with_a_quorum_of_the_accused_groupmates(keys):
+    liar, a, b, outsider = keys
+    names = [peer_of(k) for k in (a, b, liar)]
+    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
+    blob = receipt_for(liar, names, served, weights, output).sign(liar)
+    entry = accusation_entry(dict(peer=peer_of(liar), verdict="wrong average", banned=True, receipt=blob), 3)
+    assert entry is not None and QUORUM == 2
+
+    assert quorum_bans([record(a, [entry]), record(liar)]) == {}  # one claim bans no one
+    bans = quorum_bans([record(a, [entry]), record(b, [entry])])
+    assert set(bans) == {peer_of(liar)} and bans[peer_of(liar)].reason == BanReason.wrong_average
+    # the outsider was not in the liar's group (not a sender in its receipt): its claim does not count
+    assert quorum_bans([record(a, [entry]), record(outsider, [entry])]) == {}
+    # a receipt that is not the accused's own does not count either
+    forged = dict(entry, receipt=receipt_for(liar, names, served, weights, output).sign(a))
+    assert quorum_bans([record(a, [forged]), record(b, [forged])]) == {}
+    # nobody is banned for a false accusation on others' say-so
+    false = dict(entry, verdict=BanReason.false_accusation.value)
+    assert quorum_bans([record(a, [false]), record(b, [false])]) == {}
+
+
+def test_the_guard_bans_keeps_bans_across_restarts_and_hides_banned_peers(tmp_path, keys):
+    liar, a, b, _ = keys
+    refused, announced, published = [], [], []
+    guard = Guard(
+        BanList(tmp_path / "bans.json"), peer_of(a),
+        publish=published.append, refuse=refused.extend, announce=announced.append,
+    )  # fmt: skip
+    names = [peer_of(k) for k in (a, b, liar)]
+    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
+    blob = receipt_for(liar, names, served, weights, output).sign(liar)
+    guard.on_findings([dict(peer=peer_of(liar), verdict="wrong average", banned=True, discarded=True, receipt=blob)], 5)
+    assert refused == [peer_of(liar)] and announced[0].by == ("self",) and announced[0].epoch == 5
+    assert published[-1][0]["accused"] == peer_of(liar)
+
+    class Entry:
+        def __init__(self, rec):
+            self.record = rec
+
+    kept = guard.filter([Entry(record(liar)), Entry(record(b))])
+    assert [e.record.peer_id for e in kept] == [peer_of(b)]
+
+    reloaded = BanList(tmp_path / "bans.json")  # a restart keeps the ban
+    assert peer_of(liar) in reloaded and reloaded.bans[peer_of(liar)].reason == BanReason.wrong_average
+    again = []
+    Guard(reloaded, peer_of(a), publish=print, refuse=again.extend, announce=print)
+    assert again == [peer_of(liar)]
+    assert isinstance(reloaded.bans[peer_of(liar)], Ban)
