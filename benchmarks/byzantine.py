@@ -13,7 +13,14 @@ invocation:
 - ``honest / mean``: the baseline (hivemind's plain weighted mean);
 - ``honest / centered-clip``: the cost of the defences without an attacker;
 - ``ATTACK / mean``: what the attack does to an undefended swarm;
-- ``ATTACK / centered-clip``: what it does against the defences.
+- ``ATTACK / centered-clip``: what it does against the defences;
+- ``reducer / centered-clip``: the liar sends honest parts but returns a wrong average
+  as a reducer (``averaging.min_group_size`` is peers - 1 there, so that the honest peers
+  go on together once they have banned it); the figures are the rounds until every
+  honest peer banned it, and the loss;
+- ``.../...+unchecked``: the same without checked reducers
+  (``averaging.checked_reducers=false``): with ``honest/centered-clip`` it gives what the
+  audits cost per round, in seconds and in bytes downloaded.
 
 A loss that is not finite (the swarm diverged) is recorded as null and shown as
 "diverged". Run: ``python -m benchmarks.byzantine``.
@@ -54,6 +61,8 @@ DEFAULT_SCENARIOS = [
     "honest/centered-clip",
     "scale/mean",
     *(f"{attack}/centered-clip" for attack in ATTACKS),
+    "reducer/centered-clip+unchecked",  # what a lying reducer does without the audits
+    "honest/centered-clip+unchecked",  # the audits' cost, against honest/centered-clip
     "honest/mean#2",  # the baseline again: how far apart two honest runs land (the noise floor)
 ]
 
@@ -76,12 +85,14 @@ def spawn(index: int, workdir: Path, head: list[str], attack: str | None) -> tup
 
 def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
     attack, aggregation = scenario.split("#")[0].split("/")
+    aggregation, _, variant = aggregation.partition("+")
     attack = None if attack == "honest" else attack
-    workdir = root / scenario.replace("/", "-").replace("#", "-")
+    workdir = root / scenario.replace("/", "-").replace("#", "-").replace("+", "-")
     workdir.mkdir(parents=True)
     sets = [
         f"averaging.aggregation={aggregation}",
-        f"averaging.min_group_size={args.peers}",
+        f"averaging.checked_reducers={'false' if variant == 'unchecked' else 'true'}",
+        f"averaging.min_group_size={args.peers - 1 if attack == 'reducer' else args.peers}",
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         f"inner_steps={args.inner_steps}",
         f"init_seed={args.seed}",
@@ -115,9 +126,16 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     honest = []
+    liar = _peer_id(procs[-1][1]) if attack else None
     for i in range(args.peers - (1 if attack else 0)):
         result = workdir / f"peer{i}.result.json"
         data = json.loads(result.read_text()) if result.exists() else {}
+        rounds = _rounds(workdir / f"peer{i}.jsonl")
+        averaged = [r for r in rounds if r["averaged"]]
+        bans = [b for path in (workdir / f"peer{i}").glob("runs/*/checkpoints/bans.json") for b in _read(path)]
+        liar_ban = next((b for b in bans if b["peer_id"] == liar), None)
+        full = [r["epoch"] - 1 for r in averaged if r["group_size"] == args.peers]  # the round's starting epoch
+        first_with_liar = min(full) if full else None
         honest.append(
             dict(
                 peer=i,
@@ -126,17 +144,57 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 averaged_rounds=data.get("averaged_rounds"),
                 eval_loss_start=finite(data.get("eval_loss_start")),
                 eval_loss_end=finite(data.get("eval_loss_end")),
+                banned=[dict(peer_id=b["peer_id"], reason=b["reason"], epoch=b["epoch"]) for b in bans],
+                # counted from the first round the liar averaged in with us (it lies from its first round on)
+                rounds_to_ban_liar=liar_ban["epoch"] - first_with_liar + 1
+                if liar_ban and first_with_liar is not None
+                else None,
+                audit_seconds_mean=_mean([r["seconds"].get("audit", 0.0) for r in averaged]),
+                audit_bytes_mean=_mean([r.get("audit_bytes", 0) for r in averaged]),
+                allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),
+                round_wall_seconds_mean=_mean([r["wall_seconds"] for r in rounds[1:]]),
             )
         )
     ends = [h["eval_loss_end"] for h in honest]
+    to_ban = [h["rounds_to_ban_liar"] for h in honest]
     return dict(
         scenario=scenario,
         attack=attack,
         aggregation=aggregation,
+        checked_reducers=variant != "unchecked",
+        liar=liar,
         honest_peers=honest,
         honest_loss_end=statistics.fmean(ends) if ends and None not in ends else None,
+        rounds_to_ban_liar=max(to_ban) if attack and None not in to_ban else None,
+        audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
+        audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
+        round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),
     )
+
+
+def _read(path: Path) -> list:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def _rounds(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("type") == "round"]
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.fmean(values), 4) if values else None
+
+
+def _peer_id(log: Path) -> str | None:
+    found = re.search(r"Peer (Qm\w+) on ", log.read_text()) if log.exists() else None
+    return found.group(1) if found else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="per scenario")
     args = p.parse_args(argv)
     if args.smoke:
-        args.rounds, args.inner_steps, args.eval_sequences = 1, 3, 4
-        args.scenarios = "honest/mean,scale/centered-clip"
+        args.rounds, args.inner_steps, args.eval_sequences = 2, 3, 4  # caught within 2 rounds: the goal
+        args.scenarios = "honest/mean,reducer/centered-clip"
     clock = Stopwatch()
     root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
     scenarios = args.scenarios.split(",")
@@ -180,9 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
-        ["scenario", "honest loss", "ratio to honest/mean", "seconds"],
+        ["scenario", "honest loss", "ratio to honest/mean", "rounds to ban", "audit s/round", "audit MB/round", "s"],
         [
-            (r["scenario"], r["honest_loss_end"] or "diverged", r["ratio_to_honest_mean"] or "-", r["seconds"])
+            (
+                r["scenario"],
+                r["honest_loss_end"] or "diverged",
+                r["ratio_to_honest_mean"] or "-",
+                r["rounds_to_ban_liar"] or "-",
+                r["audit_seconds_mean"] if r["audit_seconds_mean"] is not None else "-",
+                round(r["audit_bytes_mean"] / 1e6, 3) if r["audit_bytes_mean"] is not None else "-",
+                r["seconds"],
+            )
             for r in results
         ],
     )

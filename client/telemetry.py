@@ -111,6 +111,7 @@ class Telemetry:
                 seconds={k: round(v, 4) for k, v in report.seconds.items()},
                 bytes_sent=report.bytes_sent,
                 bytes_received=report.bytes_received,
+                audit_bytes=report.audit_bytes,
                 wall_seconds=round(self.last_round_wall, 4),
             )
         )

@@ -53,6 +53,7 @@ class AuditRound:
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
     news: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False  # our receipt is final (or there will be none)
+    fetched_bytes: int = 0  # parts downloaded by our audits: their cost in traffic
 
     def sent_to(self, reducer: str) -> list[runtime_pb2.Tensor] | None:
         return self.runner.sent_parts.get(self.members.index(reducer)) if reducer in self.members else None
@@ -185,6 +186,7 @@ class Auditing:
         parts, total = [], 0
         async for message in stream:
             total += len(message.tensor_part.buffer)
+            record.fetched_bytes += len(message.tensor_part.buffer)
             if total > limit:
                 raise AllreduceException(f"{sender[-8:]} sent more audit data than it could have sent")
             parts.append(message.tensor_part)

@@ -60,7 +60,8 @@ class AllReduceOutcome:
     # checked reducers: what this peer's audits (and its checks of others' accusations) found; each a dict of
     # peer, verdict (audit.Verdict's value, or auditing.FALSE_ACCUSATION), banned, discarded, receipt (signed)
     findings: tuple[dict, ...] = ()
-    audit_seconds: float = 0.0
+    audit_seconds: float = 0.0  # after the all-reduce, until every audit and re-check was done
+    audit_bytes: int = 0  # parts this peer downloaded for its audits
 
 
 class RoundAborted(RuntimeError):
@@ -192,12 +193,13 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
             held,
             tuple(findings),
             audit_seconds,
+            record.fetched_bytes if record is not None else 0,
         )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        empty = (0.0, 0, 0, 0, None, (), 0.0)
-        dropped, excluded, sent, received, held, findings, audit_seconds = self._round_stats.pop(
+        empty = (0.0, 0, 0, 0, None, (), 0.0, 0)
+        dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes = self._round_stats.pop(
             group_info.group_id, empty
         )
         ours = gathered.get(self.peer_id)
@@ -215,6 +217,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
             bytes_received=received,
             findings=findings,
             audit_seconds=audit_seconds,
+            audit_bytes=audit_bytes,
         )
 
     # ---- averaging (the host's side) -------------------------------------------------------------

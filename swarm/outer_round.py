@@ -192,6 +192,7 @@ class OuterRound:
         t_allreduce = flight.stage_times.get("RUNNING_ALLREDUCE", t1)
         seconds["matchmaking"] = t_allreduce - flight.attempt_started
         seconds["allreduce"] = t1 - t_allreduce
+        seconds["audit"] = flight.outcome.audit_seconds if flight.outcome is not None else 0.0  # within all-reduce
         if flight.aborted is not None:
             if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
                 peer.set_state(PeerState.leaving, publish=True)
@@ -254,6 +255,7 @@ class OuterRound:
             seconds=seconds,
             bytes_sent=outcome.bytes_sent if outcome is not None else 0,
             bytes_received=outcome.bytes_received if outcome is not None else 0,
+            audit_bytes=outcome.audit_bytes if outcome is not None else 0,
         )
         if not self.overlapped:
             peer.begin_round()
@@ -290,7 +292,7 @@ class OuterRound:
         peer = self.peer
         t0 = time.monotonic()
         resynced = peer.sync.resync(why)
-        seconds.update(matchmaking=0.0, allreduce=0.0, outer=0.0, resync=time.monotonic() - t0)
+        seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
         peer.begin_round()
         return RoundReport(
             epoch=peer.epoch,

@@ -53,6 +53,7 @@ class RoundReport:
     seconds: dict[str, float] = field(default_factory=dict)  # compute, matchmaking, allreduce, outer, consistency
     bytes_sent: int = 0  # all-reduce tensor payload, framing excluded, as of when our own results were complete
     bytes_received: int = 0
+    audit_bytes: int = 0  # checked reducers: parts downloaded to recompute a groupmate's average (seconds["audit"])
 
 
 @dataclass

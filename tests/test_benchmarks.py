@@ -162,15 +162,21 @@ def test_slowpeer_smoke(tmp_path: Path):
 def test_byzantine_smoke(tmp_path: Path):
     record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
     baseline, attacked = record["scenarios"]
-    assert (baseline["scenario"], attacked["scenario"]) == ("honest/mean", "scale/centered-clip")
+    assert (baseline["scenario"], attacked["scenario"]) == ("honest/mean", "reducer/centered-clip")
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
     for scenario in (baseline, attacked):
         for peer in scenario["honest_peers"]:
-            assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1
-            assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"]
+            assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
+            assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
     assert baseline["ratio_to_honest_mean"] == 1.0
-    # a pseudo-gradient x1000 against CenteredClip: the honest peers still train
-    assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5
+    assert all(not peer["banned"] for peer in baseline["honest_peers"]), baseline  # audits never ban an honest peer
+    assert baseline["audit_seconds_mean"] is not None and baseline["audit_bytes_mean"] > 0  # the audits ran
+    # a reducer returning -4x the average to everyone: both honest peers catch and ban it within 2 rounds, its
+    # slice is dropped from the round it lied in, and the honest peers still train
+    assert attacked["rounds_to_ban_liar"] is not None and attacked["rounds_to_ban_liar"] <= 2, attacked
+    for peer in attacked["honest_peers"]:
+        assert [b["peer_id"] for b in peer["banned"]] == [attacked["liar"]], attacked
+    assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5, attacked
 
 
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
