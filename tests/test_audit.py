@@ -204,3 +204,39 @@ def test_the_guard_bans_keeps_bans_across_restarts_and_hides_banned_peers(tmp_pa
     Guard(reloaded, peer_of(a), publish=print, refuse=again.extend, announce=print)
     assert again == [peer_of(liar)]
     assert isinstance(reloaded.bans[peer_of(liar)], Ban)
+
+
+def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
+    from types import SimpleNamespace
+
+    from diloco_helpers import tiny_manifest
+    from rich.console import Console
+
+    from client.dashboard import _peers_table
+    from client.swarm_watch import TrackedPeer
+    from swarm.observer import snapshot
+    from swarm.progress import PeerEntry
+
+    liar, a, b, _ = keys
+    names = [peer_of(k) for k in (a, b, liar)]
+    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
+    blob = receipt_for(liar, names, served, weights, output).sign(liar)
+    entry = accusation_entry(dict(peer=peer_of(liar), verdict="wrong average", banned=True, receipt=blob), 2)
+    records = [record(a, [entry]), record(b, [entry]), record(liar)]
+    expires = time.time() + 60
+
+    banned = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records])["banned"]
+    assert banned == [
+        dict(peer_id=peer_of(liar), reasons=["wrong average"], by=sorted(names[:2]), epoch=2, quorum=True)
+    ]
+    only_one = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records[1:]])["banned"]
+    assert only_one[0]["quorum"] is False and only_one[0]["by"] == [peer_of(b)]
+
+    watch = SimpleNamespace(snapshot=SimpleNamespace(peers=[TrackedPeer(r, time.time()) for r in records]))
+    source = SimpleNamespace(own=None, watch=watch, manifest=tiny_manifest())
+    console = Console(record=True, width=200)
+    console.print(_peers_table(source, time.time()))
+    text = console.export_text()
+    liar_line = next(line for line in text.splitlines() if peer_of(liar)[-8:] in line)
+    assert "banned: wrong average (2 of us, all)" in liar_line
+    assert sum("banned" in line for line in text.splitlines()) == 1
