@@ -40,6 +40,7 @@ def _left(deadline: float) -> float:
 
 
 KEEP_ROUNDS = 3  # groups whose sent parts and receipts are kept for auditors
+UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered before we ban it
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Auditing:
         self._audit_enabled, self._audit_timeout = audit, audit_timeout
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
         self._banned: set[str] = set()
+        self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
 
     # ---- bans -------------------------------------------------------------------------------------
 
@@ -274,12 +276,22 @@ class Auditing:
         mine = [r for r in reducers if auditor_of(members, runner.group_id, r) == me]
         results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
         await asyncio.gather(*(self._tell_group(record, r, v, deadline) for r, (v, _) in zip(mine, results)))
-        # (peer, verdict, receipt, drop its slice, ban it): our own audits first
-        found = [
-            (r, v, blob, v in GUILTY or v == Verdict.unanswered, v in GUILTY) for r, (v, blob) in zip(mine, results)
-        ]
+        # (peer, verdict, receipt, drop its slice, ban it): our own audits first. A reducer that did not answer
+        # our audit is usually one that vanished: nothing is dropped on that alone (the group must agree), but one
+        # that is still around and leaves UNANSWERED_STRIKES audits of ours in a row unanswered is banned
+        found = []
+        for reducer, (verdict, blob) in zip(mine, results):
+            strikes = self._unanswered.pop(reducer, 0) + 1 if verdict == Verdict.unanswered else 0
+            if strikes:
+                self._unanswered[reducer] = strikes
+            found.append(
+                (reducer, verdict, blob, verdict in GUILTY, verdict in GUILTY or strikes >= UNANSWERED_STRIKES)
+            )
 
-        waiting = [r for r in reducers if r not in mine and r != me]
+        # verdicts to wait for: those of auditors that are still with us (one whose own slice never came is gone)
+        waiting = [
+            r for r in reducers if r not in mine and r != me and auditor_of(members, runner.group_id, r) in reducers
+        ]
         while any(r not in record.verdicts for r in waiting) and time.monotonic() < deadline:
             record.news.clear()
             try:
@@ -289,15 +301,15 @@ class Auditing:
         recheck_deadline = time.monotonic() + self._audit_timeout
         for reducer in waiting:  # an accusation is checked by every groupmate itself before anything is dropped
             heard = record.verdicts.get(reducer)
-            if heard not in GUILTY and heard != Verdict.unanswered:
+            if heard not in GUILTY:
                 continue
             own, blob = await self._audit_one(record, reducer, recheck_deadline)
-            if own == Verdict.passed and heard in GUILTY:
+            if own == Verdict.passed:
                 found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
             elif own in GUILTY:
                 found.append((reducer, own, blob, True, True))
-            elif own == Verdict.unanswered:  # it will not let us check it either: its slice cannot be trusted, and
-                found.append((reducer, own, None, True, heard in GUILTY))  # accused, it refused us: we ban it
+            elif own == Verdict.unanswered:  # accused, it will not let us check it either: we drop its slice, as its
+                found.append((reducer, own, None, True, True))  # auditor does, and ban it
 
         findings, dropped = [], 0
         for peer, verdict, blob, drop, ban in found:

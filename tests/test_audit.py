@@ -35,7 +35,7 @@ def keys():
     return [RSAPrivateKey() for _ in range(4)]
 
 
-def sender_parts(codec: str, seed: int, sizes=(1 << 20, 5000)) -> list[runtime_pb2.Tensor]:
+def sender_parts(codec: str, seed: int, sizes=(1 << 16, 5000)) -> list[runtime_pb2.Tensor]:
     """One sender's parts for a reducer, as the wire carries them (on the codec's grid first, as the host does)."""
     g = torch.Generator().manual_seed(seed)
     parts = []
@@ -51,7 +51,7 @@ def honest_round(codec: str, senders: int = 3, lie=None):
     """Each sender's parts, and the reducer's average of them as it would send it (``lie`` changes the values)."""
     served = [sender_parts(codec, seed) for seed in range(senders)]
     weights = [10.0, 12.0, 8.0][:senders]
-    numels = [1 << 20, 5000]
+    numels = [1 << 16, 5000]
     exact = recompute(served, weights, numels, Aggregation.centered_clip)
     values = [v if lie is None else lie(v) for v in exact]
     output = [encode_average(v, CODEC_TYPES[codec]) for v in values]

@@ -133,6 +133,7 @@ def test_status_json_lists_every_peer_with_its_epoch(swarm):
     assert result.returncode == 0, result.stderr
     snapshot = json.loads(result.stdout)
     assert snapshot["run_id"] == swarm.run_id
+    assert snapshot["banned"] == []  # every round was audited (checked reducers): nobody honest is accused
     names = {p["name"]: p for p in snapshot["peers"]}
     assert set(names) == {"alpha", "beta", "gamma"}
     assert isinstance(snapshot["global_epoch"], int) and snapshot["global_epoch"] >= 1
