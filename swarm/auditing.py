@@ -39,7 +39,7 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-KEEP_ROUNDS = 3  # groups whose sent parts and receipts are kept for auditors
+KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered before we ban it
 
 
@@ -325,4 +325,7 @@ class Auditing:
                         dropped += numel
             findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
             logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
+        # what we sent stays for groupmates still re-checking an accusation, then goes: it is c x N bytes
+        record.outputs.clear()
+        asyncio.get_event_loop().call_later(self._audit_timeout, self._audit_rounds.pop, runner.group_id, None)
         return held, dropped, findings

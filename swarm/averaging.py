@@ -171,7 +171,11 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
                 raise ValueError("auxiliary peers do not receive averaged tensors")
             return
         record = self._open_audit(runner, members) if self._audit_enabled else None
-        held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
+        try:
+            held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
+        except BaseException:
+            self._audit_rounds.pop(group_id, None)  # nothing to audit: let the parts we sent go now
+            raise
         findings, discarded, audit_started = [], 0, time.monotonic()
         if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone
             held, discarded, findings = await self._audit_group(runner, record, held)

@@ -11,11 +11,13 @@ inputs alone):
    so claiming a huge sample count buys nothing;
 3. **norm clipping**: each part is scaled down to at most the median of the parts'
    norms, so a scaled pseudo-gradient counts as an ordinary one;
-4. **CenteredClip** (Karimireddy et al. 2021; BTARD, arXiv 2106.11257): starting from
+4. **against the grain**: a part whose cosine with the coordinate-wise median is not positive
+   (a sign-flipped or negated pseudo-gradient) is left out, when a majority of parts remains;
+5. **CenteredClip** (Karimireddy et al. 2021; BTARD, arXiv 2106.11257): starting from
    the coordinate-wise median, ``v += sum_i w_i * clip(x_i - v, tau) / sum_i w_i`` a
    few times, with ``tau`` the median distance to the start, so a part far from the
    group's consensus pulls with the force of at most ``tau``;
-5. **inner range**: each coordinate is clamped between the second-lowest and the
+6. **inner range**: each coordinate is clamped between the second-lowest and the
    second-highest of the norm-clipped parts, so one liar cannot drag any coordinate outside what
    the others sent (with three senders this is the coordinate-wise median). Without it a
    sign-flipped pseudo-gradient still pulled like one honest peer every round, and in
@@ -23,7 +25,7 @@ inputs alone):
    with it, 1.05x (docs/benchmarks.md, section 7).
 
 With honest parts all within ``tau`` of their mean, CenteredClip is the plain
-weighted mean (step 5 then moves only the coordinates where the mean lies outside the
+weighted mean (step 6 then moves only the coordinates where the mean lies outside the
 inner range). The reducer encodes its result once and every groupmate decodes the
 same bytes, so groupmates stay bitwise equal whatever is computed here.
 """
@@ -81,6 +83,8 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     limit = CLIP_FACTOR * norms.median()
     stacked = stacked * torch.clamp(limit / norms.clamp_min(1e-30), max=1.0)[:, None]
     center = stacked.median(dim=0).values if len(parts) > 2 else (stacked * w[:, None]).sum(0)
+    if len(parts) > 2:
+        stacked, w, center = _against_the_grain_left_out(stacked, w, center)
     tau = CLIP_FACTOR * (stacked - center).norm(dim=1).median()
     if float(tau) == 0.0:
         return _within_inner_range(center, stacked)
@@ -89,6 +93,20 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
         scale = torch.clamp(tau / diff.norm(dim=1).clamp_min(1e-30), max=1.0)
         center = center + (diff * (w * scale)[:, None]).sum(0)
     return _within_inner_range(center, stacked)
+
+
+def _against_the_grain_left_out(
+    stacked: torch.Tensor, w: torch.Tensor, center: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Parts pointing away from the coordinate-wise median (cosine <= 0) are left out, if a majority remains: a
+    sign-flipped or negated pseudo-gradient then counts for nothing rather than shrinking the step."""
+    cosine = (stacked @ center) / (stacked.norm(dim=1) * center.norm()).clamp_min(1e-30)
+    keep = cosine > 0
+    kept = int(keep.sum())
+    if kept == len(stacked) or 2 * kept <= len(stacked):
+        return stacked, w, center
+    stacked, w = stacked[keep], w[keep] / w[keep].sum()
+    return stacked, w, stacked.median(dim=0).values if kept > 2 else (stacked * w[:, None]).sum(0)
 
 
 def _within_inner_range(center: torch.Tensor, clipped: torch.Tensor) -> torch.Tensor:

@@ -137,3 +137,19 @@ def test_one_liar_cannot_drag_any_coordinate_outside_what_the_honest_peers_sent(
     stacked = torch.stack([*parts, torch.zeros(N)])  # norm clipping may scale an honest part towards zero
     assert bool(((out >= stacked.min(0).values - 1e-6) & (out <= stacked.max(0).values + 1e-6)).all())
     assert float(torch.dot(out, mean(parts))) > 0
+
+
+def test_a_part_against_the_grain_is_left_out_and_the_honest_mean_remains():
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(4096, generator=g)
+    honest = [common + 0.5 * torch.randn(4096, generator=g) for _ in range(2)]
+    for liar in (-4 * honest[0], -0.1 * honest[1], -honest[0] * 1000):
+        result = robust_mean([*honest, liar], [1.0, 1.0, 1.0], Aggregation.centered_clip)
+        # the liar counts for nothing: the result points where the two honest parts' mean does
+        assert torch.nn.functional.cosine_similarity(result, (honest[0] + honest[1]) / 2, dim=0) > 0.999
+        # and the step is not shrunk (the coordinate-wise median with the liar in it is about half as long)
+        assert result.norm() > 0.95 * ((honest[0] + honest[1]) / 2).norm()
+        assert torch.stack([*honest, liar]).median(dim=0).values.norm() < 0.9 * result.norm()
+    # a majority against the grain is not left out (two of three): the median decides as before
+    two_liars = robust_mean([honest[0], -honest[0], -honest[1]], [1.0, 1.0, 1.0], Aggregation.centered_clip)
+    assert torch.isfinite(two_liars).all()
