@@ -156,12 +156,19 @@ def record(key, accusations=()) -> ProgressRecord:
     )  # fmt: skip
 
 
-def test_a_ban_spreads_only_with_a_quorum_of_the_accused_groupmates(keys):
-    liar, a, b, outsider = keys
+def lying_reducers_accusation(liar, a, b, epoch: int) -> tuple[list[str], bytes, dict]:
+    """Groupmates ``a`` and ``b`` caught ``liar`` returning a sign-flipped average: names, its receipt, the entry."""
     names = [peer_of(k) for k in (a, b, liar)]
     served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
     blob = receipt_for(liar, names, served, weights, output).sign(liar)
-    entry = accusation_entry(dict(peer=peer_of(liar), verdict="wrong average", banned=True, receipt=blob), 3)
+    verdict = dict(peer=peer_of(liar), verdict="wrong average", banned=True, receipt=blob)
+    return names, blob, accusation_entry(verdict, epoch)
+
+
+def test_a_ban_spreads_only_with_a_quorum_of_the_accused_groupmates(keys):
+    liar, a, b, outsider = keys
+    names, blob, entry = lying_reducers_accusation(liar, a, b, 3)
+    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
     assert entry is not None and QUORUM == 2
 
     assert quorum_bans([record(a, [entry]), record(liar)]) == {}  # one claim bans no one
@@ -184,9 +191,7 @@ def test_the_guard_bans_keeps_bans_across_restarts_and_hides_banned_peers(tmp_pa
         BanList(tmp_path / "bans.json"), peer_of(a),
         publish=published.append, refuse=refused.extend, announce=announced.append,
     )  # fmt: skip
-    names = [peer_of(k) for k in (a, b, liar)]
-    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
-    blob = receipt_for(liar, names, served, weights, output).sign(liar)
+    _, blob, _ = lying_reducers_accusation(liar, a, b, 5)
     guard.on_findings([dict(peer=peer_of(liar), verdict="wrong average", banned=True, discarded=True, receipt=blob)], 5)
     assert refused == [peer_of(liar)] and announced[0].by == ("self",) and announced[0].epoch == 5
     assert published[-1][0]["accused"] == peer_of(liar)
@@ -218,10 +223,7 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
     from swarm.progress import PeerEntry
 
     liar, a, b, _ = keys
-    names = [peer_of(k) for k in (a, b, liar)]
-    served, weights, _, output = honest_round("fp4", lie=lambda v: -v)
-    blob = receipt_for(liar, names, served, weights, output).sign(liar)
-    entry = accusation_entry(dict(peer=peer_of(liar), verdict="wrong average", banned=True, receipt=blob), 2)
+    names, _, entry = lying_reducers_accusation(liar, a, b, 2)
     records = [record(a, [entry]), record(b, [entry]), record(liar)]
     expires = time.time() + 60
 
