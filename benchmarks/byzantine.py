@@ -18,6 +18,9 @@ invocation:
   as a reducer (``averaging.min_group_size`` is peers - 1 there, so that the honest peers
   go on together once they have banned it); the figures are the rounds until every
   honest peer banned it, and the loss;
+- ``absent / mean``: the liar's seat left empty (one peer fewer, ``min_group_size`` =
+  peers - 1): the best any defence can do, which is to leave the liar out entirely; the
+  honest peers then train on less data than in the honest run;
 - ``.../...+unchecked``: the same without checked reducers
   (``averaging.checked_reducers=false``): with ``honest/centered-clip`` it gives what the
   audits cost per round, in seconds and in bytes downloaded.
@@ -63,6 +66,7 @@ DEFAULT_SCENARIOS = [
     *(f"{attack}/centered-clip" for attack in ATTACKS),
     "reducer/centered-clip+unchecked",  # what a lying reducer does without the audits
     "honest/centered-clip+unchecked",  # the audits' cost, against honest/centered-clip
+    "absent/mean",  # the liar left out entirely: the floor for any defence
     "honest/mean#2",  # the baseline again: how far apart two honest runs land (the noise floor)
 ]
 
@@ -87,12 +91,13 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
     attack, aggregation = scenario.split("#")[0].split("/")
     aggregation, _, variant = aggregation.partition("+")
     attack = None if attack == "honest" else attack
+    absent = attack == "absent"
     workdir = root / scenario.replace("/", "-").replace("#", "-").replace("+", "-")
     workdir.mkdir(parents=True)
     sets = [
         f"averaging.aggregation={aggregation}",
         f"averaging.checked_reducers={'false' if variant == 'unchecked' else 'true'}",
-        f"averaging.min_group_size={args.peers - 1 if attack == 'reducer' else args.peers}",
+        f"averaging.min_group_size={args.peers - 1 if attack in ('reducer', 'absent') else args.peers}",
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         f"inner_steps={args.inner_steps}",
         f"init_seed={args.seed}",
@@ -108,7 +113,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 raise SystemExit(f"the first peer did not start:\n{procs[0][1].read_text()[-3000:]}")
             time.sleep(0.3)
         join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"], *tail]
-        for i in range(1, args.peers):
+        for i in range(1, args.peers - (1 if absent else 0)):
             procs.append(spawn(i, workdir, join, attack if i == args.peers - 1 else None))
         deadline = time.monotonic() + args.timeout
         for proc, _ in procs:
@@ -126,7 +131,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     honest = []
-    liar = _peer_id(procs[-1][1]) if attack else None
+    liar = _peer_id(procs[-1][1]) if attack and not absent else None
     for i in range(args.peers - (1 if attack else 0)):
         result = workdir / f"peer{i}.result.json"
         data = json.loads(result.read_text()) if result.exists() else {}
@@ -157,6 +162,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         )
     ends = [h["eval_loss_end"] for h in honest]
     to_ban = [h["rounds_to_ban_liar"] for h in honest]
+    banned_by = sum(1 for h in honest if liar and any(b["peer_id"] == liar for b in h["banned"]))
     return dict(
         scenario=scenario,
         attack=attack,
@@ -165,7 +171,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         liar=liar,
         honest_peers=honest,
         honest_loss_end=statistics.fmean(ends) if ends and None not in ends else None,
-        rounds_to_ban_liar=max(to_ban) if attack and None not in to_ban else None,
+        rounds_to_ban_liar=max(to_ban) if liar and None not in to_ban else None,  # until every honest peer banned it
+        liar_banned_by=f"{banned_by}/{len(honest)}" if liar else None,
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
         audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
@@ -238,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
-        ["scenario", "honest loss", "ratio to honest/mean", "rounds to ban", "audit s/round", "audit MB/round", "s"],
+        ["scenario", "honest loss", "ratio to honest/mean", "banned by", "rounds to ban"]
+        + ["audit s/round", "audit MB/round", "s"],
         [
             (
                 r["scenario"],
                 r["honest_loss_end"] or "diverged",
                 r["ratio_to_honest_mean"] or "-",
+                r["liar_banned_by"] or "-",
                 r["rounds_to_ban_liar"] or "-",
                 r["audit_seconds_mean"] if r["audit_seconds_mean"] is not None else "-",
                 round(r["audit_bytes_mean"] / 1e6, 3) if r["audit_bytes_mean"] is not None else "-",

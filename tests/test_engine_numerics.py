@@ -132,7 +132,7 @@ def run_swarm(make_swarm, manifest: RunManifest, extra_args: tuple[str, ...] = (
         assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
     for rank in RANKS:
         reports = swarm.reports(rank)
-        assert [r["epoch"] for r in reports] == [1, 2, 3]
+        assert [r["epoch"] for r in reports] == [1, 2, 3], (rank, reports, swarm.log(rank)[-6000:])
         assert all(r["averaged"] and r["group_size"] == 3 for r in reports), reports
     return [dict(swarm.final(rank), reports=swarm.reports(rank)) for rank in RANKS]
 
