@@ -125,6 +125,7 @@ def through_codec(average: torch.Tensor, codec: str) -> torch.Tensor:
 
 def run_swarm(make_swarm, manifest: RunManifest, extra_args: tuple[str, ...] = ()) -> list[dict]:
     swarm = make_swarm(manifest)
+    extra_args = (*extra_args, "--start-with", str(len(RANKS)))
     swarm.start(0, ROUNDS, extra_args=extra_args)
     for rank in RANKS[1:]:
         swarm.start(rank, ROUNDS, wait_ready=False, extra_args=extra_args)
