@@ -20,7 +20,8 @@ invocation:
   honest peer banned it, and the loss;
 - ``absent / mean``: the liar's seat left empty (one peer fewer, ``min_group_size`` =
   peers - 1): the best any defence can do, which is to leave the liar out entirely; the
-  honest peers then train on less data than in the honest run;
+  honest peers then train on less data than in the honest run. Every scenario's loss is
+  also given over this one (``ratio_to_absent``);
 - ``.../...+unchecked``: the same without checked reducers
   (``averaging.checked_reducers=false``): with ``honest/centered-clip`` it gives what the
   audits cost per round, in seconds and in bytes downloaded.
@@ -230,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_scenario(scenario, args, root))
         print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
     baseline = results[0]["honest_loss_end"]
+    floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
     for r in results:
         r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
+        # against the honest peers alone (the liar's seat empty): what a perfect defence would give
+        r["ratio_to_absent"] = r["honest_loss_end"] / floor if r["honest_loss_end"] and floor else None
     record = dict(
         benchmark=NAME,
         smoke=args.smoke,
@@ -245,13 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
-        ["scenario", "honest loss", "ratio to honest/mean", "banned by", "rounds to ban"]
+        ["scenario", "honest loss", "ratio to honest/mean", "to absent", "banned by", "rounds to ban"]
         + ["audit s/round", "audit MB/round", "s"],
         [
             (
                 r["scenario"],
                 r["honest_loss_end"] or "diverged",
                 r["ratio_to_honest_mean"] or "-",
+                round(r["ratio_to_absent"], 4) if r["ratio_to_absent"] else "-",
                 r["liar_banned_by"] or "-",
                 r["rounds_to_ban_liar"] or "-",
                 r["audit_seconds_mean"] if r["audit_seconds_mean"] is not None else "-",
