@@ -39,6 +39,10 @@ def main() -> int:
     parser.add_argument(
         "--start-with", type=int, default=1, help="wait (at most 180 s) for this many peers in the view before training"
     )
+    parser.add_argument(
+        "--hold-at-epoch", type=int, default=-1, help="before this epoch's steps, wait (at most 180 s) for --hold-for"
+    )
+    parser.add_argument("--hold-for", type=Path, help="a file another peer writes once it has joined")
     parser.add_argument("--resume", action="store_true", help="start from the newest state file in --out/state")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -80,6 +84,11 @@ def main() -> int:
         time.sleep(0.2)  # start than a round takes, and the first round would go alone
     reports = []
     while peer.epoch < args.max_epochs:
+        if 0 <= args.hold_at_epoch <= peer.epoch:
+            args.hold_at_epoch = -1  # once: a test whose joiner must take part in a round waits for it here, as a
+            hold_until = time.monotonic() + 180  # loaded machine can start it slower than the rest of the run takes
+            while not args.hold_for.exists() and time.monotonic() < hold_until:
+                time.sleep(0.2)
         t0 = time.monotonic()
         if peer.epoch == args.poison_epoch:
             args.poison_epoch = -1  # once: a diverged step, as after an fp16 overflow

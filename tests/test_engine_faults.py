@@ -119,8 +119,10 @@ def test_kill_mid_round_then_a_fourth_peer_joins_and_all_agree(make_swarm):
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0, inner_steps=40)
     swarm = make_swarm(manifest)
     epochs = 6
-    for rank in range(3):
-        swarm.start(rank, epochs, wait_ready=rank == 0)
+    joined = swarm.out(3) / "maddrs.txt"  # written once the joiner has started: the survivors hold for it before
+    for rank in range(3):  # epoch 4, so that it joins a round with them however slowly this machine starts it
+        hold = ("--hold-at-epoch", "4", "--hold-for", str(joined)) if rank < 2 else ()
+        swarm.start(rank, epochs, wait_ready=rank == 0, extra_args=hold)
     wait_for(swarm.marker(2, "matchmaking", 2).exists, 180, "the victim to reach its third round")
     swarm.kill(2)
     swarm.start(3, epochs, bootstrap=1)
