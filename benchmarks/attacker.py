@@ -15,7 +15,9 @@ it claims, is replaced:
   its own honest pseudo-gradient scaled to a tenth (default 1), small enough to pass
   norm checks;
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
-  average of its slice to the whole group (default 4), and signs for what it sent.
+  average of its slice to the whole group (default 4), and signs for what it sent;
+- ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
+  signs its receipt, so it is plainly alive), hoping the slice goes unchecked.
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -27,15 +29,31 @@ import sys
 
 import torch
 
-ATTACKS = {"scale": 1000.0, "sign": 4.0, "random": 10.0, "stale": 1.0, "weight": 1000.0, "ipm": 1.0, "reducer": 4.0}
+ATTACKS = {
+    "scale": 1000.0,
+    "sign": 4.0,
+    "random": 10.0,
+    "stale": 1.0,
+    "weight": 1000.0,
+    "ipm": 1.0,
+    "reducer": 4.0,
+    "hide": 4.0,
+}
 
 
 def install(attack: str, factor: float) -> None:
-    if attack == "reducer":
+    if attack in ("reducer", "hide"):
         import swarm.allreduce
 
         encode = swarm.allreduce.encode_average
         swarm.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
+        if attack == "hide":
+            from swarm.auditing import AuditRound
+
+            sent_to = AuditRound.sent_to
+            AuditRound.sent_to = lambda self, reducer: (
+                None if reducer == self.runner.peer_id.to_base58() else (sent_to(self, reducer))
+            )
         return
     from swarm.averaging import PseudoGradientAverager
     from swarm.outer_round import OuterRound

@@ -18,6 +18,8 @@ invocation:
   as a reducer (``averaging.min_group_size`` is peers - 1 there, so that the honest peers
   go on together once they have banned it); the figures are the rounds until every
   honest peer banned it, and the loss;
+- ``hide / centered-clip``: the same lying reducer, which also serves no auditor the parts
+  of its own slice (it signs its receipt, so it is alive), hoping the slice goes unchecked;
 - ``absent / mean``: the liar's seat left empty (one peer fewer, ``min_group_size`` =
   peers - 1): the best any defence can do, which is to leave the liar out entirely; the
   honest peers then train on less data than in the honest run. Every scenario's loss is
@@ -98,7 +100,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
     sets = [
         f"averaging.aggregation={aggregation}",
         f"averaging.checked_reducers={'false' if variant == 'unchecked' else 'true'}",
-        f"averaging.min_group_size={args.peers - 1 if attack in ('reducer', 'absent') else args.peers}",
+        f"averaging.min_group_size={args.peers - 1 if attack in ('reducer', 'hide', 'absent') else args.peers}",
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         f"inner_steps={args.inner_steps}",
         f"init_seed={args.seed}",
@@ -133,6 +135,9 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 proc.kill()
     honest = []
     liar = _peer_id(procs[-1][1]) if attack and not absent else None
+    # the round the liar first averaged in (with anyone): it lies from that round on
+    liar_rounds = [r["epoch"] - 1 for r in _rounds(workdir / f"peer{args.peers - 1}.jsonl") if r["averaged"]]
+    first_lie = min(liar_rounds) if liar and liar_rounds else None
     for i in range(args.peers - (1 if attack else 0)):
         result = workdir / f"peer{i}.result.json"
         data = json.loads(result.read_text()) if result.exists() else {}
@@ -140,8 +145,6 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         averaged = [r for r in rounds if r["averaged"]]
         bans = [b for path in (workdir / f"peer{i}").glob("runs/*/checkpoints/bans.json") for b in _read(path)]
         liar_ban = next((b for b in bans if b["peer_id"] == liar), None)
-        full = [r["epoch"] - 1 for r in averaged if r["group_size"] == args.peers]  # the round's starting epoch
-        first_with_liar = min(full) if full else None
         honest.append(
             dict(
                 peer=i,
@@ -151,10 +154,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 eval_loss_start=finite(data.get("eval_loss_start")),
                 eval_loss_end=finite(data.get("eval_loss_end")),
                 banned=[dict(peer_id=b["peer_id"], reason=b["reason"], epoch=b["epoch"]) for b in bans],
-                # counted from the first round the liar averaged in with us (it lies from its first round on)
-                rounds_to_ban_liar=liar_ban["epoch"] - first_with_liar + 1
-                if liar_ban and first_with_liar is not None
-                else None,
+                # counted from the first round the liar averaged in (the ban's epoch is the round's starting one)
+                rounds_to_ban_liar=liar_ban["epoch"] - first_lie + 1 if liar_ban and first_lie is not None else None,
                 audit_seconds_mean=_mean([r["seconds"].get("audit", 0.0) for r in averaged]),
                 audit_bytes_mean=_mean([r.get("audit_bytes", 0) for r in averaged]),
                 allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.inner_steps, args.eval_sequences = 2, 3, 4  # caught within 2 rounds: the goal
-        args.scenarios = "honest/mean,reducer/centered-clip"
+        args.scenarios = "honest/mean,reducer/centered-clip,hide/centered-clip"
     clock = Stopwatch()
     root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
     scenarios = args.scenarios.split(",")

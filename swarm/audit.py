@@ -56,11 +56,16 @@ class Verdict(enum.StrEnum):
     passed = "passed"
     wrong_average = "wrong average"  # the average sent is not the robust mean of the parts it signed for
     equivocated = "equivocated"  # its signed receipt names another average than the one it sent
-    unanswered = "did not answer its audit"  # no valid receipt or own part in time: the slice cannot be checked
+    unanswered = "did not answer its audit"  # no valid receipt in time: it may have vanished; cannot be checked
+    withheld = "withheld its own parts"  # it signed a receipt (it is alive) but did not serve its own part as signed
     inconclusive = "inconclusive"  # a sender's bytes did not match the receipt: sender or reducer lies
 
 
 GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated})
+# a reducer alive enough to sign a receipt that then hides its own parts from its auditor cannot be checked: its
+# slice is dropped and it is banned, as a liar's; groupmates told so check it themselves, but a reducer that
+# hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
+UNCHECKABLE = frozenset({Verdict.withheld})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 
 
@@ -187,7 +192,7 @@ def judge(
             logger.debug(
                 "%s's parts for %s: %s", sender, receipt.reducer, "missing" if parts is None else "other bytes"
             )
-            return Verdict.unanswered if sender == receipt.reducer else Verdict.inconclusive
+            return Verdict.withheld if sender == receipt.reducer else Verdict.inconclusive
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, numels, aggregation)
     if exact is None or len(received_output) != len(numels):
         return Verdict.wrong_average

@@ -30,7 +30,17 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from swarm.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
-from swarm.audit import FALSE_ACCUSATION, GUILTY, Receipt, Verdict, auditor_of, digest_parts, judge, open_receipt
+from swarm.audit import (
+    FALSE_ACCUSATION,
+    GUILTY,
+    UNCHECKABLE,
+    Receipt,
+    Verdict,
+    auditor_of,
+    digest_parts,
+    judge,
+    open_receipt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +294,9 @@ class Auditing:
             strikes = self._unanswered.pop(reducer, 0) + 1 if verdict == Verdict.unanswered else 0
             if strikes:
                 self._unanswered[reducer] = strikes
-            found.append(
-                (reducer, verdict, blob, verdict in GUILTY, verdict in GUILTY or strikes >= UNANSWERED_STRIKES)
-            )
+            caught = verdict in GUILTY or verdict in UNCHECKABLE
+            blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
+            found.append((reducer, verdict, blob, caught, caught or strikes >= UNANSWERED_STRIKES))
 
         # verdicts to wait for: those of auditors that are still with us (one whose own slice never came is gone)
         waiting = [
@@ -301,15 +311,15 @@ class Auditing:
         recheck_deadline = time.monotonic() + self._audit_timeout
         for reducer in waiting:  # an accusation is checked by every groupmate itself before anything is dropped
             heard = record.verdicts.get(reducer)
-            if heard not in GUILTY:
+            if heard not in GUILTY and heard not in UNCHECKABLE:
                 continue
             own, blob = await self._audit_one(record, reducer, recheck_deadline)
-            if own == Verdict.passed:
+            if own == Verdict.passed and heard in GUILTY:
                 found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
             elif own in GUILTY:
                 found.append((reducer, own, blob, True, True))
-            elif own == Verdict.unanswered:  # accused, it will not let us check it either: we drop its slice, as its
-                found.append((reducer, own, None, True, True))  # auditor does, and ban it
+            elif own in UNCHECKABLE or own == Verdict.unanswered:  # it will not let us check it either: we drop
+                found.append((reducer, own, None, True, True))  # its slice, as its auditor does, and ban it
 
         findings, dropped = [], 0
         for peer, verdict, blob, drop, ban in found:

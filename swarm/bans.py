@@ -42,6 +42,7 @@ class BanReason(enum.StrEnum):
     wrong_average = Verdict.wrong_average.value  # a reducer's average was not the robust mean of its inputs
     equivocated = Verdict.equivocated.value  # a reducer signed for another average than it sent
     unanswered = Verdict.unanswered.value  # accused by its auditor, it would not let us check it either
+    withheld = Verdict.withheld.value  # it signed for a round, then hid its own parts from our audit
     false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
 
 
@@ -102,8 +103,8 @@ def quorum_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
                 reason = BanReason(entry.verdict)
             except ValueError:
                 continue
-            if reason == BanReason.false_accusation:
-                continue
+            if reason not in (BanReason.wrong_average, BanReason.equivocated):
+                continue  # the other reasons rest on the accuser's word alone
             accusers.setdefault(entry.accused, {})[record.peer_id] = (reason, entry.epoch)
     bans = {}
     for accused, by in accusers.items():

@@ -118,10 +118,10 @@ def test_an_average_other_than_the_signed_one_is_equivocation_and_bad_inputs_are
 
     tampered = [served[0], sender_parts("fp4", 99), served[2]]  # a sender serves other bytes than it sent
     assert run_judge("fp4", tampered, weights, numels, output, receipt, names) == Verdict.inconclusive
-    # the reducer's own part not served as it signed for: the slice cannot be checked
+    # the reducer's own part not served as it signed for (it is alive: it signed): the slice cannot be checked
     receipt = receipt_for(keys[2], names, served, weights, output)
     assert run_judge("fp4", tampered[:1] + [served[1], tampered[1]], weights, numels, output, receipt, names) == (
-        Verdict.unanswered
+        Verdict.withheld
     )
 
 
@@ -182,6 +182,10 @@ def test_a_ban_spreads_only_with_a_quorum_of_the_accused_groupmates(keys):
     # nobody is banned for a false accusation on others' say-so
     false = dict(entry, verdict=BanReason.false_accusation.value)
     assert quorum_bans([record(a, [false]), record(b, [false])]) == {}
+    # nor for a claim the receipt cannot back (withheld parts, unanswered audits): that is the accuser's word
+    for reason in (BanReason.withheld, BanReason.unanswered):
+        claim = dict(entry, verdict=reason.value)
+        assert quorum_bans([record(a, [claim]), record(b, [claim])]) == {}, reason
 
 
 def test_the_guard_bans_keeps_bans_across_restarts_and_hides_banned_peers(tmp_path, keys):

@@ -161,10 +161,14 @@ def test_slowpeer_smoke(tmp_path: Path):
 @pytest.mark.timeout(420)
 def test_byzantine_smoke(tmp_path: Path):
     record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
-    baseline, attacked = record["scenarios"]
-    assert (baseline["scenario"], attacked["scenario"]) == ("honest/mean", "reducer/centered-clip")
+    baseline, attacked, hiding = record["scenarios"]
+    assert [s["scenario"] for s in record["scenarios"]] == [
+        "honest/mean",
+        "reducer/centered-clip",
+        "hide/centered-clip",
+    ]
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
-    for scenario in (baseline, attacked):
+    for scenario in (baseline, attacked, hiding):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
@@ -177,6 +181,17 @@ def test_byzantine_smoke(tmp_path: Path):
     for peer in attacked["honest_peers"]:
         assert [b["peer_id"] for b in peer["banned"]] == [attacked["liar"]], attacked
     assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5, attacked
+    # the same liar, hiding its own slice's parts from its auditors: its slice is dropped unchecked and it is
+    # banned by whoever averaged with it (a groupmate that refuses it may leave the other honest peer never
+    # meeting it again), never an honest peer, within 2 rounds of its first lie. Its auditor finds the parts
+    # withheld; a groupmate told so that rechecks may find it refusing the whole audit (the liar, whose own
+    # audits of honest peers fail, bans and refuses them), which drops and bans it as well
+    bans = [b for peer in hiding["honest_peers"] for b in peer["banned"]]
+    assert bans and all(b["peer_id"] == hiding["liar"] for b in bans), hiding
+    reasons = {b["reason"] for b in bans}
+    assert "withheld its own parts" in reasons and reasons <= {"withheld its own parts", "did not answer its audit"}
+    assert all(p["rounds_to_ban_liar"] <= 2 for p in hiding["honest_peers"] if p["banned"]), hiding
+    assert 0.5 < hiding["ratio_to_honest_mean"] < 1.5, hiding
 
 
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
