@@ -50,7 +50,9 @@ def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and
     swarm.start(2, epochs)
     for rank in range(3):
         assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
-    assert events_of(swarm, 2, "state_loaded"), swarm.events(2)
+    # a fresh joiner starts from the run's seeded init, so it may catch up by replaying the rounds' averages
+    # (when it is at most replay_rounds behind, as on a fast machine) or by downloading the state
+    assert events_of(swarm, 2, "replayed") or events_of(swarm, 2, "state_loaded"), swarm.events(2)
     assert any(r["averaged"] and r["group_size"] == 3 for r in swarm.reports(2)), swarm.reports(2)
     assert_consistent(swarm, range(3), epochs)
 
