@@ -11,8 +11,8 @@ inputs alone):
    so claiming a huge sample count buys nothing;
 3. **norm clipping**: each part is scaled down to at most the median of the parts'
    norms, so a scaled pseudo-gradient counts as an ordinary one;
-4. **against the grain**: a part whose cosine with the coordinate-wise median is not positive
-   (a sign-flipped or negated pseudo-gradient) is left out, when a majority of parts remains;
+4. **against the grain**: a part with no positive cosine with any other part (a sign-flipped or
+   negated pseudo-gradient) is left out, when a majority of parts remains;
 5. **CenteredClip** (Karimireddy et al. 2021; BTARD, arXiv 2106.11257): starting from
    the coordinate-wise median, ``v += sum_i w_i * clip(x_i - v, tau) / sum_i w_i`` a
    few times, with ``tau`` the median distance to the start, so a part far from the
@@ -33,6 +33,7 @@ same bytes, so groupmates stay bitwise equal whatever is computed here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 
@@ -40,6 +41,8 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
 from swarm.manifest import Aggregation
+
+logger = logging.getLogger(__name__)
 
 CENTERED_CLIP_ITERATIONS = 5
 # norms are clipped to CLIP_FACTOR x the median norm, deviations to CLIP_FACTOR x the median distance; a liar
@@ -98,11 +101,17 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
 def _against_the_grain_left_out(
     stacked: torch.Tensor, w: torch.Tensor, center: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Parts pointing away from the coordinate-wise median (cosine <= 0) are left out, if a majority remains: a
-    sign-flipped or negated pseudo-gradient then counts for nothing rather than shrinking the step."""
-    cosine = (stacked @ center) / (stacked.norm(dim=1) * center.norm()).clamp_min(1e-30)
-    keep = cosine > 0
+    """Parts that point away from every other part (no positive cosine with any) are left out, if a majority
+    remains: a sign-flipped or negated pseudo-gradient then counts for nothing rather than shrinking the step.
+    Pairwise, not against the coordinate-wise median: with three senders whose honest pseudo-gradients agree
+    only weakly (cosine ~0.1, as two peers' H-step updates on different data do), the median follows the liar
+    in every coordinate where the honest two differ in sign, and a -4x liar had a positive cosine with it."""
+    unit = stacked / stacked.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    cosine = (unit @ unit.T).fill_diagonal_(0.0)
+    keep = (cosine > 0).any(dim=1)
     kept = int(keep.sum())
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("pairwise cosines %s: keeping %s", [round(float(c), 3) for c in cosine.flatten()], keep.tolist())
     if kept == len(stacked) or 2 * kept <= len(stacked):
         return stacked, w, center
     stacked, w = stacked[keep], w[keep] / w[keep].sum()

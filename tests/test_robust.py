@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from swarm.manifest import Aggregation
-from swarm.robust import RefusedPart, RobustPartReducer, capped_weights, check_part, robust_mean
+from swarm.robust import (
+    RefusedPart,
+    RobustPartReducer,
+    _against_the_grain_left_out,
+    capped_weights,
+    check_part,
+    robust_mean,
+)
 
 N = 4096
 
@@ -153,3 +160,23 @@ def test_a_part_against_the_grain_is_left_out_and_the_honest_mean_remains():
     # a majority against the grain is not left out (two of three): the median decides as before
     two_liars = robust_mean([honest[0], -honest[0], -honest[1]], [1.0, 1.0, 1.0], Aggregation.centered_clip)
     assert torch.isfinite(two_liars).all()
+
+
+@pytest.mark.parametrize("group", [3, 4])
+def test_a_negated_part_is_left_out_even_when_the_honest_parts_agree_only_weakly(group):
+    """Two peers' H-step updates on different data agree weakly (cosine ~0.1 here). The coordinate-wise median
+    of three then follows the liar wherever the honest two differ in sign, so a liar sending -4x its own honest
+    update had a positive cosine with that median and was kept (the result's cosine with the honest peers'
+    own result was 0.73 with three, 0.81 with four); pairwise, it agrees with nobody and counts for nothing."""
+    g = torch.Generator().manual_seed(5)
+    common = torch.randn(N, generator=g)
+    own = [common + 3.0 * torch.randn(N, generator=g) for _ in range(group)]  # pairwise cosine ~0.1
+    without_liar = robust_mean(own[:-1], [1.0] * (group - 1), Aggregation.centered_clip)
+    for liar in (-4 * own[-1], -0.1 * own[-1], -1000 * own[-1]):
+        result = robust_mean([*own[:-1], liar], [1.0] * group, Aggregation.centered_clip)
+        assert torch.nn.functional.cosine_similarity(result, without_liar, dim=0) > 0.999
+        assert 0.98 < float(result.norm() / without_liar.norm()) < 1.02
+    # weakly agreeing honest peers are all kept
+    stacked = torch.stack(own)
+    kept, _, _ = _against_the_grain_left_out(stacked, torch.full((group,), 1 / group), stacked.median(0).values)
+    assert kept.shape[0] == group
