@@ -71,6 +71,7 @@ DEFAULT_SCENARIOS = [
     "honest/centered-clip+unchecked",  # the audits' cost, against honest/centered-clip
     "absent/mean",  # the liar left out entirely: the floor for any defence
     "honest/mean#2",  # the baseline again: how far apart two honest runs land (the noise floor)
+    "sign/centered-clip#2",  # an attack again: attacked runs spread wider than honest ones
 ]
 
 
