@@ -157,6 +157,9 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 banned=[dict(peer_id=b["peer_id"], reason=b["reason"], epoch=b["epoch"]) for b in bans],
                 # counted from the first round the liar averaged in (the ban's epoch is the round's starting one)
                 rounds_to_ban_liar=liar_ban["epoch"] - first_lie + 1 if liar_ban and first_lie is not None else None,
+                # per averaged round: its group's size, and the share of the vector dropped (a caught reducer's)
+                group_sizes=[r["group_size"] for r in averaged],
+                dropped_fractions=[round(r.get("dropped_fraction", 0.0), 4) for r in averaged],
                 audit_seconds_mean=_mean([r["seconds"].get("audit", 0.0) for r in averaged]),
                 audit_bytes_mean=_mean([r.get("audit_bytes", 0) for r in averaged]),
                 allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),

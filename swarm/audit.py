@@ -63,8 +63,8 @@ class Verdict(enum.StrEnum):
 
 GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated})
 # a reducer alive enough to sign a receipt that then hides its own parts from its auditor cannot be checked: its
-# slice is dropped and it is banned, as a liar's; groupmates told so check it themselves, but a reducer that
-# hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
+# slice is dropped (groupmates told so check it themselves), and it gets a strike, as for an unanswered audit; a
+# reducer that hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
 UNCHECKABLE = frozenset({Verdict.withheld})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 
@@ -190,7 +190,10 @@ def judge(
         parts = served.get(sender)
         if parts is None or digest_parts(parts) != digest:
             logger.debug(
-                "%s's parts for %s: %s", sender, receipt.reducer, "missing" if parts is None else "other bytes"
+                "%s's parts for %s: %s",
+                sender,
+                receipt.reducer,
+                "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
             )
             return Verdict.withheld if sender == receipt.reducer else Verdict.inconclusive
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, numels, aggregation)

@@ -50,7 +50,7 @@ def _left(deadline: float) -> float:
 
 
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
-UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered before we ban it
+UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 
 
 @dataclass
@@ -152,7 +152,12 @@ class Auditing:
             if record.receipt is not None:
                 yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(receipt=record.receipt)))
         elif fields.get("what") == "parts":
-            for part in record.sent_to(str(fields.get("reducer"))) or ():
+            parts = record.sent_to(str(fields.get("reducer")))
+            logger.debug(
+                "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts), fields.get("reducer"),
+                record.done,
+            )  # fmt: skip
+            for part in parts or ():
                 yield averaging_pb2.DownloadData(tensor_part=part)
 
     async def rpc_audit_verdict(
@@ -245,6 +250,14 @@ class Auditing:
         )
         return verdict, blob
 
+    def _strike(self, reducer: str, verdict: Verdict) -> int:
+        """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one
+        included; 0 once it is checked."""
+        strikes = self._unanswered.pop(reducer, 0) + 1 if verdict in UNCHECKABLE or verdict == Verdict.unanswered else 0
+        if strikes:
+            self._unanswered[reducer] = strikes
+        return strikes
+
     async def _tell_group(self, record: AuditRound, reducer: str, verdict: Verdict, deadline: float) -> None:
         me = self.peer_id.to_base58()
         fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
@@ -280,6 +293,7 @@ class Auditing:
             receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
                               digest_parts(record.outputs[me]))  # fmt: skip
             record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
+            logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
         record.done = True
 
         deadline = time.monotonic() + self._audit_timeout
@@ -290,13 +304,13 @@ class Auditing:
         # our audit is usually one that vanished: nothing is dropped on that alone (the group must agree), but one
         # that is still around and leaves UNANSWERED_STRIKES audits of ours in a row unanswered is banned
         found = []
+        # A reducer that withheld its own parts cannot be checked: its slice is dropped, but that alone is no
+        # proof (an honest one was once seen serving other bytes, cause unknown), so it is a strike, as unanswered
         for reducer, (verdict, blob) in zip(mine, results):
-            strikes = self._unanswered.pop(reducer, 0) + 1 if verdict == Verdict.unanswered else 0
-            if strikes:
-                self._unanswered[reducer] = strikes
-            caught = verdict in GUILTY or verdict in UNCHECKABLE
+            strikes = self._strike(reducer, verdict)
             blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
-            found.append((reducer, verdict, blob, caught, caught or strikes >= UNANSWERED_STRIKES))
+            drop = verdict in GUILTY or verdict in UNCHECKABLE
+            found.append((reducer, verdict, blob, drop, verdict in GUILTY or strikes >= UNANSWERED_STRIKES))
 
         # verdicts to wait for: those of auditors that are still with us (one whose own slice never came is gone)
         waiting = [
@@ -319,7 +333,9 @@ class Auditing:
             elif own in GUILTY:
                 found.append((reducer, own, blob, True, True))
             elif own in UNCHECKABLE or own == Verdict.unanswered:  # it will not let us check it either: we drop
-                found.append((reducer, own, None, True, True))  # its slice, as its auditor does, and ban it
+                # its slice, as its auditor does; accused of a lie it will not let us check, it is banned
+                strikes = self._strike(reducer, own)
+                found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
 
         findings, dropped = [], 0
         for peer, verdict, blob, drop, ban in found:

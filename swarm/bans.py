@@ -42,7 +42,7 @@ class BanReason(enum.StrEnum):
     wrong_average = Verdict.wrong_average.value  # a reducer's average was not the robust mean of its inputs
     equivocated = Verdict.equivocated.value  # a reducer signed for another average than it sent
     unanswered = Verdict.unanswered.value  # accused by its auditor, it would not let us check it either
-    withheld = Verdict.withheld.value  # it signed for a round, then hid its own parts from our audit
+    withheld = Verdict.withheld.value  # it signed for rounds, then hid its own parts from our audits, twice in a row
     false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
 
 

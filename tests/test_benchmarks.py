@@ -181,16 +181,17 @@ def test_byzantine_smoke(tmp_path: Path):
     for peer in attacked["honest_peers"]:
         assert [b["peer_id"] for b in peer["banned"]] == [attacked["liar"]], attacked
     assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5, attacked
-    # the same liar, hiding its own slice's parts from its auditors: its slice is dropped unchecked and it is
-    # banned by whoever averaged with it (a groupmate that refuses it may leave the other honest peer never
-    # meeting it again), never an honest peer, within 2 rounds of its first lie. Its auditor finds the parts
-    # withheld; a groupmate told so that rechecks may find it refusing the whole audit (the liar, whose own
-    # audits of honest peers fail, bans and refuses them), which drops and bans it as well
+    # the same liar, hiding its own slice's parts from its auditors: its slice cannot be checked, so it is dropped
+    # in every round it reduced in (a third of the vector in a group of three); a ban needs a second strike from
+    # the same auditor, which two rounds may not hold, but if there is one it is of the liar: for hiding, or for
+    # accusing an honest reducer (its patched codec makes its own recomputations differ)
+    for peer in hiding["honest_peers"]:
+        with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
+        assert all(d > 0.2 for d in with_liar), hiding
+    assert any(n == 3 for peer in hiding["honest_peers"] for n in peer["group_sizes"]), hiding
     bans = [b for peer in hiding["honest_peers"] for b in peer["banned"]]
-    assert bans and all(b["peer_id"] == hiding["liar"] for b in bans), hiding
-    reasons = {b["reason"] for b in bans}
-    assert "withheld its own parts" in reasons and reasons <= {"withheld its own parts", "did not answer its audit"}
-    assert all(p["rounds_to_ban_liar"] <= 2 for p in hiding["honest_peers"] if p["banned"]), hiding
+    assert all(b["peer_id"] == hiding["liar"] for b in bans), hiding
+    assert {b["reason"] for b in bans} <= {"withheld its own parts", "did not answer its audit", "false accusation"}
     assert 0.5 < hiding["ratio_to_honest_mean"] < 1.5, hiding
 
 
