@@ -221,26 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help="ATTACK/AGGREGATION, comma-separated")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest overrides")
     p.add_argument("--timeout", type=float, default=900.0, help="per scenario")
+    p.add_argument("--invocations", type=int, default=1, help="every scenario again with new identities (data)")
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.inner_steps, args.eval_sequences = 2, 3, 4  # caught within 2 rounds: the goal
         args.scenarios = "honest/mean,reducer/centered-clip,hide/centered-clip"
     clock = Stopwatch()
-    root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
     scenarios = args.scenarios.split(",")
     if scenarios[0] != "honest/mean":
         scenarios.insert(0, "honest/mean")  # the baseline, measured in the same run
-    results = []
-    for scenario in scenarios:
-        print(f"running {scenario} ...", flush=True)
-        results.append(run_scenario(scenario, args, root))
-        print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
-    baseline = results[0]["honest_loss_end"]
-    floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
-    for r in results:
-        r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
-        # against the honest peers alone (the liar's seat empty): what a perfect defence would give
-        r["ratio_to_absent"] = r["honest_loss_end"] / floor if r["honest_loss_end"] and floor else None
+    # each invocation has new identities, hence new data per peer: the spread between them is the noise
+    invocations = [run_invocation(scenarios, args, n) for n in range(args.invocations)]
+    root, results = invocations[0]
+    summary = summarize([r for _, r in invocations]) if args.invocations > 1 else None
     record = dict(
         benchmark=NAME,
         smoke=args.smoke,
@@ -249,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes=dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, sets=args.sets),
         baseline="honest/mean",
         scenarios=results,
+        invocations=[dict(workdir=str(w), scenarios=r) for w, r in invocations[1:]],
+        summary=summary,
         workdir=str(root),
         wall_seconds=clock.seconds,
     )
@@ -271,10 +266,54 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
     )
+    if summary:
+        print_table(
+            f"over {args.invocations} invocations (new identities, hence data, each): mean [min, max]",
+            ["scenario", "ratio to honest/mean", "to absent"],
+            [(s["scenario"], _spread(s["ratio_to_honest_mean"]), _spread(s["ratio_to_absent"])) for s in summary],
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     record["plots"] = plot(results, args.out)
     write_json(args.out, NAME, record)
     return 0
+
+
+def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) -> tuple[Path, list[dict]]:
+    """Every scenario once, with this invocation's identities; each ratio against its own baseline."""
+    root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
+    results = []
+    for scenario in scenarios:
+        print(f"running {scenario} (invocation {number + 1}/{args.invocations}) ...", flush=True)
+        results.append(run_scenario(scenario, args, root))
+        print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
+    baseline = results[0]["honest_loss_end"]
+    floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
+    for r in results:
+        r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
+        # against the honest peers alone (the liar's seat empty): what a perfect defence would give
+        r["ratio_to_absent"] = r["honest_loss_end"] / floor if r["honest_loss_end"] and floor else None
+    return root, results
+
+
+def summarize(invocations: list[list[dict]]) -> list[dict]:
+    """Per scenario, each invocation's ratios (None where it diverged or had no baseline)."""
+    return [
+        dict(
+            scenario=runs[0]["scenario"],
+            ratio_to_honest_mean=[r["ratio_to_honest_mean"] for r in runs],
+            ratio_to_absent=[r["ratio_to_absent"] for r in runs],
+        )
+        for runs in zip(*invocations)
+    ]
+
+
+def _spread(values: list) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    return f"{statistics.fmean(known):.4g} [{min(known):.4g}, {max(known):.4g}]" + (
+        f" ({len(values) - len(known)} diverged)" if len(known) < len(values) else ""
+    )
 
 
 def plot(results: list[dict], out: Path) -> list[str]:

@@ -232,3 +232,16 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["joiner_10mbit_first_averaged_round_s"] == 44.0
     assert headline["slow_peer_share_of_rounds_averaged"] == 0.92
     assert set(headline["sources"]) == set(headline) - {"sources"}
+
+
+def test_byzantine_summary_spreads_each_scenario_over_invocations():
+    from benchmarks.byzantine import _spread, summarize
+
+    run = lambda name, to_mean, to_absent: dict(scenario=name, ratio_to_honest_mean=to_mean, ratio_to_absent=to_absent)  # noqa: E731
+    first = [run("honest/mean", 1.0, 1.08), run("sign/centered-clip", 0.92, 0.996)]
+    second = [run("honest/mean", 1.0, 0.97), run("sign/centered-clip", None, None)]  # diverged
+    summary = summarize([first, second])
+    assert [s["scenario"] for s in summary] == ["honest/mean", "sign/centered-clip"]
+    assert summary[1]["ratio_to_absent"] == [0.996, None]
+    assert _spread(summary[0]["ratio_to_absent"]) == "1.025 [0.97, 1.08]"
+    assert _spread(summary[1]["ratio_to_honest_mean"]) == "0.92 [0.92, 0.92] (1 diverged)"
