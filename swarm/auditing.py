@@ -250,6 +250,17 @@ class Auditing:
         )
         return verdict, blob
 
+    @staticmethod
+    def _drop_slice(held: list[list[HeldPart]], owner: dict, peer: str) -> int:
+        """Every part of ``peer``'s slice read as zeros; the number of values newly dropped."""
+        dropped = 0
+        for (t, j), who in owner.items():
+            if who == peer and not isinstance(held[t][j], Dropped):
+                numel = math.prod(held[t][j].size)
+                held[t][j] = Dropped(numel)
+                dropped += numel
+        return dropped
+
     def _strike(self, reducer: str, verdict: Verdict) -> int:
         """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one
         included; 0 once it is checked."""
@@ -338,17 +349,18 @@ class Auditing:
                 found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
 
         findings, dropped = [], 0
+        # a slice that came in part (its reducer vanished mid-way, or cut its stream to us) is not audited, so it
+        # is dropped whole: else a liar could fail one part to us and have the rest applied unchecked
+        partial = [m for m, out in record.outputs.items() if m != me and any(isinstance(p, Dropped) for p in out)]
+        for peer in partial:
+            dropped += self._drop_slice(held, owner, peer)
         for peer, verdict, blob, drop, ban in found:
             if not (drop or ban):
                 continue
             if ban:
                 self._banned.add(peer)
             if drop:
-                for (t, j), who in owner.items():
-                    if who == peer and not isinstance(held[t][j], Dropped):
-                        numel = math.prod(held[t][j].size)
-                        held[t][j] = Dropped(numel)
-                        dropped += numel
+                dropped += self._drop_slice(held, owner, peer)
             findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
             logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
         # what we sent stays for groupmates still re-checking an accusation, then goes: it is c x N bytes

@@ -175,11 +175,16 @@ def test_byzantine_smoke(tmp_path: Path):
     assert baseline["ratio_to_honest_mean"] == 1.0
     assert all(not peer["banned"] for peer in baseline["honest_peers"]), baseline  # audits never ban an honest peer
     assert baseline["audit_seconds_mean"] is not None and baseline["audit_bytes_mean"] > 0  # the audits ran
-    # a reducer returning -4x the average to everyone: both honest peers catch and ban it within 2 rounds, its
-    # slice is dropped from the round it lied in, and the honest peers still train
-    assert attacked["rounds_to_ban_liar"] is not None and attacked["rounds_to_ban_liar"] <= 2, attacked
+    # a reducer returning -4x the average to everyone: its slice is dropped by every honest peer in every round of
+    # three it reduced in, it is banned within 2 rounds of its first lie (by its auditor; a groupmate whose copy
+    # of its slice came in part drops it whole without auditing it, and may not meet it again), never an honest
+    # peer is, and the honest peers still train
     for peer in attacked["honest_peers"]:
-        assert [b["peer_id"] for b in peer["banned"]] == [attacked["liar"]], attacked
+        with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
+        assert all(d > 0.2 for d in with_liar), attacked
+        assert all(b["peer_id"] == attacked["liar"] for b in peer["banned"]), attacked
+    banned_by = [p for p in attacked["honest_peers"] if p["banned"]]
+    assert banned_by and all(p["rounds_to_ban_liar"] <= 2 for p in banned_by), attacked
     assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5, attacked
     # the same liar, hiding its own slice's parts from its auditors: its slice cannot be checked, so it is dropped
     # in every round it reduced in (a third of the vector in a group of three); a ban needs a second strike from
