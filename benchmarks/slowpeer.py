@@ -140,13 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     for i, (_, _, jsonl) in enumerate(procs):
         rounds = [r for r in records(jsonl, "round") if start <= r["time"] <= end + 1]
         steps = [r for r in records(jsonl, "step") if start <= r["time"] <= end]
+        # the swarm's rounds this peer averaged in, each counted once: a round it finished just after peer 0's
+        # last counted one, or a round it ran twice (after a re-sync), is not another swarm round
+        averaged_epochs = {
+            r["epoch"]
+            for r in rounds
+            if r["averaged"] and r["group_size"] > 1 and start_epoch < r["epoch"] <= start_epoch + swarm_rounds
+        }
         per_peer[i] = dict(
             slow=i == slow,
             rounds=len(rounds),
             averaged=sum(bool(r["averaged"] and r["group_size"] > 1) for r in rounds),
-            share_of_swarm_rounds=sum(bool(r["averaged"] and r["group_size"] > 1) for r in rounds) / swarm_rounds
-            if swarm_rounds
-            else None,
+            share_of_swarm_rounds=len(averaged_epochs) / swarm_rounds if swarm_rounds else None,
             fallbacks=sorted({r["fallback_reason"] for r in rounds if r["fallback_reason"]}),
             resynced=sum(bool(r.get("resynced")) for r in rounds),
             steps_per_second=len(steps) / (end - start) if end > start else None,
