@@ -51,6 +51,7 @@ def _left(deadline: float) -> float:
 
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
+STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
 
 
 @dataclass
@@ -264,7 +265,7 @@ class Auditing:
     def _strike(self, reducer: str, verdict: Verdict) -> int:
         """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one
         included; 0 once it is checked."""
-        strikes = self._unanswered.pop(reducer, 0) + 1 if verdict in UNCHECKABLE or verdict == Verdict.unanswered else 0
+        strikes = self._unanswered.pop(reducer, 0) + 1 if verdict in STRIKES else 0
         if strikes:
             self._unanswered[reducer] = strikes
         return strikes
@@ -343,7 +344,7 @@ class Auditing:
                 found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
             elif own in GUILTY:
                 found.append((reducer, own, blob, True, True))
-            elif own in UNCHECKABLE or own == Verdict.unanswered:  # it will not let us check it either: we drop
+            elif own in STRIKES:  # it will not let us check it either: we drop
                 # its slice, as its auditor does; accused of a lie it will not let us check, it is banned
                 strikes = self._strike(reducer, own)
                 found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
