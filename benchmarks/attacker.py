@@ -14,6 +14,12 @@ it claims, is replaced:
 - ``ipm``: "a little is enough" style inner-product manipulation: ``-factor`` times
   its own honest pseudo-gradient scaled to a tenth (default 1), small enough to pass
   norm checks;
+- ``zero``: a free rider: sends zeros and claims its honest sample count;
+- ``tensor``: only its largest tensor multiplied by ``factor`` (default 1000), the rest
+  honest: a targeted lie that a whole-vector norm check would dilute;
+- ``drift``: one fixed random direction with ``factor`` times its honest norm (default 1),
+  every round: a steady push that random noise, new each round, would not give;
+- ``nonfinite``: its honest pseudo-gradient with every 1000th value set to infinity;
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
   average of its slice to the whole group (default 4), and signs for what it sent;
 - ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
@@ -36,6 +42,10 @@ ATTACKS = {
     "stale": 1.0,
     "weight": 1000.0,
     "ipm": 1.0,
+    "zero": 0.0,
+    "tensor": 1000.0,
+    "drift": 1.0,
+    "nonfinite": 1.0,
     "reducer": 4.0,
     "hide": 4.0,
 }
@@ -61,6 +71,7 @@ def install(attack: str, factor: float) -> None:
     fill = OuterRound._fill_pseudo_gradient
     first: list[torch.Tensor] = []
     generator = torch.Generator().manual_seed(666)
+    direction: list[torch.Tensor] = []
 
     def lying_fill(self) -> bool:
         if not fill(self):
@@ -68,6 +79,9 @@ def install(attack: str, factor: float) -> None:
         with self.peer.averager.get_tensors() as buffers:
             if attack == "stale" and not first:
                 first.extend(b.clone() for b in buffers)
+            if attack == "drift" and not direction:
+                direction.extend(torch.randn(b.shape, generator=generator) for b in buffers)
+            largest = max(range(len(buffers)), key=lambda i: buffers[i].numel())
             for i, b in enumerate(buffers):
                 if attack == "scale":
                     b.mul_(factor)
@@ -80,6 +94,14 @@ def install(attack: str, factor: float) -> None:
                     b.copy_(first[i])
                 elif attack == "ipm":
                     b.mul_(-0.1 * factor)
+                elif attack == "zero":
+                    b.zero_()
+                elif attack == "tensor" and i == largest:
+                    b.mul_(factor)
+                elif attack == "drift":
+                    b.copy_(direction[i] * (factor * b.norm() / direction[i].norm().clamp_min(1e-12)))
+                elif attack == "nonfinite":
+                    b.view(-1)[::1000] = float("inf")
         return True
 
     OuterRound._fill_pseudo_gradient = lying_fill
