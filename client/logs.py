@@ -73,8 +73,11 @@ def setup_logging(log_file: Path | None, verbose: bool) -> None:
     if not root.handlers:
         root.addHandler(logging.NullHandler())  # and not logging's last-resort handler, which prints to stderr
     logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("asyncio", "urllib3", "filelock", "fsspec", "datasets", "matplotlib"):
+    for noisy in ("asyncio", "urllib3", "filelock", "fsspec", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.INFO)
+    # datasets prints its records through its own stderr handler: at INFO a volunteer saw "Using custom data
+    # configuration ..." on the terminal, twice per peer; its warnings still show
+    logging.getLogger("datasets").setLevel(logging.WARNING)
     logging.captureWarnings(True)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "info" if verbose else "fatal")  # p2pd's own logs
 
