@@ -19,7 +19,8 @@ it claims, is replaced:
   honest: a targeted lie that a whole-vector norm check would dilute;
 - ``drift``: one fixed random direction with ``factor`` times its honest norm (default 1),
   every round: a steady push that random noise, new each round, would not give;
-- ``nonfinite``: its honest pseudo-gradient with every 1000th value set to infinity;
+- ``nonfinite``: its honest pseudo-gradient with every 1000th value set to infinity, and
+  its fp16 codec's clamp to +-65504 removed, so that the infinities reach the wire;
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
   average of its slice to the whole group (default 4), and signs for what it sent;
 - ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
@@ -65,6 +66,10 @@ def install(attack: str, factor: float) -> None:
                 None if reducer == self.runner.peer_id.to_base58() else (sent_to(self, reducer))
             )
         return
+    if attack == "nonfinite":
+        from hivemind.compression.floating import Float16Compression
+
+        Float16Compression.FP16_MIN, Float16Compression.FP16_MAX = float("-inf"), float("inf")
     from swarm.averaging import PseudoGradientAverager
     from swarm.outer_round import OuterRound
 

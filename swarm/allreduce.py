@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,9 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 from swarm.audit import update_digest
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
-from swarm.robust import RobustPartReducer
+from swarm.robust import RefusedPart, RobustPartReducer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,15 @@ def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
             offset += values.numel()
 
 
+def decode_part(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor | RefusedPart, float, runtime_pb2.Tensor]:
+    """A sender's part as values, or RefusedPart if its bytes do not decode (a wrong size for its shape, say)."""
+    try:
+        return deserialize_torch_tensor(message.tensor_part), message.weight, message.tensor_part
+    except (ValueError, RuntimeError, TypeError, KeyError) as e:
+        logger.debug("a sender's part did not decode", exc_info=True)
+        return RefusedPart(f"a sender's part could not be decoded: {e}"), message.weight, message.tensor_part
+
+
 def encode_average(tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
     """A reducer's average for every groupmate: the same bytes for all of them."""
     if compression_type == CODECS["sparse"].compression_type:
@@ -153,6 +165,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.input_digests = [hashlib.sha256() for _ in self.sender_peer_ids]
         self.input_counts = [0 for _ in self.sender_peer_ids]
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
+        # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
+        # client never sends such a part, and we saw it on the sender's own authenticated stream
+        self.refused_senders: set[PeerID] = set()
 
     def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
         update_digest(self.input_digests[sender_index], part)
@@ -233,12 +248,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, message in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part),
-                self._count(stream, received=True),
-                max_prefetch=self.tensor_part_container.prefetch,
+                decode_part, self._count(stream, received=True), max_prefetch=self.tensor_part_container.prefetch
             ):
                 if message.compression != ours:  # the run's codec for everyone, so that everyone decodes the same
-                    raise AllreduceException(f"a sender used compression {message.compression}, not the run's {ours}")
+                    tensor_part = RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
+                if isinstance(tensor_part, RefusedPart):
+                    self.refused_senders.add(self.sender_peer_ids[sender_index])
+                    raise tensor_part
                 self._received_from(sender_index, message, weight)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
@@ -247,6 +263,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
+                except RefusedPart:
+                    self.refused_senders.add(self.sender_peer_ids[sender_index])
+                    raise
                 serialized = await loop.run_in_executor(None, encode_average, averaged_part, ours)
                 self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)

@@ -67,6 +67,7 @@ GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated})
 # reducer that hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
 UNCHECKABLE = frozenset({Verdict.withheld})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
+MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
 
 
 def update_digest(h, part: runtime_pb2.Tensor) -> None:

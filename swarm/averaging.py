@@ -29,6 +29,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.access import RunSecret
 from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.audit import MALFORMED
 from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
@@ -179,6 +180,12 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         findings, discarded, audit_started = [], 0, time.monotonic()
         if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone
             held, discarded, findings = await self._audit_group(runner, record, held)
+        # a sender whose parts we refused as its reducer: seen by us on its own stream, so we ban it (for us alone)
+        findings += [
+            dict(peer=p.to_base58(), verdict=MALFORMED, banned=True, discarded=False, receipt=None)
+            for p in runner.refused_senders
+            if p != self.peer_id
+        ]
         audit_seconds = time.monotonic() - audit_started
 
         def commit() -> None:  # only after the whole all-reduce succeeded, and every part was checked

@@ -1,11 +1,13 @@
 """Bans: peers caught by checked reducers, kept out for the rest of the run, and accusations others can check.
 
 A peer bans a groupmate when its own audit (``swarm.auditing``) caught it returning a wrong
-average (or accusing an honest reducer). It then publishes a signed accusation in its
-progress record, with the reducer's own signed receipt inside. Another peer applies a
-ban it did not see itself only when ``QUORUM`` groupmates of the accused, each named as a
-sender in the accused's own receipt, accuse it: one claim, checked by nobody else, bans
-no one (the accuser may be the liar).
+average (or accusing an honest reducer), or when, as its reducer, it received parts from it that
+no honest client sends (NaN or infinite values, a wrong size, bytes that do not decode). It then
+publishes an accusation in its progress record, with the reducer's own signed receipt inside
+when there is one. Another peer applies a ban it did not see itself only when ``QUORUM``
+groupmates of the accused, each named as a sender in the accused's own receipt, accuse it of
+a wrong average or equivocation: one claim, checked by nobody else, bans no one (the accuser
+may be the liar).
 
 A banned peer is dropped from this peer's swarm view, so it is never a state donor, a
 replay donor, a vote on the global epoch or the checksum, or a mate to wait for; the
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.audit import FALSE_ACCUSATION, Verdict, open_receipt
+from swarm.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
 from swarm.progress import PeerEntry
 from swarm.records import ProgressRecord
 
@@ -44,6 +46,7 @@ class BanReason(enum.StrEnum):
     unanswered = Verdict.unanswered.value  # accused by its auditor, it would not let us check it either
     withheld = Verdict.withheld.value  # it signed for rounds, then hid its own parts from our audits, twice in a row
     false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
+    malformed = MALFORMED  # as a sender, it sent us (as its reducer) parts no honest client sends
 
 
 @dataclass(frozen=True)

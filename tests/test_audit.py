@@ -182,8 +182,8 @@ def test_a_ban_spreads_only_with_a_quorum_of_the_accused_groupmates(keys):
     # nobody is banned for a false accusation on others' say-so
     false = dict(entry, verdict=BanReason.false_accusation.value)
     assert quorum_bans([record(a, [false]), record(b, [false])]) == {}
-    # nor for a claim the receipt cannot back (withheld parts, unanswered audits): that is the accuser's word
-    for reason in (BanReason.withheld, BanReason.unanswered):
+    # nor for a claim the receipt cannot back (withheld or malformed parts, unanswered audits): the accuser's word
+    for reason in (BanReason.withheld, BanReason.unanswered, BanReason.malformed):
         claim = dict(entry, verdict=reason.value)
         assert quorum_bans([record(a, [claim]), record(b, [claim])]) == {}, reason
 

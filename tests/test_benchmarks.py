@@ -161,14 +161,15 @@ def test_slowpeer_smoke(tmp_path: Path):
 @pytest.mark.timeout(420)
 def test_byzantine_smoke(tmp_path: Path):
     record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
-    baseline, attacked, hiding = record["scenarios"]
+    baseline, attacked, hiding, nonfinite = record["scenarios"]
     assert [s["scenario"] for s in record["scenarios"]] == [
         "honest/mean",
         "reducer/centered-clip",
         "hide/centered-clip",
+        "nonfinite/centered-clip",
     ]
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
-    for scenario in (baseline, attacked, hiding):
+    for scenario in (baseline, attacked, hiding, nonfinite):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
@@ -198,6 +199,12 @@ def test_byzantine_smoke(tmp_path: Path):
     assert all(b["peer_id"] == hiding["liar"] for b in bans), hiding
     assert {b["reason"] for b in bans} <= {"withheld its own parts", "did not answer its audit", "false accusation"}
     assert 0.5 < hiding["ratio_to_honest_mean"] < 1.5, hiding
+    # a sender whose parts hold infinities (its codec's clamp removed): every honest peer, as its reducer, refuses
+    # them and bans it in the first round, for malformed parts and for nothing else, and trains on without it
+    for peer in nonfinite["honest_peers"]:
+        assert [(b["peer_id"], b["reason"]) for b in peer["banned"]] == [(nonfinite["liar"], "sent malformed parts")]
+        assert peer["banned"][0]["epoch"] == 0, nonfinite
+    assert 0.5 < nonfinite["ratio_to_honest_mean"] < 1.5, nonfinite
 
 
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):

@@ -7,7 +7,11 @@ import math
 
 import pytest
 import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto.runtime_pb2 import CompressionType
 
+from swarm.allreduce import decode_part
 from swarm.manifest import Aggregation
 from swarm.robust import (
     RefusedPart,
@@ -180,3 +184,16 @@ def test_a_negated_part_is_left_out_even_when_the_honest_parts_agree_only_weakly
     stacked = torch.stack(own)
     kept, _, _ = _against_the_grain_left_out(stacked, torch.full((group,), 1 / group), stacked.median(0).values)
     assert kept.shape[0] == group
+
+
+def test_a_part_whose_bytes_do_not_decode_is_refused_not_raised():
+    """A sender's bytes are decoded before anything else: garbage gives RefusedPart (its sender is then banned by
+    the reducer that saw it), an honest fp16 part its values."""
+    good = serialize_torch_tensor(torch.arange(6.0), CompressionType.FLOAT16)
+    values, weight, _ = decode_part(averaging_pb2.AveragingData(tensor_part=good, weight=2.0))
+    assert torch.equal(values, torch.arange(6.0)) and weight == 2.0
+    bad = runtime_pb2.Tensor()
+    bad.CopyFrom(good)
+    bad.buffer = good.buffer[:-3]  # not a whole number of fp16 values
+    refused, _, _ = decode_part(averaging_pb2.AveragingData(tensor_part=bad, weight=1.0))
+    assert isinstance(refused, RefusedPart) and "could not be decoded" in str(refused)
