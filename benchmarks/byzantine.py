@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -227,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest overrides")
     p.add_argument("--timeout", type=float, default=900.0, help="per scenario")
     p.add_argument("--invocations", type=int, default=1, help="every scenario again with new identities (data)")
+    p.add_argument(
+        "--identities",
+        type=Path,
+        default=None,
+        help="an earlier run's directory (its identity-N.key files): the same peers, hence the same data, again; "
+        "to compare a change to the defences on an invocation that went badly",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.inner_steps, args.eval_sequences = 2, 3, 4  # caught within 2 rounds: the goal
@@ -286,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) -> tuple[Path, list[dict]]:
     """Every scenario once, with this invocation's identities; each ratio against its own baseline."""
     root = Path(tempfile.mkdtemp(prefix="swarm-byzantine-"))
+    if args.identities is not None and number == 0:
+        for key in sorted(args.identities.glob("identity-*.key")):
+            shutil.copy2(key, root / key.name)
     results = []
     for scenario in scenarios:
         print(f"running {scenario} (invocation {number + 1}/{args.invocations}) ...", flush=True)
