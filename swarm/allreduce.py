@@ -250,13 +250,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             async for tensor_part, weight, message in amap_in_executor(
                 decode_part, self._count(stream, received=True), max_prefetch=self.tensor_part_container.prefetch
             ):
-                if message.compression != ours:  # the run's codec for everyone, so that everyone decodes the same
-                    tensor_part = RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
-                if isinstance(tensor_part, RefusedPart):
-                    self.refused_senders.add(self.sender_peer_ids[sender_index])
-                    raise tensor_part
-                self._received_from(sender_index, message, weight)
                 try:
+                    if message.compression != ours:  # the run's codec for everyone, so everyone decodes the same
+                        raise RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
+                    if isinstance(tensor_part, RefusedPart):
+                        raise tensor_part
+                    self._received_from(sender_index, message, weight)
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
                     )

@@ -180,13 +180,13 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         findings, discarded, audit_started = [], 0, time.monotonic()
         if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone
             held, discarded, findings = await self._audit_group(runner, record, held)
+        audit_seconds = time.monotonic() - audit_started
         # a sender whose parts we refused as its reducer: seen by us on its own stream, so we ban it (for us alone)
         findings += [
             dict(peer=p.to_base58(), verdict=MALFORMED, banned=True, discarded=False, receipt=None)
             for p in runner.refused_senders
             if p != self.peer_id
         ]
-        audit_seconds = time.monotonic() - audit_started
 
         def commit() -> None:  # only after the whole all-reduce succeeded, and every part was checked
             for tensor, parts in zip(tensors, held):
