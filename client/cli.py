@@ -17,6 +17,8 @@ from swarm.errors import LeaveRequested, SwarmError
 DEFAULT_WORKDIR = Path("~/.cache/swarm").expanduser()
 
 # option dest -> environment variable; tests check that each is honoured
+EVAL_SEQUENCES_DEFAULT = 64  # held-out sequences scored when --eval-every is given alone
+
 ENV_VARS = {
     "initial_peers": "SWARM_INITIAL_PEERS",
     "run": "SWARM_RUN",
@@ -33,6 +35,7 @@ ENV_VARS = {
     "preset": "SWARM_PRESET",
     "manifest": "SWARM_MANIFEST",
     "eval_sequences": "SWARM_EVAL_SEQUENCES",
+    "eval_every": "SWARM_EVAL_EVERY",
     "verbose": "SWARM_VERBOSE",
     "no_dashboard": "SWARM_NO_DASHBOARD",
     "log_json": "SWARM_LOG_JSON",
@@ -61,6 +64,16 @@ def _micro_batch(text: str) -> int | None:
         raise argparse.ArgumentTypeError("must be 'auto' or a positive integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be 'auto' or a positive integer")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a whole number, 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be a whole number, 0 or more")
     return value
 
 
@@ -155,9 +168,17 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
     )
     p.add_argument(
         "--eval-sequences",
-        type=int,
-        default=int(_env("eval_sequences", 0)),
+        type=_count,
+        default=_count(_env("eval_sequences", "0")),
         help="held-out sequences to score at start and end (0: none) [SWARM_EVAL_SEQUENCES]",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=_count,
+        default=_count(_env("eval_every", "0")),
+        metavar="ROUNDS",
+        help="also score the held-out sequences after every ROUNDS outer rounds (0: never; "
+        f"without --eval-sequences, {EVAL_SEQUENCES_DEFAULT} of them) [SWARM_EVAL_EVERY]",
     )
     p.add_argument(
         "--no-dashboard",

@@ -159,7 +159,8 @@ def _this_peer(source: DashboardSource, now: float) -> Panel:
     losses = list(tel.losses)
     loss = f"{losses[-1]:.4f}" if losses else "-"
     util = tel.utilization(now)
-    grid.add_row("loss", f"{loss}  {sparkline(losses[-60:])}", "lr", f"{tel.lr:.2e}")
+    held_out = f"  held-out {tel.eval_loss[1]:.4f} at epoch {tel.eval_loss[0]}" if tel.eval_loss else ""
+    grid.add_row("loss", f"{loss}  {sparkline(losses[-60:])}{held_out}", "lr", f"{tel.lr:.2e}")
     grid.add_row(
         "tokens/s",
         f"{tel.tokens_per_second:,.0f}",

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from client.cli import EVAL_SEQUENCES_DEFAULT
 from client.logs import setup_logging
 from client.signals import STOP
 from swarm import NetworkConfig, RunSecret, SwarmError
@@ -127,7 +128,8 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
             name=args.name,
             micro_batch=args.micro_batch,
             max_epochs=args.max_epochs,
-            eval_sequences=args.eval_sequences,
+            eval_sequences=args.eval_sequences or (EVAL_SEQUENCES_DEFAULT if args.eval_every else 0),
+            eval_every=args.eval_every,
         )
         run_id = manifest.run_id
         # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
@@ -171,6 +173,7 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
                     checksum=result.checksum,
                     eval_loss_start=result.eval_loss_start,
                     eval_loss_end=result.eval_loss_end,
+                    eval_losses=result.eval_losses,
                     averaged_rounds=sum(r.averaged for r in result.reports),
                     checkpoint=str(result.checkpoint) if result.checkpoint else None,
                 )

@@ -49,6 +49,7 @@ class Telemetry:
         self.rounds = 0
         self.averaged_rounds = 0
         self.last_round: RoundReport | None = None
+        self.eval_loss: tuple[int, float] | None = None  # the latest held-out figure: epoch, loss
         self.last_round_wall = 0.0  # seconds between the end of the previous round and the end of this one
         self.download_donor: str | None = None
         self.last_checkpoint: tuple[int, int, float] | None = None  # epoch, bytes, seconds to write
@@ -115,6 +116,11 @@ class Telemetry:
                 wall_seconds=round(self.last_round_wall, 4),
             )
         )
+
+    def evaluation(self, epoch: int, loss: float) -> None:
+        """The held-out loss of the model as it left the round that ended at ``epoch``."""
+        self.eval_loss = (epoch, loss)
+        self._write(dict(type="eval", time=time.time(), epoch=epoch, loss=loss))
 
     def event(self, kind: str, message: str) -> None:
         event = Event(time.time(), kind, message)

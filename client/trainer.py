@@ -48,6 +48,7 @@ class TrainerSettings:
     micro_batch: int | None = None  # None: automatic
     max_epochs: int | None = None  # leave after this many outer rounds
     eval_sequences: int = 0  # >0: report held-out loss at start and end
+    eval_every: int = 0  # >0 (with eval_sequences): also after every this many rounds
     log_every: float = LOG_EVERY_SECONDS
 
 
@@ -57,6 +58,7 @@ class TrainerResult:
     epoch: int = 0
     eval_loss_start: float | None = None
     eval_loss_end: float | None = None
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)  # (epoch, held-out loss) every eval_every
     skipped_scaler_steps: int = 0
     nan_steps: int = 0
     checkpoint: Path | None = None
@@ -327,6 +329,12 @@ class Trainer:
             f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
             f"checksum {report.checksum[:10]}",
         )
+        every = self.settings.eval_every
+        if every and self.settings.eval_sequences and self.result.rounds % every == 0:
+            loss = evaluate(self.model, self.eval_set, self.hardware.device)  # the model is the round's outer state
+            self.result.eval_losses.append((report.epoch, loss))
+            self.telemetry.evaluation(report.epoch, loss)
+            self.note("log", f"held-out loss at epoch {report.epoch}: {loss:.4f}")
 
     def _leave(self) -> None:
         """Within the stop deadline: the inner optimizer's state if there is time, then the peer leaves, which
@@ -341,7 +349,12 @@ class Trainer:
         try:
             if peer.outer is not None and self.batches is not None:
                 if self.settings.eval_sequences and not self.stop.requested:
-                    self.result.eval_loss_end = evaluate(self.model, self.eval_set, self.hardware.device)
+                    latest = self.result.eval_losses[-1] if self.result.eval_losses else None
+                    self.result.eval_loss_end = (  # the last round's figure, if it was just taken
+                        latest[1]
+                        if latest and latest[0] == peer.epoch
+                        else evaluate(self.model, self.eval_set, self.hardware.device)
+                    )
                     self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
                 self._save_inner(budget())
         finally:

@@ -59,6 +59,7 @@ ENV_VALUES = {
     "max_epochs": ("7", 7),
     "client_mode": ("true", True),
     "eval_sequences": ("5", 5),
+    "eval_every": ("2", 2),
     "verbose": ("1", True),
     "no_dashboard": ("yes", True),
     "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),

@@ -60,6 +60,7 @@ class Swarm:
             MAX_EPOCHS,
             "--log-json",
             str(self.root / f"peer{i}.jsonl"),
+            *(["--eval-every", "1", "--eval-sequences", "4"] if i else []),  # held-out after every round
         ]
 
     def start_with_terminal(self) -> None:
@@ -201,7 +202,7 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
     assert re.search(r"^swarm: \d+ peers alive, global epoch \d+", text, re.M), text[-2000:]
     records = [json.loads(line) for line in (swarm.root / "peer1.jsonl").read_text().splitlines()]
     kinds = {r["type"] for r in records}
-    assert kinds == {"step", "round", "event", "checkpoint"}
+    assert kinds == {"step", "round", "event", "checkpoint", "eval"}
     checkpoints = [r for r in records if r["type"] == "checkpoint"]  # one per state file, written in the background
     assert all(r["bytes"] > 0 and r["seconds"] >= 0 and r["epoch"] >= 0 for r in checkpoints)
     finished = sorted(r["epoch"] for r in records if r["type"] == "round")[:-1]  # the newest may still be writing
@@ -215,6 +216,16 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
         assert r["wall_seconds"] >= r["seconds"]["compute"] * 0.5
     averaged = [r for r in rounds if r["averaged"]]
     assert averaged and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in averaged)
+    # --eval-every 1: the held-out loss of each round's outer state, once per round, after it
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["epoch"] for r in evals] == [r["epoch"] for r in rounds][: len(evals)] and len(evals) >= len(rounds) - 1
+    assert all(0 < r["loss"] < 20 for r in evals)
+    lines = [int(e) for e in re.findall(r"^held-out loss at epoch (\d+): \d+\.\d{4}$", text, re.M)]
+    assert lines and lines == [r["epoch"] for r in evals][: len(lines)]  # the log was read before the records
+
+
+def _plain(screen: str) -> str:
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
 
 
 def test_the_terminal_peer_draws_the_live_dashboard(swarm):
@@ -226,9 +237,16 @@ def test_the_terminal_peer_draws_the_live_dashboard(swarm):
             break
         time.sleep(0.5)
     assert "why am I idle?" in screen and "gamma (you)" in screen, screen[-3000:]
-    for label in ("global epoch", "peers alive", "swarm speed", "tokens trained", "next round", "compute utilization"):
+    labels = ("global epoch", "peers alive", "swarm speed", "tokens trained", "next round", "compute utilization")
+    deadline = time.monotonic() + 120  # the held-out figure appears after the terminal peer's first round
+    held_out = re.compile(r"held-out \d+\.\d{4} at epoch \d+")
+    while not held_out.search(_plain(screen)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        screen = swarm.pty_output.decode("utf-8", "replace")
+    assert held_out.search(_plain(screen)), screen[-3000:]
+    for label in labels:
         assert label in screen
-    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    plain = _plain(screen)
     rounds = [line for line in plain.splitlines() if "round -> epoch" in line]
     assert rounds and all(line.lstrip().startswith("│") for line in rounds)  # inside the events panel, not printed
 
