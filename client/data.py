@@ -8,6 +8,7 @@ id, so peers that start together read different text.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import queue
 import random
@@ -25,6 +26,7 @@ from swarm import DatasetSpec, SwarmError, TokenizerSpec
 
 BYTE_VOCAB = 256
 BOS, EOS, PAD = 256, 257, 258
+EVAL_PER_DOCUMENT = 2  # held-out sequences taken from one document at most
 
 
 class Tokenizer(Protocol):
@@ -84,12 +86,17 @@ def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
 
 
 def stdlib_sources() -> list[Path]:
-    """The Python standard library's own source files: a corpus every machine already has."""
+    """The Python standard library's own source files: a corpus every machine already has.
+
+    In a fixed pseudo-random order (by a hash of each file's path under the library), not by name: in
+    name order every shard reaches the same package at the same time (all peers trained on ``encodings/``'s
+    codec tables in the same round, and the held-out loss jumped), and the held-out set was one or two files.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
     if not files:
         raise SwarmError(f"No Python source files found under {root} for the built-in corpus.")
-    return files
+    return sorted(files, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest())
 
 
 def _builtin_documents() -> Iterator[dict]:
@@ -224,11 +231,21 @@ class SequenceStream:
 def eval_batches(
     spec: DatasetSpec, tokenizer: Tokenizer, seq_len: int, num_sequences: int, batch_size: int = 8
 ) -> list[torch.Tensor]:
-    """Fixed held-out sequences from the last shard, the same on every peer."""
+    """Fixed held-out sequences from the last shard, the same on every peer: at most ``EVAL_PER_DOCUMENT``
+    from any one document (the rest of it is skipped), so that the set spans many documents."""
     docs = shard_documents(load_documents(spec), spec.num_shards, spec.num_shards - 1)
-    sequences = []
-    for seq in pack((row["text"] for row in docs), tokenizer, seq_len):
-        sequences.append(seq)
+    sequences: list[torch.Tensor] = []
+    buffer: list[int] = []
+    for row in docs:
+        buffer.extend(tokenizer.encode(row["text"]))
+        buffer.append(tokenizer.eos_id)
+        taken = 0
+        while len(buffer) >= seq_len and taken < EVAL_PER_DOCUMENT and len(sequences) < num_sequences:
+            sequences.append(torch.tensor(buffer[:seq_len], dtype=torch.long))
+            del buffer[:seq_len]
+            taken += 1
+        if taken == EVAL_PER_DOCUMENT:
+            buffer.clear()
         if len(sequences) == num_sequences:
             break
     if not sequences:

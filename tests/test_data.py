@@ -1,11 +1,14 @@
 """Packing, shard disjointness, local files and a locally built AutoTokenizer."""
 
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
 from client.data import (
+    EVAL_PER_DOCUMENT,
     ByteTokenizer,
     HFTokenizer,
     SequenceStream,
@@ -13,6 +16,7 @@ from client.data import (
     load_documents,
     pack,
     shard_documents,
+    stdlib_sources,
 )
 from swarm import DatasetSpec, SwarmError
 
@@ -63,6 +67,36 @@ def test_builtin_corpus_peers_start_on_different_shards_and_never_train_on_the_h
     assert sorted(a.order) == list(range(15)) and spec.num_shards - 1 not in a.order
     assert not torch.equal(a.next_batch(8), b.next_batch(8))
     assert len(eval_batches(spec, tok, 64, 16)) == 2
+
+
+def test_builtin_corpus_is_dealt_in_a_fixed_mixed_order_not_by_name():
+    """By name, every shard reached encodings/'s codec tables in the same round (the held-out loss jumped
+    for every peer at once); now any stretch of a shard mixes packages, the same on every machine."""
+    files = stdlib_sources()
+    assert files == stdlib_sources() and files != sorted(files)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    top = [p.relative_to(root).parts[0] if len(p.relative_to(root).parts) > 1 else "." for p in files]
+    for package in ("encodings", "test", "idlelib"):  # each spread over the corpus, not one stretch of it
+        where = [i for i, t in enumerate(top) if t == package]
+        assert where[0] < len(files) // 10 and where[-1] > len(files) * 9 // 10, package
+
+
+def test_held_out_sequences_span_many_documents(tmp_path):
+    docs = [{"text": f"document {i:03d} " + "x" * 500} for i in range(40)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in docs))
+    spec = DatasetSpec(source="local", path=str(path), num_shards=2)
+    tok = ByteTokenizer()
+    sequences = torch.cat(eval_batches(spec, tok, 64, 16))
+    assert sequences.shape == (16, 64)
+    starts = [tok.decode(s.tolist())[:12] for s in sequences]
+    names = [t for t in starts if t.startswith("document ")]
+    assert len(names) == 16 // EVAL_PER_DOCUMENT and len(set(names)) == len(names)  # 2 per document, 8 documents
+    assert all(int(n.split()[1]) % 2 == 1 for n in names)  # the last shard of two: odd documents only
+    short = tmp_path / "short.jsonl"  # documents shorter than a sequence still fill it, packed together
+    short.write_text("\n".join(json.dumps({"text": f"d{i}"}) for i in range(200)))
+    packed = eval_batches(DatasetSpec(source="local", path=str(short), num_shards=2), tok, 32, 4)
+    assert torch.cat(packed).shape == (4, 32)
 
 
 def test_stream_resumes_from_its_position():
