@@ -8,7 +8,8 @@ trains ``--rounds`` rounds and scores its model on the held-out shard at the sta
 and the end; peer N has the same identity, hence the same data, in every scenario. The figure
 is the honest peers' mean held-out loss at the end,
 divided by that of the honest run with today's plain mean, measured in the same
-invocation:
+invocation; every peer also scores it after every round (``--eval-every 1``), and the
+"worst round" is the largest such ratio over the rounds:
 
 - ``honest / mean``: the baseline (hivemind's plain weighted mean);
 - ``honest / centered-clip``: the cost of the defences without an attacker;
@@ -111,7 +112,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         f"init_seed={args.seed}",
         *args.sets,
     ]
-    tail = ["--max-epochs", str(args.rounds), "--eval-sequences", str(args.eval_sequences)]
+    tail = ["--max-epochs", str(args.rounds), "--eval-sequences", str(args.eval_sequences), "--eval-every", "1"]
     started = time.monotonic()
     procs = [spawn(0, workdir, ["start", "--preset", "tiny", *(a for s in sets for a in ("--set", s)), *tail], None)]
     try:
@@ -160,6 +161,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
                 averaged_rounds=data.get("averaged_rounds"),
                 eval_loss_start=finite(data.get("eval_loss_start")),
                 eval_loss_end=finite(data.get("eval_loss_end")),
+                eval_losses={int(e): finite(v) for e, v in data.get("eval_losses", [])},  # after each round
                 banned=[dict(peer_id=b["peer_id"], reason=b["reason"], epoch=b["epoch"]) for b in bans],
                 # counted from the first round the liar averaged in (the ban's epoch is the round's starting one)
                 rounds_to_ban_liar=liar_ban["epoch"] - first_lie + 1 if liar_ban and first_lie is not None else None,
@@ -173,6 +175,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
             )
         )
     ends = [h["eval_loss_end"] for h in honest]
+    epochs = sorted(set().union(*(h["eval_losses"] for h in honest)))
+    by_round = [[h["eval_losses"].get(e) for h in honest] for e in epochs]
     to_ban = [h["rounds_to_ban_liar"] for h in honest]
     banned_by = sum(1 for h in honest if liar and any(b["peer_id"] == liar for b in h["banned"]))
     return dict(
@@ -183,6 +187,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         liar=liar,
         honest_peers=honest,
         honest_loss_end=statistics.fmean(ends) if ends and None not in ends else None,
+        # the honest peers' mean held-out loss after each round (epoch 1..rounds); None where one diverged or lacked it
+        honest_loss_by_round={e: statistics.fmean(v) if None not in v else None for e, v in zip(epochs, by_round)},
         rounds_to_ban_liar=max(to_ban) if liar and None not in to_ban else None,  # until every honest peer banned it
         liar_banned_by=f"{banned_by}/{len(honest)}" if liar else None,
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
@@ -262,13 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
-        ["scenario", "honest loss", "ratio to honest/mean", "to absent", "banned by", "rounds to ban"]
+        ["scenario", "honest loss", "ratio to honest/mean", "worst round", "to absent", "banned by", "rounds to ban"]
         + ["audit s/round", "audit MB/round", "s"],
         [
             (
                 r["scenario"],
                 r["honest_loss_end"] or "diverged",
                 r["ratio_to_honest_mean"] or "-",
+                round(r["worst_round_ratio"], 4) if r["worst_round_ratio"] else "diverged",
                 round(r["ratio_to_absent"], 4) if r["ratio_to_absent"] else "-",
                 r["liar_banned_by"] or "-",
                 r["rounds_to_ban_liar"] or "-",
@@ -282,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print_table(
             f"over {args.invocations} invocations (new identities, hence data, each): mean [min, max]",
-            ["scenario", "ratio to honest/mean", "to absent"],
-            [(s["scenario"], _spread(s["ratio_to_honest_mean"]), _spread(s["ratio_to_absent"])) for s in summary],
+            ["scenario", "ratio to honest/mean", "worst round", "to absent"],
+            [
+                (
+                    s["scenario"],
+                    *(_spread(s[k]) for k in ("ratio_to_honest_mean", "worst_round_ratio", "ratio_to_absent")),
+                )
+                for s in summary
+            ],
         )
     args.out.mkdir(parents=True, exist_ok=True)
     record["plots"] = plot(results, args.out)
@@ -306,9 +319,18 @@ def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) 
     floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
     for r in results:
         r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
+        r["ratio_by_round"] = round_ratios(r["honest_loss_by_round"], results[0]["honest_loss_by_round"])
+        # the round where the attack did most harm (None if it diverged in any): the end alone can be a lucky one
+        ratios = list(r["ratio_by_round"].values())
+        r["worst_round_ratio"] = max(ratios) if ratios and None not in ratios else None
         # against the honest peers alone (the liar's seat empty): what a perfect defence would give
         r["ratio_to_absent"] = r["honest_loss_end"] / floor if r["honest_loss_end"] and floor else None
     return root, results
+
+
+def round_ratios(losses: dict[int, float | None], baseline: dict[int, float | None]) -> dict[int, float | None]:
+    """Per round, the honest peers' held-out loss over the baseline's at the same round."""
+    return {e: v / baseline[e] if v and baseline.get(e) else None for e, v in losses.items() if e in baseline}
 
 
 def summarize(invocations: list[list[dict]]) -> list[dict]:
@@ -318,6 +340,7 @@ def summarize(invocations: list[list[dict]]) -> list[dict]:
             scenario=runs[0]["scenario"],
             ratio_to_honest_mean=[r["ratio_to_honest_mean"] for r in runs],
             ratio_to_absent=[r["ratio_to_absent"] for r in runs],
+            worst_round_ratio=[r["worst_round_ratio"] for r in runs],
         )
         for runs in zip(*invocations)
     ]

@@ -173,6 +173,13 @@ def test_byzantine_smoke(tmp_path: Path):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
+            # --eval-every 1: a held-out figure after each round, the last one the end figure
+            rounds = peer["eval_losses"]
+            assert rounds and all(positive_finite(v) for v in rounds.values()), scenario
+            assert rounds[max(rounds, key=int)] == peer["eval_loss_end"], scenario
+        assert all(positive_finite(v) for v in scenario["honest_loss_by_round"].values()), scenario
+    assert sorted(baseline["honest_loss_by_round"], key=int) == ["1", "2"], baseline
+    assert set(baseline["ratio_by_round"].values()) == {1.0} and baseline["worst_round_ratio"] == 1.0
     assert baseline["ratio_to_honest_mean"] == 1.0
     assert all(not peer["banned"] for peer in baseline["honest_peers"]), baseline  # audits never ban an honest peer
     assert baseline["audit_seconds_mean"] is not None and baseline["audit_bytes_mean"] > 0  # the audits ran
@@ -247,13 +254,17 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
 
 
 def test_byzantine_summary_spreads_each_scenario_over_invocations():
-    from benchmarks.byzantine import _spread, summarize
+    from benchmarks.byzantine import _spread, round_ratios, summarize
 
-    run = lambda name, to_mean, to_absent: dict(scenario=name, ratio_to_honest_mean=to_mean, ratio_to_absent=to_absent)  # noqa: E731
-    first = [run("honest/mean", 1.0, 1.08), run("sign/centered-clip", 0.92, 0.996)]
-    second = [run("honest/mean", 1.0, 0.97), run("sign/centered-clip", None, None)]  # diverged
+    def run(name, to_mean, to_absent, worst):
+        return dict(scenario=name, ratio_to_honest_mean=to_mean, ratio_to_absent=to_absent, worst_round_ratio=worst)
+
+    first = [run("honest/mean", 1.0, 1.08, 1.0), run("sign/centered-clip", 0.92, 0.996, 1.3)]
+    second = [run("honest/mean", 1.0, 0.97, 1.0), run("sign/centered-clip", None, None, None)]  # diverged
     summary = summarize([first, second])
     assert [s["scenario"] for s in summary] == ["honest/mean", "sign/centered-clip"]
-    assert summary[1]["ratio_to_absent"] == [0.996, None]
+    assert summary[1]["ratio_to_absent"] == [0.996, None] and summary[1]["worst_round_ratio"] == [1.3, None]
+    # per round against the baseline's same round; a diverged round or one the baseline lacks gives no ratio
+    assert round_ratios({1: 4.0, 2: None, 3: 3.0}, {1: 2.0, 2: 2.0}) == {1: 2.0, 2: None}
     assert _spread(summary[0]["ratio_to_absent"]) == "1.025 [0.97, 1.08]"
     assert _spread(summary[1]["ratio_to_honest_mean"]) == "0.92 [0.92, 0.92] (1 diverged)"
