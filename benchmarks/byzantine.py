@@ -176,7 +176,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path) -> dict:
         )
     ends = [h["eval_loss_end"] for h in honest]
     epochs = sorted(set().union(*(h["eval_losses"] for h in honest)))
-    by_round = [[h["eval_losses"].get(e) for h in honest] for e in epochs]
+    # a peer that did not reach a round (it resynced past it) is left out of that round's mean; None is a divergence
+    by_round = [[h["eval_losses"][e] for h in honest if e in h["eval_losses"]] for e in epochs]
     to_ban = [h["rounds_to_ban_liar"] for h in honest]
     banned_by = sum(1 for h in honest if liar and any(b["peer_id"] == liar for b in h["banned"]))
     return dict(
