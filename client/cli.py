@@ -55,26 +55,22 @@ def _env(dest: str, default):
     return value
 
 
-def _micro_batch(text: str) -> int | None:
-    if str(text) == "auto":
-        return None
+def _whole(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError("must be 'auto' or a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 'auto' or a positive integer")
+        raise argparse.ArgumentTypeError(f"must be {what}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}")
     return value
+
+
+def _micro_batch(text: str) -> int | None:
+    return None if str(text) == "auto" else _whole(text, 1, "'auto' or a positive integer")
 
 
 def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a whole number, 0 or more") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be a whole number, 0 or more")
-    return value
+    return _whole(text, 0, "a whole number, 0 or more")
 
 
 def _add_initial_peers(p: argparse.ArgumentParser, required: bool) -> None:
