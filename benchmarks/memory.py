@@ -28,11 +28,19 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, save_figure
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    scratch_dir,
+)
 from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records
 from benchmarks.pss import TreeSampler
@@ -186,6 +194,7 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
         for p in peers:
             p.leaving = True
             p.proc.send_signal(signal.SIGTERM)
+            p.sampler.sample()
         leave = {}
         for p in peers:
             try:
@@ -329,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     clock = Stopwatch()
     params = count_params(args)
     print(f"model: {params / 1e6:.1f}M parameters", flush=True)
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-memory-"))
     runs = []
-    if args.baseline:
-        runs.append(run_scenario(baseline_tree(args.baseline, root), f"baseline {args.baseline}", args, root))
-    runs.append(run_scenario(REPO, "current", args, root))
+    with scratch_dir(args.workdir, "swarm-memory-") as root:
+        if args.baseline:
+            runs.append(run_scenario(baseline_tree(args.baseline, root), f"baseline {args.baseline}", args, root))
+        runs.append(run_scenario(REPO, "current", args, root))
     budget = BUDGET_PER_PARAM * params + BUDGET_FIXED
     current = runs[-1]
     ratios = dict(

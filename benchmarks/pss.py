@@ -70,6 +70,7 @@ class TreeSampler:
         self.peaks: dict[str, Peak] = {}
         self.overall = Peak()
         self.samples = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pss-{pid}", daemon=True)
 
@@ -81,13 +82,19 @@ class TreeSampler:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sample = tree_pss(self.root)
-            if sample:
+    def sample(self) -> None:
+        """One sample now (also called by the benchmark at a moment it must not miss, such as SIGTERM: a small
+        peer can exit within one interval)."""
+        sample = tree_pss(self.root)
+        if sample:
+            with self._lock:
                 now = time.time()
                 phase = self.phase()
                 self.peaks.setdefault(phase, Peak()).offer(sample, now)
                 self.overall.offer(sample, now)
                 self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
             self._stop.wait(self.interval)

@@ -38,6 +38,7 @@ from swarm.audit import update_digest
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
 from swarm.robust import RefusedPart, RobustPartReducer
+from swarm.spill import SpilledParts
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +158,21 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.tensor_part_container.__class__ = HeldOutputContainer
         plain = self.tensor_part_reducer  # hivemind's running sum, replaced before any part arrives
         self.tensor_part_reducer = RobustPartReducer(plain.part_shapes, plain.num_senders, aggregation)
+        plain.num_senders = 0  # so finalizing it unused does not log "Reducer: received 0.0% of input tensors"
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0
         # for checked reducers (swarm.audit): the exact parts sent to each reducer, by its index in the group, and
         # as a reducer, a running digest of each sender's parts, their count, and each sender's weight
-        self.sent_parts: dict[int, list[runtime_pb2.Tensor]] = {}
+        self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
         self.input_digests = [hashlib.sha256() for _ in self.sender_peer_ids]
         self.input_counts = [0 for _ in self.sender_peer_ids]
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
         self.refused_senders: set[PeerID] = set()
+        # per groupmate, our task sending it our part of its slice and awaiting the slice's average: a groupmate whose
+        # own parts we refused would only send back an average of garbage (or nothing, until the reducer timeout)
+        self._awaiting_reducer: dict[PeerID, asyncio.Task] = {}
 
     def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
         update_digest(self.input_digests[sender_index], part)
@@ -177,9 +182,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _record_sent(
         self, peer_index: int, stream: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        kept = self.sent_parts.setdefault(peer_index, [])
+        self.sent_parts.start(peer_index)
         async for message in stream:
-            kept.append(message.tensor_part)
+            self.sent_parts.append(peer_index, message.tensor_part)
             yield message
 
     async def _count(
@@ -206,12 +211,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             sender_index = self.sender_peer_ids.index(peer_id)
             loop = asyncio.get_event_loop()
             ours = container.compression.compression_type
-            kept = self.sent_parts.setdefault(peer_index, [])
+            self.sent_parts.start(peer_index)
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
                 # our own slice goes through the codec like everyone's, so what we add is bytes a groupmate can
                 # check (lossless for fp4 and sparse, whose values are already on the grid)
                 sent = await loop.run_in_executor(None, serialize_torch_tensor, tensor_part, ours)
-                kept.append(sent)
+                self.sent_parts.append(peer_index, sent)
                 self._received_from(sender_index, sent, self.weight)
                 values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
                 averaged = await self.tensor_part_reducer.accumulate_part(
@@ -221,6 +226,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 container.register_processed_part(peer_index, part_index, held)
             return
         try:
+            if peer_id in self.refused_senders:
+                raise AllreduceException(f"we refused {peer_id}'s parts: its slice is dropped")
+            self._awaiting_reducer[peer_id] = asyncio.current_task()
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
@@ -239,6 +247,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException:
             container.register_failed_reducer(peer_index)
             raise
+
+    def _refuse(self, sender: PeerID) -> None:
+        """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
+        self.refused_senders.add(sender)
+        awaiting = self._awaiting_reducer.get(sender)
+        if awaiting is not None and not awaiting.done() and awaiting is not asyncio.current_task():
+            awaiting.cancel()  # its slice is registered as failed (read back as no change) when the task ends
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -263,7 +278,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except BannedException:
                     break
                 except RefusedPart:
-                    self.refused_senders.add(self.sender_peer_ids[sender_index])
+                    self._refuse(self.sender_peer_ids[sender_index])
                     raise
                 serialized = await loop.run_in_executor(None, encode_average, averaged_part, ours)
                 self.bytes_sent += len(serialized.buffer)

@@ -27,6 +27,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
 from hivemind.utils.asyncio import as_aiter, azip
 
+from swarm import heap
 from swarm.access import RunSecret
 from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.audit import MALFORMED
@@ -150,6 +151,11 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
 
     # ---- averaging (runs in the averager process) ------------------------------------------------
 
+    def _run_internal(self) -> None:
+        rebuild_torch_thread_pool()
+        heap.limit_retention()
+        super()._run_internal()
+
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
@@ -219,6 +225,8 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
                 await asyncio.get_event_loop().run_in_executor(None, self._keep_update, ours["epoch"], held)
             except OSError:
                 logger.debug("could not keep the round's update", exc_info=True)
+        del held  # the round's buffers are all gone now (the host reads the average from the shared buffers)
+        heap.trim()
         return dict(
             group=tuple(p.to_base58() for p in group_info.peer_ids),
             gathered={peer.to_base58(): data for peer, data in gathered.items()},
@@ -260,6 +268,18 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
     def average(self, **kwargs: Any) -> AllReduceOutcome:
         """``start_averaging`` and wait: raises on failure, never waits past ``hard_timeout``."""
         return self.start_averaging(**kwargs).wait()
+
+
+def rebuild_torch_thread_pool() -> None:
+    """Call first thing in a forked child that will run torch ops on several threads at once.
+
+    When the parent has called ``torch.set_num_threads`` (the engine tests do; so may a program that embeds
+    swarm), a forked child rebuilds torch's thread pool on first use, and two threads doing that together can
+    find no pool at all ("pool INTERNAL ASSERT FAILED ... Invalid thread pool!"). The averager process encodes
+    and decodes parts on asyncio's executor threads; this failed about one first all-reduce in ten in the
+    engine tests (the sender's part never left, and its groupmates dropped a third of the round). Rebuilt
+    here, on one thread, before any part is touched (tests/test_averaging_fork.py)."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def epoch_group_bits(epoch: int, bits: int = 16) -> str:

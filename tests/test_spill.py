@@ -1,0 +1,43 @@
+"""The parts kept for auditors live in an unlinked temporary file: read back bit for bit, per reducer, in order."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+
+from swarm.spill import SpilledParts
+
+
+def part(seed: int, n: int = 1000) -> runtime_pb2.Tensor:
+    torch.manual_seed(seed)
+    return serialize_torch_tensor(torch.randn(n), runtime_pb2.CompressionType.FLOAT16)
+
+
+def test_parts_come_back_bit_for_bit_per_reducer_in_the_order_they_were_sent():
+    spill = SpilledParts()
+    sent = {0: [part(1), part(2), part(3)], 2: [part(4), part(5, n=17)]}
+    for i in range(3):  # interleaved, as streams to several reducers are
+        for reducer, parts in sent.items():
+            if i < len(parts):
+                spill.append(reducer, parts[i])
+    for reducer, parts in sent.items():
+        got = spill.get(reducer)
+        assert [p.SerializeToString() for p in got] == [p.SerializeToString() for p in parts]
+    assert spill.get(1) is None  # never sent anything
+    spill.start(1)
+    assert spill.get(1) == []  # a stream begun, nothing sent yet
+
+
+def test_the_bytes_are_in_a_file_with_no_name_and_it_is_closed_with_the_round():
+    spill = SpilledParts()
+    assert spill._file is None  # nothing sent: no file
+    big = part(7, n=200_000)
+    spill.append(0, big)
+    fd = spill._file.fileno()
+    assert os.fstat(fd).st_size == len(big.SerializeToString())
+    assert os.fstat(fd).st_nlink == 0  # unlinked: nothing is left on disk if the process is killed
+    spill.close()
+    assert spill._file is None and spill.get(0) is None
