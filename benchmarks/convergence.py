@@ -47,7 +47,9 @@ from client.model import build_model, count_parameters
 from client.presets import build_manifest
 from client.trainer import lr_at
 from swarm import RunManifest, codecs
+from swarm.manifest import Aggregation
 from swarm.outer import OuterState
+from swarm.robust import robust_mean
 
 NAME = "convergence"
 DEFAULT_VARIANTS = [
@@ -97,26 +99,29 @@ class Setup:
     batches: list[list[torch.Tensor]]  # [worker][step] -> (batch, seq_len)
     eval_set: list[torch.Tensor]
     shards: list[int]
+    seed: int = 0  # another seed: another initial model and other shards for the workers (0: the preset's)
 
     def manifest(self, total_steps: int, extra: list[str] = ()) -> RunManifest:
         """The preset, with the cosine schedule ending at this run's last step."""
-        return build_manifest(
-            self.preset, overrides=[f"samples_per_step={self.batch}", f"inner.total_steps={total_steps}", *extra]
-        )
+        overrides = [f"samples_per_step={self.batch}", f"inner.total_steps={total_steps}", *extra]
+        if self.seed:
+            overrides.append(f"init_seed={build_manifest(self.preset).init_seed + self.seed}")
+        return build_manifest(self.preset, overrides=overrides)
 
     @property
     def tokens_per_ddp_step(self) -> int:
         return self.workers * self.batch * self.batches[0][0].shape[1]
 
 
-def worker_seeds(manifest: RunManifest, workers: int) -> list[tuple[str, int]]:
+def worker_seeds(manifest: RunManifest, workers: int, seed: int = 0) -> list[tuple[str, int]]:
     """Peer seeds whose first shards differ, so the simulated workers read disjoint text like real peers."""
     seeds, used, k = [], set(), 0
+    prefix = "bench-worker" if not seed else f"bench-worker-seed{seed}"
     while len(seeds) < workers:
-        seed = f"bench-worker-{len(seeds)}-{k}"
-        first = shard_order(manifest.dataset, seed)[0]
+        seed_name = f"{prefix}-{len(seeds)}-{k}"
+        first = shard_order(manifest.dataset, seed_name)[0]
         if first not in used:
-            seeds.append((seed, first))
+            seeds.append((seed_name, first))
             used.add(first)
             k = 0
         else:
@@ -124,19 +129,21 @@ def worker_seeds(manifest: RunManifest, workers: int) -> list[tuple[str, int]]:
     return seeds
 
 
-def prepare(preset: str, workers: int, steps: int, batch: int | None, eval_sequences: int, eval_every: int) -> Setup:
+def prepare(
+    preset: str, workers: int, steps: int, batch: int | None, eval_sequences: int, eval_every: int, seed: int = 0
+) -> Setup:
     base = build_manifest(preset)
     batch = batch or base.samples_per_step
     tokenizer = load_tokenizer(base.tokenizer)
-    seeds = worker_seeds(base, workers)
+    seeds = worker_seeds(base, workers, seed)
     batches = []
-    for seed, shard in seeds:
-        stream = SequenceStream(base.dataset, tokenizer, base.seq_len, peer_seed=seed)
+    for name, shard in seeds:
+        stream = SequenceStream(base.dataset, tokenizer, base.seq_len, peer_seed=name)
         batches.append([stream.next_batch(batch) for _ in range(steps)])
         if stream.position.order_index != 0:
-            print(f"  note: worker seed {seed} ran past its first shard ({shard}); shards may overlap")
+            print(f"  note: worker seed {name} ran past its first shard ({shard}); shards may overlap")
     eval_set = eval_batches(base.dataset, tokenizer, base.seq_len, eval_sequences)
-    return Setup(preset, workers, steps, batch, eval_every, batches, eval_set, [s for _, s in seeds])
+    return Setup(preset, workers, steps, batch, eval_every, batches, eval_set, [s for _, s in seeds], seed)
 
 
 def evaluate(model: torch.nn.Module, eval_set: list[torch.Tensor]) -> float:
@@ -202,12 +209,19 @@ def through_wire(tensor: torch.Tensor, wire: str, average: bool) -> torch.Tensor
     return tensor
 
 
-def average(pseudo_gradients: list[list[torch.Tensor]], wire: str) -> list[torch.Tensor]:
-    """Equal-weight mean of the workers' pseudo-gradients, summed in fp32, through the wire both ways."""
+def average(pseudo_gradients: list[list[torch.Tensor]], wire: str, robust: bool = False) -> list[torch.Tensor]:
+    """Equal-weight mean of the workers' pseudo-gradients, summed in fp32, through the wire both ways; or, with
+    ``robust``, the swarm reducer's robust mean (swarm.robust), here per tensor (the swarm's reducers take it per
+    all-reduce part, slices of the same flat vector)."""
     averaged = []
     for parts in zip(*pseudo_gradients):
         inputs = [through_wire(p, wire, average=False) for p in parts]
-        averaged.append(through_wire(torch.stack(inputs).mean(dim=0), wire, average=True))
+        if robust:
+            flat = [i.reshape(-1) for i in inputs]
+            mean = robust_mean(flat, [1.0] * len(flat), Aggregation.centered_clip).view(parts[0].shape)
+        else:
+            mean = torch.stack(inputs).mean(dim=0)
+        averaged.append(through_wire(mean, wire, average=True))
     return averaged
 
 
@@ -224,6 +238,11 @@ class Variant:
     delay: int = 0
     outer_lr: float | None = None  # None: the preset's
     outer_momentum: float | None = None
+    robust: bool = False  # the reducers' robust mean (the manifest's default aggregation), not the plain mean
+    stand_in: str = "own"  # eager: own (whole own pseudo-gradient), share (own/N), blend (+ (1-1/N) last average)
+    # eager: the stand-in from the pseudo-gradient as computed (raw, as the client does since 2026-11-25) or as sent
+    # (after the codec's rounding and error feedback: what the runs before then measured)
+    stand_in_source: str = "raw"
 
     @property
     def name(self) -> str:
@@ -232,11 +251,17 @@ class Variant:
             name += f"-{self.mode}{self.delay}"
         if self.outer_lr is not None or self.outer_momentum is not None:
             name += f"-outer{self.outer_lr}m{self.outer_momentum}"
+        if self.robust:
+            name += "-robust"
+        if self.mode == "eager" and self.stand_in != "own":
+            name += f"-{self.stand_in}"
+        if self.mode == "eager" and self.stand_in_source != "raw":
+            name += f"-from{self.stand_in_source}"
         return name
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """``h=10,wire=fp4,mode=delayed,delay=5,lr=1.0,momentum=0``"""
+        """``h=10,wire=fp4,mode=eager,delay=5,lr=1.0,momentum=0,agg=robust,standin=blend``"""
         fields = dict(item.split("=", 1) for item in text.split(","))
         return cls(
             inner_steps=int(fields.pop("h")),
@@ -245,6 +270,9 @@ class Variant:
             delay=int(fields.pop("delay", 0)),
             outer_lr=float(fields["lr"]) if "lr" in fields else None,
             outer_momentum=float(fields["momentum"]) if "momentum" in fields else None,
+            robust=fields.get("agg", "mean") == "robust",
+            stand_in=fields.get("standin", "own"),
+            stand_in_source=fields.get("standinfrom", "raw"),
         )
 
 
@@ -255,6 +283,20 @@ def _tentative_step(outer: OuterState, pseudo_gradient: list[torch.Tensor]) -> l
     before = [p.clone() for p in trial.params]
     trial.step(pseudo_gradient)
     return [a - b for a, b in zip(trial.params, before)]
+
+
+def stand_in_gradient(
+    own: list[torch.Tensor], last_average: list[torch.Tensor] | None, group: int, kind: str
+) -> list[torch.Tensor]:
+    """What an eager worker steps with while the average is in flight: its own pseudo-gradient (``own``), its
+    own share of the average alone (``share``), or that plus the last round's average for the others' shares
+    (``blend``)."""
+    share = 1.0 / group
+    if kind == "share":
+        return [o.mul(share) for o in own]
+    if kind == "own" or last_average is None:
+        return own
+    return [o.mul(share).add_(a, alpha=1.0 - share) for o, a in zip(own, last_average)]
 
 
 def run_diloco(setup: Setup, variant: Variant) -> Curve:
@@ -275,10 +317,19 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
     rounds = setup.steps // h
     curve = Curve(variant.name, "diloco", optimizer_steps=setup.steps, communication_rounds=rounds)
     curve.settings = dict(
-        inner_steps=h, wire=variant.wire, mode=variant.mode, delay=variant.delay, outer=manifest.outer.model_dump()
+        inner_steps=h,
+        wire=variant.wire,
+        mode=variant.mode,
+        delay=variant.delay,
+        outer=manifest.outer.model_dump(),
+        outer_lr=variant.outer_lr,  # the variant's own outer settings (None: the preset's)
+        outer_momentum=variant.outer_momentum,
+        aggregation="robust" if variant.robust else "mean",
+        stand_in=variant.stand_in if variant.mode == "eager" else None,
     )
     curve.add(0, evaluate(models[0], setup.eval_set))
     pending: tuple[list[torch.Tensor], list[list[torch.Tensor]] | None] | None = None
+    last_average: list[torch.Tensor] | None = None  # the last round's, as applied: blend's guess of the others'
     wire_bytes: list[float] = []
 
     def land() -> None:
@@ -301,13 +352,15 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         if pending is not None:
             land()
             pending = None
-        pseudo_gradients = []
+        pseudo_gradients, raw = [], []
         for w in range(setup.workers):
             delta = outer.pseudo_gradient(params[w])
+            if variant.stand_in_source == "raw" and variant.wire in ("fp4", "sparse"):
+                raw.append([d.clone() for d in delta])
             if variant.wire in ("fp4", "sparse"):
                 codecs.apply_error_feedback(delta, residuals[w], variant.wire)
             pseudo_gradients.append(delta)
-        averaged = average(pseudo_gradients, variant.wire)
+        averaged = average(pseudo_gradients, variant.wire, variant.robust)
         wire_bytes.append(bytes_per_param(pseudo_gradients[0], averaged, variant.wire))
         if variant.mode == "blocking":
             outer.step(averaged)
@@ -316,7 +369,12 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         else:
             stand_ins = None
             if variant.mode == "eager":
-                stand_ins = [_tentative_step(outer, delta) for delta in pseudo_gradients]
+                guesses = [
+                    stand_in_gradient(delta, last_average, setup.workers, variant.stand_in)
+                    for delta in (raw or pseudo_gradients)
+                ]
+                stand_ins = [_tentative_step(outer, guess) for guess in guesses]
+            last_average = averaged
             for w, worker in enumerate(params):
                 outer.write_to(worker)
                 if stand_ins is not None:
@@ -358,6 +416,14 @@ def butterfly_bytes(numel: int, workers: int, bytes_per_value: float) -> float:
     return 2 * bytes_per_value * numel * (workers - 1) / workers
 
 
+def second_half_ratio(curve: Curve, ref: Curve) -> float | None:
+    """Mean of ``curve``'s held-out loss over ``ref``'s at the same token counts, over the second half's points."""
+    theirs = dict(zip(ref.tokens, ref.eval_loss))
+    last = max(curve.tokens, default=0)
+    pairs = [(v, theirs[t]) for t, v in zip(curve.tokens, curve.eval_loss) if t >= last / 2 and t in theirs]
+    return sum(v / r for v, r in pairs) / len(pairs) if pairs and all(r > 0 for _, r in pairs) else None
+
+
 def summarize(curves: list[Curve], setup: Setup, numel: int) -> dict:
     by_name = {c.name: c for c in curves}
     ddp = by_name.get("ddp")
@@ -367,12 +433,23 @@ def summarize(curves: list[Curve], setup: Setup, numel: int) -> dict:
             ratios[f"{c.name}/ddp"] = dict(
                 eval_loss_ratio=c.final / ddp.final, perplexity_ratio=math.exp(c.final - ddp.final)
             )
-    for c in curves:  # every other variant against blocking fp32 DiLoCo with the same H
-        ref = by_name.get(f"diloco-h{c.settings.get('inner_steps')}-fp32")
-        if c.kind == "diloco" and ref is not None and ref is not c:
-            ratios[f"{c.name}/{ref.name}"] = dict(
-                eval_loss_ratio=c.final / ref.final, perplexity_ratio=math.exp(c.final - ref.final)
-            )
+    for c in curves:  # every other variant against blocking fp32 DiLoCo with the same H: with the preset's outer
+        if c.kind != "diloco":  # settings, and (when it ran with others) with its own outer settings
+            continue
+        h = c.settings.get("inner_steps")
+        refs = [f"diloco-h{h}-fp32"]
+        outer = c.settings.get("outer_lr"), c.settings.get("outer_momentum")
+        if outer != (None, None):
+            refs.append(f"diloco-h{h}-fp32-outer{outer[0]}m{outer[1]}")
+        for ref in (by_name.get(name) for name in refs):
+            if ref is not None and ref is not c:
+                ratios[f"{c.name}/{ref.name}"] = dict(
+                    eval_loss_ratio=c.final / ref.final,
+                    perplexity_ratio=math.exp(c.final - ref.final),
+                    # the per-point ratio averaged over the run's second half: one end point moves by a few percent
+                    # between runs that differ by a rounding (blocking fp4 against fp32: 0.996-1.045 point by point)
+                    eval_loss_ratio_second_half=second_half_ratio(c, ref),
+                )
     communication = {}
     for c in curves:
         per_value = c.settings.get("bytes_per_param", 4.0)
@@ -416,17 +493,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=DEFAULT_VARIANTS,
-        help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager][,delay=D]"
-        "[,lr=OUTER_LR][,momentum=M]",
+        help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager][,delay=D][,agg=robust]"
+        "[,lr=OUTER_LR][,momentum=M][,standin=own|share|blend][,standinfrom=raw|sent]",
     )
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
     p.add_argument("--eval-every", type=int, default=50, help="DDP-equivalent steps between held-out scores")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="another initial model and other worker shards (0: the default)")
     p.add_argument("--no-references", dest="references", action="store_false", help="skip the ddp and single runs")
     args = p.parse_args(argv)
     if args.smoke:
         args.workers, args.steps = 2, 6
         args.variants = ["h=2", "h=3", "h=3,wire=fp16", "h=3,wire=fp4,mode=delayed,delay=1", "h=3,mode=eager,delay=1"]
+        args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share")  # the client's stand-in, from raw
         args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
     args.variants = [Variant.parse(v) for v in args.variants]
     for v in args.variants:
@@ -440,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = Stopwatch()
-    setup = prepare(args.preset, args.workers, args.steps, args.batch, args.eval_sequences, args.eval_every)
+    setup = prepare(args.preset, args.workers, args.steps, args.batch, args.eval_sequences, args.eval_every, args.seed)
     numel = count_parameters(build_model(setup.manifest(args.steps)))
     m = setup.workers
     print(
@@ -480,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             eval_sequences=sum(len(x) for x in setup.eval_set),
             eval_every_ddp_steps=setup.eval_every,
             worker_shards=setup.shards,
+            seed=setup.seed,
             inner_lr=setup.manifest(setup.steps).inner.lr,
             warmup_steps=setup.manifest(setup.steps).inner.warmup_steps,
         ),

@@ -88,17 +88,29 @@ class Aggregation(enum.StrEnum):
     centered_clip = "centered-clip"
 
 
+class StandIn(enum.StrEnum):
+    """What an overlapped round's model steps with while the group's average is in flight."""
+
+    own = "own"  # the step of this peer's whole pseudo-gradient (eager updates, arXiv 2502.12996)
+    # the step of its own share of the group's average: 1/N of its pseudo-gradient, N the last group's size (the
+    # average of N weakly agreeing pseudo-gradients is much shorter than any one of them)
+    share = "share"
+    blend = "blend"  # that share plus, for the others' shares, the last round's average
+
+
 class AveragingSpec(_Frozen):
     """How pseudo-gradients are averaged, and how long anyone waits for anyone."""
 
-    # on the wire: fp4 (E3M0, 0.5 B/value) and sparse (top-k, about 0.04 B/value) keep what they did not send
-    # (error feedback) and send it with the next round
+    # on the wire: fp4 (E3M0, deflated: about 0.44 B/value) and sparse (top-k, about 0.04 B/value) keep what they
+    # did not send (error feedback) and send it with the next round
     compression: Literal["none", "fp16", "scaled-fp16", "fp4", "sparse"] = "fp16"
     sparse_k: int = Field(64, ge=1, le=128)  # sparse: values sent per chunk of 4096
     # overlapped: after H steps the pseudo-gradient is averaged in the background while the next round's inner
     # steps run, from the global model moved by our own pseudo-gradient's step; when the average lands (at the
     # latest, at the next round's start) the group's step replaces that stand-in (eager updates)
     overlap: bool = False
+    stand_in: StandIn = StandIn.share  # overlapped: what the model steps with until the average lands (share:
+    # 1.129 of blocking in benchmarks/results/convergence-standin, own 1.168, blend 1.384)
     # how a reducer combines its groupmates' parts (swarm.robust): centered-clip caps weights at the median,
     # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;
     # mean is hivemind's plain weighted mean (parts are checked for size and finiteness either way)
@@ -123,6 +135,12 @@ class AveragingSpec(_Frozen):
     # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
     join_rounds_early: bool = True
+
+    @property
+    def attempt_limit(self) -> float:
+        """The longest one averaging attempt may last: matchmaking, the all-reduce, the audits (as long again)
+        and 10 s for the averager's own bookkeeping; after it the attempt is abandoned."""
+        return self.matchmaking_timeout + self.allreduce_timeout * (2 if self.checked_reducers else 1) + 10
 
     @model_validator(mode="after")
     def _times_fit(self) -> AveragingSpec:

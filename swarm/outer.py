@@ -101,18 +101,33 @@ class OuterState:
             self._checksum = None
 
     def stand_in(
-        self, pseudo_gradient: Sequence[torch.Tensor], dtype: torch.dtype = STAND_IN_DTYPE
+        self,
+        pseudo_gradient: Sequence[torch.Tensor],
+        dtype: torch.dtype = STAND_IN_DTYPE,
+        blend_into: list[torch.Tensor] | None = None,
+        weight: float = 1.0,
+        grad_scale: float = 1.0,
     ) -> list[torch.Tensor]:
         """How far ``step(pseudo_gradient)`` would move each parameter, without moving anything: an overlapped
-        round's stand-in for the group's step with this peer's own pseudo-gradient (eager updates, arXiv
-        2502.12996). Kept in ``dtype`` (bf16: 2 bytes per parameter); it only ever moves the local model."""
+        round's stand-in for the group's step (eager updates, arXiv 2502.12996). Kept in ``dtype`` (bf16: 2
+        bytes per parameter); it only ever moves the local model, and is taken back exactly.
+
+        With ``blend_into`` (the stand-in of another pseudo-gradient, changed in place and returned) the result
+        is ``weight`` times this step plus ``1 - weight`` times that one: the step of the blended gradient, as
+        the momentum's share splits between the two. ``grad_scale``: the step of ``grad_scale`` times the
+        pseudo-gradient (the momentum's share whole)."""
         lr, mu = self.spec.lr, self.spec.momentum
         out = []
         with self.lock, torch.no_grad():
-            for buf, grad in zip(self.momentum, pseudo_gradient):
+            for i, (buf, grad) in enumerate(zip(self.momentum, pseudo_gradient)):
+                grad = grad if grad_scale == 1.0 else grad.mul(grad_scale)
                 future = buf.mul(mu).add_(grad)
                 update = grad.add(future, alpha=mu) if self.spec.nesterov else future
-                out.append(update.mul_(-lr).to(dtype))
+                update.mul_(-lr * weight)
+                if blend_into is None:
+                    out.append(update.to(dtype))
+                else:
+                    out.append(blend_into[i].mul_(1.0 - weight).add_(update.to(dtype)))
         return out
 
     def write_to(self, model_params: Sequence[torch.Tensor]) -> None:

@@ -37,6 +37,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from swarm.averaging import AllReduceOutcome, Averaging, RoundAborted, epoch_group_bits
 from swarm.codecs import apply_error_feedback
 from swarm.errors import LeaveRequested
+from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
 from swarm.swarm_view import groupmates_published, mates_coming, swarm_moved_on
@@ -80,6 +81,10 @@ class Flight:
 class OuterRound:
     def __init__(self, peer: Peer):
         self.peer = peer
+        # (epoch, group size) while the averaging buffers hold the group's average that moved us to that epoch
+        self._last_average: tuple[int, int] | None = None
+        # overlapped: the last finished round and its group, until its consistency is checked (at the next begin)
+        self._unchecked: tuple[RoundReport, tuple[str, ...]] | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -92,17 +97,26 @@ class OuterRound:
         peer = self.peer
         seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
         epoch = peer.outer.epoch
+        self._unchecked = None
         why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
             return self._resync_round(seconds, str(why))
         t0 = time.monotonic()
+        plan = self._stand_in_plan()  # before our own pseudo-gradient overwrites the last average
         if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
             return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
-        seconds["pseudo_gradient"] = time.monotonic() - t0
         flight = Flight(epoch, peer.round_samples, seconds, time.monotonic() + peer.manifest.averaging.wait_for_peers)
-        if self.overlapped:  # the next round starts at once from the global model moved by our own step
-            with peer.shield(), peer.averager.get_tensors() as buffers:
-                flight.stand_in = peer.outer.stand_in(buffers)
+        if self.overlapped:
+            # the stand-in comes from the pseudo-gradient as computed, before a codec rounds it: made of fp4's coarse
+            # values it put the next inner steps at a noisy point, and what they learnt there to undo the noise
+            # stayed after the average replaced it (overlapped fp4 landing 1 step late: 1.065 of blocking, 1.029
+            # from the raw values; docs/benchmarks.md, section 6)
+            with peer.averager.get_tensors() as buffers:
+                flight.stand_in = peer.outer.stand_in(buffers, **plan)
+        self._apply_error_feedback()
+        seconds["pseudo_gradient"] = time.monotonic() - t0
+        if self.overlapped:  # the next round starts at once from the global model moved by the stand-in's step
+            with peer.shield():
                 peer.outer.write_to(peer.params)
                 _add(peer.params, flight.stand_in, 1.0)
             peer.begin_round()
@@ -110,19 +124,37 @@ class OuterRound:
         self._attempt(flight)
         return flight
 
+    def _stand_in_plan(self) -> dict:
+        """How ``OuterState.stand_in`` makes this round's stand-in: ``StandIn.share``, the step of our own
+        1/N share of the coming average (N the last group's size); ``blend``, that share plus, for the others',
+        the step of the last round's average (still in the buffers, finite, and what moved us to this epoch);
+        our own pseudo-gradient's whole step for ``own``, or when there is no last group to go by."""
+        last, self._last_average = self._last_average, None
+        peer, kind = self.peer, self.peer.manifest.averaging.stand_in
+        if not self.overlapped or kind == StandIn.own:
+            return {}
+        if last is None or last[0] != peer.outer.epoch:  # a local, skipped or replayed round since
+            return {}
+        if kind == StandIn.share:
+            return dict(grad_scale=1.0 / last[1])
+        with peer.averager.get_tensors() as buffers:
+            return dict(blend_into=peer.outer.stand_in(buffers), weight=1.0 / last[1])
+
     def _fill_pseudo_gradient(self) -> bool:
-        """``global - local`` into the averaging buffers, plus the error feedback of a codec that keeps a
-        residual; False if it is not finite (nothing is changed then)."""
+        """``global - local`` into the averaging buffers; False if it is not finite."""
         peer = self.peer
         with peer.averager.get_tensors() as buffers:
             peer.outer.pseudo_gradient_into(buffers, peer.params)
-            if not _all_finite(buffers):
-                return False
-            if peer.manifest.averaging.compression in ERROR_FEEDBACK:
-                with peer.outer.lock:
-                    apply_error_feedback(buffers, peer.outer.residual, peer.manifest.averaging.compression)
-                    peer.outer.residual_version += 1
-            return True
+            return _all_finite(buffers)
+
+    def _apply_error_feedback(self) -> None:
+        """A codec that keeps a residual: add it to the pseudo-gradient in the buffers, round the sum to what
+        will be sent, and keep what rounding dropped for the next round."""
+        peer = self.peer
+        if peer.manifest.averaging.compression in ERROR_FEEDBACK:
+            with peer.averager.get_tensors() as buffers, peer.outer.lock:
+                apply_error_feedback(buffers, peer.outer.residual, peer.manifest.averaging.compression)
+                peer.outer.residual_version += 1
 
     def _attempt(self, flight: Flight) -> None:
         peer, avg = self.peer, self.peer.manifest.averaging
@@ -140,11 +172,17 @@ class OuterRound:
             gather=dict(epoch=flight.epoch, samples=flight.samples),
             group_bits=epoch_group_bits(flight.epoch),
             timeout=avg.matchmaking_timeout,
-            hard_timeout=avg.matchmaking_timeout + avg.allreduce_timeout * (2 if avg.checked_reducers else 1) + 10,
+            hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
-            abort_if=lambda: "moved on" if swarm_moved_on(peer.view(), flight.epoch) else None,
+            abort_if=lambda: "moved on" if self._moved_on(flight.epoch) else None,
             leaving=lambda: peer.stop_requested,
         )
+
+    def _moved_on(self, epoch: int) -> bool:
+        """Whether the swarm finished this round without us, from the records read in the background (polled
+        between inner steps while matchmaking runs, so it must not wait on the DHT)."""
+        view = self.peer.recent_view()
+        return view is not None and swarm_moved_on(view, epoch)
 
     # ---- while it runs -------------------------------------------------------------------------
 
@@ -233,6 +271,8 @@ class OuterRound:
                 flight.stand_in = None
             peer.outer.checksum()
             peer.save_state()
+        if flight.fallback is None and len(group) > 1:
+            self._last_average = (peer.outer.epoch, len(group))
         seconds["outer"] = time.monotonic() - t1
 
         averaged = flight.fallback is None
@@ -262,8 +302,22 @@ class OuterRound:
         peer.announce_state()
         peer.set_state(PeerState.training, publish=True)
         peer.emit(PeerEvent.round, dict(report=report))
-        if not self.overlapped:
+        if self.overlapped:
+            self._unchecked = (report, group)
+        else:
             self.check_consistency(report, group)
+        return report
+
+    def check_unchecked(self) -> RoundReport | None:
+        """The consistency check an overlapped round left to the next round's begin, now: for a peer that ends
+        its run after that round (``--max-epochs``), whose last state would otherwise never be compared with its
+        group's. The report of that round (``resynced`` set if it re-synced), or None if nothing was left."""
+        if self._unchecked is None:
+            return None
+        (report, group), self._unchecked = self._unchecked, None
+        if report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on since
+            return None
+        self.check_consistency(report, group)
         return report
 
     def check_consistency(self, report: RoundReport, group: Sequence[str]) -> None:
@@ -290,6 +344,7 @@ class OuterRound:
         self, seconds: dict[str, float], why: str, outcome: RoundOutcome = RoundOutcome.resynced
     ) -> RoundReport:
         peer = self.peer
+        self._last_average = None
         t0 = time.monotonic()
         resynced = peer.sync.resync(why)
         seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)

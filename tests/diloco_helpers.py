@@ -28,6 +28,7 @@ def tiny_manifest(
     overlap: bool = False,
     replay_rounds: int = 4,
     aggregation: str = "centered-clip",
+    stand_in: str = "own",
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -60,6 +61,7 @@ def tiny_manifest(
             overlap=overlap,
             replay_rounds=replay_rounds,
             aggregation=aggregation,
+            stand_in=stand_in,
         ),
         init_seed=seed,
     )

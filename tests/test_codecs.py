@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -56,13 +57,49 @@ def test_fp4_values_are_signed_powers_of_two_within_a_factor_of_two_and_bytes_ar
     assert torch.all(torch.sign(q[nonzero]) == torch.sign(x[nonzero]))
     assert torch.all(q[nonzero].abs() <= 2 * x[nonzero].abs())
     encoded = fp4_encode(q)
-    assert len(encoded) == math.ceil(x.numel() / FP4_BLOCK) + math.ceil(x.numel() / 2)
+    assert len(encoded) <= math.ceil(x.numel() / FP4_BLOCK) + math.ceil(x.numel() / 2)  # deflated or as it is
     assert torch.equal(fp4_decode(encoded, x.numel()), q)  # values on the grid go through losslessly
     assert fp4_encode(q) == encoded  # deterministic
     assert torch.equal(fp4_decode(fp4_encode(x), x.numel()), q)  # encoding quantizes the same way
     # relative error of the kept values: rounding to the nearest power of two, within a block's 2**6 range
     big = x.abs() > x.abs().max() / 32
     assert torch.all((q[big] - x[big]).abs() <= x[big].abs() / 3 + 1e-12)
+
+
+def raw_fp4_size(numel: int) -> int:
+    return math.ceil(numel / FP4_BLOCK) + math.ceil(numel / 2)
+
+
+def test_fp4_deflates_a_pseudo_gradient_under_half_a_byte_and_sends_what_it_cannot_shrink_as_it_is():
+    g = torch.Generator().manual_seed(7)
+    n = 64 * FP4_BLOCK
+    sent, residual = torch.zeros(n), torch.zeros(n)
+    for _ in range(3):  # a few rounds of error feedback, as a peer sends them
+        sent = torch.randn(n, generator=g) * (1 + 3 * torch.rand(n, generator=g) ** 8)
+        apply_error_feedback([sent], [residual], "fp4")
+    encoded = fp4_encode(sent)
+    assert len(encoded) / n < 0.47  # the codes are far from uniform: deflate takes 7% or more off 0.501
+    assert torch.equal(fp4_decode(encoded, n), sent)
+    # a part deflate cannot shrink (a few values: deflate's own framing outweighs them) goes as it is
+    for few in (torch.tensor([1.0, -2.0, 0.0, -8.0]), torch.tensor([2.0**-20])):
+        encoded = fp4_encode(few)
+        assert len(encoded) == raw_fp4_size(few.numel())
+        assert torch.equal(fp4_decode(encoded, few.numel()), few)
+
+
+def test_a_hostile_fp4_part_cannot_inflate_past_an_honest_ones_size():
+    n = 4 * FP4_BLOCK
+    size = raw_fp4_size(n)
+    bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
+    bomb = bomb.compress(bytes(100 * size)) + bomb.flush()  # inflates to 100 times the size, from a few bytes
+    assert len(bomb) < size
+    with pytest.raises(ValueError, match="inflates"):
+        fp4_decode(bomb, n)
+    honest = fp4_encode(fp4_quantize(torch.randn(n, generator=torch.Generator().manual_seed(8))))
+    assert len(honest) < size
+    for bad in (honest + b"\x00", honest[:-1], b"\xff" * (size - 1), b"\x00" * (size + 1)):
+        with pytest.raises(ValueError):
+            fp4_decode(bad, n)
 
 
 def test_sparse_keeps_at_most_k_per_chunk_with_two_magnitudes_and_costs_under_a_tenth_of_a_byte():

@@ -51,3 +51,10 @@ def test_invalid_manifest_gives_a_clear_error(mutate, message):
     mutate(data)
     with pytest.raises(ManifestError, match=message):
         RunManifest.from_json(json.dumps(data))
+
+
+def test_an_averaging_attempt_is_bounded_by_its_timeouts_and_the_audits_double_the_all_reduce():
+    spec = AveragingSpec(matchmaking_timeout=15.0, allreduce_timeout=20.0)
+    assert spec.checked_reducers and spec.attempt_limit == 15.0 + 2 * 20.0 + 10
+    unchecked = AveragingSpec(matchmaking_timeout=15.0, allreduce_timeout=20.0, checked_reducers=False)
+    assert unchecked.attempt_limit == 15.0 + 20.0 + 10

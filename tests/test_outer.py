@@ -79,3 +79,25 @@ def test_stand_in_is_the_step_the_pseudo_gradient_would_make_and_moves_nothing(n
     for moved, a, b, r in zip(exact, state.params, before, rounded):
         assert torch.allclose(moved, a - b, atol=1e-6)
         assert torch.allclose(r.float(), a - b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_blended_stand_in_is_the_step_of_the_blended_pseudo_gradient(nesterov):
+    """``StandIn.blend``: a weight of our own step plus the rest of the last average's step is the step the
+    blended pseudo-gradient would make (the momentum's share splits between the two), and moves nothing."""
+    torch.manual_seed(2)
+    params = [torch.randn(64, 8), torch.randn(33)]
+    state = OuterState(params, OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=nesterov))
+    state.step([torch.randn_like(p) for p in params])  # some momentum
+    own, last = [torch.randn_like(p) for p in params], [torch.randn_like(p) for p in params]
+    before = [p.clone() for p in state.params]
+    prior = state.stand_in(last, dtype=torch.float32)
+    blended = state.stand_in(own, dtype=torch.float32, blend_into=prior, weight=0.25)
+    assert blended[0] is prior[0]  # in place: no third copy while a round is in the air
+    expected = state.stand_in([0.25 * a + 0.75 * b for a, b in zip(own, last)], dtype=torch.float32)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(blended, expected))
+    assert not torch.allclose(expected[0], state.stand_in(own, dtype=torch.float32)[0], atol=1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(state.params, before))
+    scaled = state.stand_in(own, dtype=torch.float32, grad_scale=0.25)  # StandIn.share: the step of own / 4
+    expected = state.stand_in([0.25 * a for a in own], dtype=torch.float32)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(scaled, expected))
