@@ -199,6 +199,7 @@ class Trainer:
                 self.result.eval_loss_start = evaluate(self.model, self.eval_set, self.hardware.device)
                 self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")
             self._loop()
+            self._check_last_round()
         except LeaveRequested:  # a stop signal: leave below
             if self.peer.abandoned_round:
                 self.note("log", "round abandoned: this peer is leaving")
@@ -335,6 +336,13 @@ class Trainer:
             self.result.eval_losses.append((report.epoch, loss))
             self.telemetry.evaluation(report.epoch, loss)
             self.note("log", f"held-out loss at epoch {report.epoch}: {loss:.4f}")
+
+    def _check_last_round(self) -> None:
+        """A run that ends (``--max-epochs``) after an overlapped round: its state is compared with its group's
+        before the peer leaves, as the next round would have done."""
+        report = self.peer.check_last_round()
+        if report is not None and report.resynced:
+            self.note("resync", f"The last round's state was not its group's: re-synced (epoch {report.epoch}).")
 
     def _leave(self) -> None:
         """Within the stop deadline: the inner optimizer's state if there is time, then the peer leaves, which

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import signal
 import tempfile
 import time
@@ -39,7 +40,7 @@ from swarm.orphans import install_orphan_reaper
 from swarm.outer import OuterState
 from swarm.outer_round import ERROR_FEEDBACK, Flight, OuterRound
 from swarm.presence import Presence
-from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, read_peers
+from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
 from swarm.rounds import PeerEvent, PeerStats, RoundReport
 from swarm.state_store import SavedState, StateStore
@@ -89,6 +90,7 @@ class Peer:
         self.manifest = manifest
         self.run_id = manifest.run_id
         self._network, self._dht, self._owns_dht = network, dht, dht is None
+        self._owns_state_dir = not state_dir  # a temporary one goes when the peer leaves
         self.state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix=f"swarm-{self.run_id}-"))
         self._state_extra, self._shield = state_extra, shield
         self.name, self.device = name, device
@@ -105,6 +107,7 @@ class Peer:
         self.averager: PseudoGradientAverager | None = None
         self.presence: Presence | None = None
         self.guard: Guard | None = None  # bans (swarm.bans): set up in connect
+        self.feed: PeerFeed | None = None  # everyone's records, read in the background: set up in connect
         self.store: StateStore | None = None
         self.sync = StateSync(self)
         self.rounds = OuterRound(self)
@@ -201,6 +204,7 @@ class Peer:
             refuse=self.averager.set_bans,
             announce=lambda ban: self._emit(PeerEvent.banned, dict(ban=ban)),
         )
+        self.feed = PeerFeed(self.dht, self.run_id)
         self._connected = True
 
     def start(self, model: torch.nn.Module, resume: Path | None = None) -> None:
@@ -253,6 +257,8 @@ class Peer:
             self.presence.stop(timeout=min(2.0, remaining()))
         if self._owns_dht and self._dht is not None:
             self._dht.shutdown()
+        if self._owns_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         self._emit(PeerEvent.left, dict(checkpoint_written=saved))
         return saved
 
@@ -291,7 +297,7 @@ class Peer:
         return self._reports.popleft() if self._reports else None
 
     def _round_started_without_us(self, now: float) -> bool:
-        """``swarm_view.round_due``, checked at most once a second (it reads the DHT)."""
+        """``swarm_view.round_due``, at most once a second, on the records ``PeerFeed`` reads in the background."""
         avg, m = self.manifest.averaging, self.manifest
         if not avg.join_rounds_early or now < self._next_round_check or self.inner_step == 0:
             return False
@@ -299,7 +305,9 @@ class Peer:
             return False
         self._next_round_check = now + 1.0
         step_seconds = self.compute_seconds / self.inner_step
-        view = self.view()
+        view = self.recent_view()
+        if view is None:  # no copy of the records has arrived yet
+            return False
         return round_due(
             view,
             self.peer_id,
@@ -344,6 +352,13 @@ class Peer:
             self.rounds.wait(self.flight)
             self._finish_flight()
 
+    def check_last_round(self) -> RoundReport | None:
+        """Before a peer that ends its run leaves: compare the last overlapped round's state with its group's
+        (waiting up to ``averaging.consistency_timeout`` for their checksums) and re-sync if the majority holds
+        another, so a finished run ends on the group's model. The round's report, or None when there was
+        nothing unchecked (a blocking round is checked as it finishes)."""
+        return self.rounds.check_unchecked()
+
     def _finish_flight(self, waited: float = 0.0) -> None:
         flight, self.flight = self.flight, None
         report = self.rounds.finish(flight)
@@ -360,7 +375,16 @@ class Peer:
 
     def view(self) -> SwarmView:
         """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
-        entries = self.guard.filter(read_peers(self.dht, self.run_id))
+        return self._build_view(read_peers(self.dht, self.run_id))
+
+    def recent_view(self) -> SwarmView | None:
+        """``view`` from the newest copy of the records read in the background (at most about a second old), for
+        the checks the training thread makes between inner steps; None until the first copy has arrived."""
+        entries = self.feed.latest()
+        return None if entries is None else self._build_view(entries)
+
+    def _build_view(self, entries: list[PeerEntry]) -> SwarmView:
+        entries = self.guard.filter(entries)
         return build_view(entries, get_dht_time(), self.manifest.inner_steps, self.manifest.samples_per_step)
 
     def entries(self) -> list[PeerEntry]:

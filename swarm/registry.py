@@ -20,6 +20,7 @@ from swarm.manifest import RunManifest
 from swarm.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
 
 MANIFEST_TTL = 120.0
+RETRY_INTERVAL = 2.0  # seconds between reads of the runs key while it shows no run
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,12 @@ def _manifest_records(dht: hivemind.DHT) -> list[tuple[str, ManifestRecord]]:
 
 def list_runs(dht: hivemind.DHT) -> list[RunListing]:
     """Runs announced on this DHT whose manifest hashes to their id."""
+    return _listings(_manifest_records(dht))
+
+
+def _listings(records: list[tuple[str, ManifestRecord]]) -> list[RunListing]:
     by_run: dict[str, list[ManifestRecord]] = {}
-    for run_id, record in _manifest_records(dht):
+    for run_id, record in records:
         try:
             RunManifest.from_record(run_id, record.manifest_json)
         except ManifestError:
@@ -68,9 +73,13 @@ def list_runs(dht: hivemind.DHT) -> list[RunListing]:
 
 def fetch_manifest(dht: hivemind.DHT, run_id: str) -> RunManifest:
     """The manifest of ``run_id``, verified against its hash; refuses tampered copies."""
-    candidates = [record for rid, record in _manifest_records(dht) if rid == run_id]
+    return _fetch(_manifest_records(dht), run_id)
+
+
+def _fetch(records: list[tuple[str, ManifestRecord]], run_id: str) -> RunManifest:
+    candidates = [record for rid, record in records if rid == run_id]
     if not candidates:
-        known = ", ".join(f"{r.run_id} ({r.name})" for r in list_runs(dht)) or "none"
+        known = ", ".join(f"{r.run_id} ({r.name})" for r in _listings(records)) or "none"
         raise ManifestError(
             f"No peer announces run {run_id}. Runs on this swarm: {known}. Check the run id you were given, "
             "or that the run still has live peers."
@@ -85,11 +94,21 @@ def fetch_manifest(dht: hivemind.DHT, run_id: str) -> RunManifest:
     raise last_error
 
 
-def choose_run(dht: hivemind.DHT, run_id: str | None) -> RunManifest:
-    """The run to join: ``run_id`` if given, else the only run on the DHT."""
+def choose_run(dht: hivemind.DHT, run_id: str | None, wait: float = 0.0) -> RunManifest:
+    """The run to join: ``run_id`` if given, else the only run on the DHT.
+
+    While the DHT shows no run at all, it is read again every ``RETRY_INTERVAL`` s for up to ``wait`` s: a DHT
+    that has just joined may not reach the records yet, and on a loaded host a read can time out (seen in CI:
+    a container joining a host peer read "none"). Once any run is visible the answer is final, so a wrong run
+    id still fails at once."""
+    deadline = time.monotonic() + wait
+    records = _manifest_records(dht)
+    while not records and time.monotonic() + RETRY_INTERVAL <= deadline:
+        time.sleep(RETRY_INTERVAL)
+        records = _manifest_records(dht)
     if run_id is not None:
-        return fetch_manifest(dht, run_id)
-    runs = list_runs(dht)
+        return _fetch(records, run_id)
+    runs = _listings(records)
     if not runs:
         raise ManifestError(
             "The initial peers answered, but no run is announced on this swarm yet. Start one with "
@@ -98,4 +117,4 @@ def choose_run(dht: hivemind.DHT, run_id: str | None) -> RunManifest:
     if len(runs) > 1:
         listing = "; ".join(f"--run {r.run_id} ({r.name}, {r.publishers} peers)" for r in runs)
         raise ManifestError(f"This swarm hosts {len(runs)} runs; pick one with --run: {listing}.")
-    return fetch_manifest(dht, runs[0].run_id)
+    return _fetch(records, runs[0].run_id)

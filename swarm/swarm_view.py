@@ -167,9 +167,11 @@ def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: 
 
 
 def groupmates_published(view: SwarmView, group: Sequence[str], me: str, epoch: int) -> bool:
-    """Every groupmate has published its checksum for ``epoch`` (or moved past it)."""
+    """Every groupmate still in the swarm has published its checksum for ``epoch`` (or moved past it); one that
+    has left (its record gone, or saying it is leaving) is not waited for: it will publish nothing more."""
     published = {p.peer_id for p in view.peers if p.checksum_at(epoch) is not None or p.epoch > epoch}
-    return set(group) - {me} <= published
+    present = {p.peer_id for p in view.peers}
+    return (set(group) - {me}) & present <= published
 
 
 def seconds_to_round(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -45,6 +46,8 @@ def main() -> int:
     parser.add_argument("--hold-for", type=Path, help="a file another peer writes once it has joined")
     parser.add_argument("--resume", action="store_true", help="start from the newest state file in --out/state")
     args = parser.parse_args()
+    if os.environ.get("SWARM_TEST_DEBUG"):  # a flaky run's story: every swarm logger at debug level
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     events = (args.out / "events.jsonl").open("a", buffering=1)
@@ -103,6 +106,10 @@ def main() -> int:
                 optimizer.state.clear()  # as the client does: the moments hold the NaNs
             reports.append(dict(report.__dict__, outcome=report.outcome.value))
             (args.out / "reports.json").write_text(json.dumps(reports))
+    last = peer.check_last_round()  # overlapped: the last round's state against the group's, as the client does
+    if last is not None and last.resynced:
+        reports[-1] = dict(last.__dict__, outcome=last.outcome.value)
+        (args.out / "reports.json").write_text(json.dumps(reports))
     torch.save(
         dict(
             epoch=peer.epoch,

@@ -1,6 +1,7 @@
 """A malicious peer cannot overwrite others' records, store malformed ones, or serve a forged manifest."""
 
 import json
+import threading
 import time
 
 import hivemind
@@ -11,7 +12,15 @@ from hivemind.dht.schema import SchemaValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm import ManifestError, NetworkConfig, fetch_manifest, list_runs, publish_manifest, start_dht
+from swarm import (
+    ManifestError,
+    NetworkConfig,
+    choose_run,
+    fetch_manifest,
+    list_runs,
+    publish_manifest,
+    start_dht,
+)
 from swarm.identity import peer_id_of_owner
 from swarm.progress import ProgressReporter, read_peers
 from swarm.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
@@ -123,3 +132,18 @@ def test_forged_manifest_records_are_refused(honest_and_attacker):
     assert [r.run_id for r in list_runs(honest)] == [manifest.run_id]
     with pytest.raises(ManifestError, match="No peer announces run fedcba9876543210"):
         fetch_manifest(honest, "fedcba9876543210")
+
+
+def test_a_joiner_that_sees_no_run_yet_reads_again_until_one_is_announced(honest_and_attacker):
+    """choose_run(wait=...): a DHT showing no run at all is read again, so a run announced a moment later is found
+    (a container joining a host peer once read "none" on a loaded CI machine and gave up)."""
+    creator, joiner, _ = honest_and_attacker  # two DHTs with keys of their own; the second one only reads here
+    manifest = tiny_manifest(name="late")
+    with pytest.raises(ManifestError, match="No peer announces run"):
+        choose_run(joiner, manifest.run_id)  # no wait: the empty answer is final
+    announce = threading.Timer(3.0, publish_manifest, args=(creator, manifest))
+    announce.start()
+    try:
+        assert choose_run(joiner, manifest.run_id, wait=60.0) == manifest
+    finally:
+        announce.join()

@@ -111,6 +111,10 @@ def test_round_rules_moved_on_mates_coming_started_without_us_and_groupmates_pub
     assert not groupmates_published(partly, group, "me", 4)
     done = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=5))  # moved past it counts
     assert groupmates_published(done, group, "me", 4)
+    gone = view_of(record("g1", epoch=4, checksums=[(4, A)]))  # g2 left: nothing more will come from it
+    assert groupmates_published(gone, group, "me", 4)
+    leaving = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=4, state=PeerState.leaving))
+    assert groupmates_published(leaving, group, "me", 4)
 
 
 def test_a_slow_peer_ends_its_round_when_the_swarm_is_about_to_start_one():

@@ -1,0 +1,89 @@
+"""An overlapped round leaves its consistency check to the next round's begin; a peer that ends its run after it
+checks it before leaving (``Peer.check_last_round``). The real ``OuterRound`` with a fake peer: the records are
+real ``SwarmView``s, the re-sync is counted."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from test_swarm_view import A, B, C, record
+
+from swarm.outer_round import OuterRound
+from swarm.progress import PeerEntry
+from swarm.rounds import RoundOutcome, RoundReport
+from swarm.swarm_view import build_view, resync_needed
+
+MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
+
+
+class FakePeer:
+    """What ``OuterRound.check_consistency`` reads of a peer: its records, epoch and checksum, and a re-sync."""
+
+    def __init__(self, records, epoch: int, checksum: str, overlap: bool = True):
+        self.records = records
+        self.peer_id = A
+        self.manifest = SimpleNamespace(averaging=SimpleNamespace(consistency_timeout=1.0, overlap=overlap))
+        self.outer = SimpleNamespace(epoch=epoch, checksum=lambda: checksum)
+        self.resyncs: list[str] = []
+        self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._resync)
+
+    def view(self):
+        now = time.time()
+        return build_view([PeerEntry(r, now + 10) for r in self.records], now, inner_steps=10, samples_per_step=4)
+
+    def _resync_needed(self, epoch: int):
+        return resync_needed(self.view(), self.peer_id, epoch, self.outer.checksum(), last_round_local=False)
+
+    def _resync(self, why: str) -> bool:
+        self.resyncs.append(why)
+        return True
+
+
+def finished(epoch: int, checksum: str) -> RoundReport:
+    return RoundReport(epoch=epoch, averaged=True, group_size=3, outcome=RoundOutcome.averaged, checksum=checksum)
+
+
+def rounds_with_unchecked(peer: FakePeer, epoch: int, checksum: str) -> OuterRound:
+    rounds = OuterRound(peer)
+    rounds._unchecked = (finished(epoch, checksum), (A, B, C))  # as ``finish`` leaves an overlapped round
+    return rounds
+
+
+def test_a_last_round_that_left_the_group_is_resynced_before_the_peer_leaves():
+    records = [
+        record(A, epoch=5, checksums=[(5, MINE)]),
+        record(B, epoch=5, checksums=[(5, THEIRS)]),
+        record(C, epoch=5, checksums=[(5, THEIRS)]),
+    ]
+    peer = FakePeer(records, epoch=5, checksum=MINE)
+    rounds = rounds_with_unchecked(peer, 5, MINE)
+    report = rounds.check_unchecked()
+    assert report is not None and report.resynced and len(peer.resyncs) == 1, peer.resyncs
+    assert "consistency" in report.seconds
+    assert rounds.check_unchecked() is None  # checked once
+
+
+def test_a_last_round_that_agrees_with_the_group_is_kept():
+    records = [record(p, epoch=5, checksums=[(5, MINE)]) for p in (A, B, C)]
+    peer = FakePeer(records, epoch=5, checksum=MINE)
+    report = rounds_with_unchecked(peer, 5, MINE).check_unchecked()
+    assert report is not None and not report.resynced and peer.resyncs == []
+
+
+def test_the_check_waits_for_groupmates_that_have_not_published_yet_but_not_for_ever():
+    records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4), record(C, epoch=4)]
+    peer = FakePeer(records, epoch=5, checksum=MINE)
+    t0 = time.monotonic()
+    report = rounds_with_unchecked(peer, 5, MINE).check_unchecked()
+    waited = time.monotonic() - t0
+    assert report is not None and not report.resynced  # nobody else holds epoch 5: nothing to go by
+    assert 0.9 <= waited  # consistency_timeout (1 s) was waited out; an upper bound is not asserted (noisy host)
+
+
+def test_nothing_is_checked_when_no_round_was_left_unchecked_or_the_state_moved_on():
+    records = [record(p, epoch=6, checksums=[(6, MINE)]) for p in (A, B, C)]
+    peer = FakePeer(records, epoch=6, checksum=MINE)
+    assert OuterRound(peer).check_unchecked() is None
+    moved = rounds_with_unchecked(peer, 5, OLD)  # a re-sync or replay took the state past that round
+    assert moved.check_unchecked() is None and peer.resyncs == []
