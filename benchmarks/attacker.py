@@ -24,7 +24,10 @@ it claims, is replaced:
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
   average of its slice to the whole group (default 4), and signs for what it sent;
 - ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
-  signs its receipt, so it is plainly alive), hoping the slice goes unchecked.
+  signs its receipt, so it is plainly alive), hoping the slice goes unchecked;
+- ``cut``: no lie in any value, but as a reducer it ends its stream to every groupmate after
+  ``factor`` of its slice's parts (default 0.5), as a link cut mid-way does; it still signs
+  for the whole average and serves it when asked again. Prints ``cut: ...`` when it did.
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -32,6 +35,7 @@ It follows the protocol in everything else. Nothing here is part of the product.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -49,10 +53,14 @@ ATTACKS = {
     "nonfinite": 1.0,
     "reducer": 4.0,
     "hide": 4.0,
+    "cut": 0.5,
 }
 
 
 def install(attack: str, factor: float) -> None:
+    if attack == "cut":
+        _install_cut(factor)
+        return
     if attack in ("reducer", "hide"):
         import swarm.allreduce
 
@@ -73,14 +81,13 @@ def install(attack: str, factor: float) -> None:
     from swarm.averaging import PseudoGradientAverager
     from swarm.outer_round import OuterRound
 
-    fill = OuterRound._fill_pseudo_gradient
+    feedback = OuterRound._apply_error_feedback  # the last change to the buffers before they go on the wire
     first: list[torch.Tensor] = []
     generator = torch.Generator().manual_seed(666)
     direction: list[torch.Tensor] = []
 
-    def lying_fill(self) -> bool:
-        if not fill(self):
-            return False
+    def lying_feedback(self) -> None:
+        feedback(self)
         with self.peer.averager.get_tensors() as buffers:
             if attack == "stale" and not first:
                 first.extend(b.clone() for b in buffers)
@@ -107,9 +114,8 @@ def install(attack: str, factor: float) -> None:
                     b.copy_(direction[i] * (factor * b.norm() / direction[i].norm().clamp_min(1e-12)))
                 elif attack == "nonfinite":
                     b.view(-1)[::1000] = float("inf")
-        return True
 
-    OuterRound._fill_pseudo_gradient = lying_fill
+    OuterRound._apply_error_feedback = lying_feedback
     if attack == "weight":
         start = PseudoGradientAverager.start_averaging
 
@@ -117,6 +123,24 @@ def install(attack: str, factor: float) -> None:
             return start(self, weight=weight * factor, **kwargs)
 
         PseudoGradientAverager.start_averaging = inflated
+
+
+def _install_cut(share: float) -> None:
+    from swarm.allreduce import ExactAllReduceRunner
+
+    stream = ExactAllReduceRunner._accumulate_parts_streaming
+
+    async def cut(self, inputs, sender_index: int):
+        total = self.tensor_part_reducer.num_parts
+        keep, sent = int(total * share), 0
+        async for message in stream(self, inputs, sender_index):  # every part is still read and reduced
+            if sent < keep:
+                sent += 1
+                yield message
+        # to the log's file descriptor: the client routes a child process's sys.stderr to its debug log
+        os.write(2, f"cut: sent {sent} of {total} averaged parts to sender {sender_index}\n".encode())
+
+    ExactAllReduceRunner._accumulate_parts_streaming = cut
 
 
 def main(argv: list[str] | None = None) -> int:

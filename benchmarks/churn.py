@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -35,6 +34,7 @@ from benchmarks.common import (
     print_table,
     pyplot,
     save_figure,
+    scratch_dir,
     write_json,
 )
 from benchmarks.netns import Lab, require_root
@@ -339,18 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     args.averaging = manifest.averaging
     numel = count_parameters(build_model(manifest))
     state_bytes = 2 * 4 * numel  # fp32 parameters and Nesterov momentum
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-churn-"))
-    print(f"churn: tiny preset ({numel / 1e6:.2f}M parameters, state {state_bytes / 1e6:.1f} MB), files in {workdir}")
-    with Lab() as lab:
-        swarm = Swarm(args, lab, workdir)
-        try:
-            swarm.start()
-            joins = run_joins(swarm, state_bytes)
-            kills = run_churn(swarm)
-            end = time.time()
-        finally:
-            stop_all(swarm.alive)
-    churn = churn_figures(swarm, kills, end)
+    with scratch_dir(args.workdir, "swarm-bench-churn-") as workdir:
+        size = f"{numel / 1e6:.2f}M parameters, state {state_bytes / 1e6:.1f} MB"
+        print(f"churn: tiny preset ({size}), files in {workdir}")
+        with Lab() as lab:
+            swarm = Swarm(args, lab, workdir)
+            try:
+                swarm.start()
+                joins = run_joins(swarm, state_bytes)
+                kills = run_churn(swarm)
+                end = time.time()
+            finally:
+                stop_all(swarm.alive)
+        churn = churn_figures(swarm, kills, end)  # reads the peers' logs: before their folder goes
     record = dict(
         benchmark=NAME,
         command=command_line(),

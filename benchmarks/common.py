@@ -7,14 +7,17 @@ traced back to the run that produced it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import shlex
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,22 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the benchmark runs end to end")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write the JSON and PNG results")
+
+
+@contextlib.contextmanager
+def scratch_dir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a benchmark's peers keep their files: ``given`` (``--workdir``) is kept; otherwise a temporary
+    folder, removed at the end whatever happens. A memory run writes gigabytes of checkpoints, and leftovers
+    of a few runs once filled this machine's disk until peers failed to write theirs."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def command_line() -> str:

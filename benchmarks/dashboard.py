@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from benchmarks.common import (
     print_table,
     pyplot,
     save_figure,
+    scratch_dir,
     write_json,
 )
 from client.dashboard import DashboardSource, LiveDashboard
@@ -61,8 +61,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.phase_seconds, args.cycles = 4.0, 1
+    with scratch_dir(None, "swarm-bench-dashboard-") as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     clock = Stopwatch()
-    work = Path(tempfile.mkdtemp(prefix="swarm-bench-dashboard-"))
     manifest = build_manifest("tiny", None, ["inner_steps=1000000"])  # no outer round during the measurement
     dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
     steps_log = work / "steps.jsonl"

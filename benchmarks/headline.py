@@ -21,7 +21,12 @@ OVERLAP_MODE = "eager"  # the overlapped variant the client runs (see docs/bench
 # where each benchmark's run for the headline writes: apart from the benchmarks' default runs (which
 # docs/benchmarks.md describes too), with --out <results>/<name>-overlap
 SOURCES = {
-    "convergence": "convergence-overlap/convergence.json",
+    # under the tiny preset's outer settings (plain averaging); with the robust mean too (the manifest's default
+    # aggregation), and the paper's outer settings as one more variant
+    "convergence": "convergence-plain/convergence.json",
+    # the client's stand-in (averaging.stand_in=share, from the raw pseudo-gradient) landing 1 and 5 steps late, and
+    # blocking fp4, under the same settings
+    "stand_in": "convergence-rawstandin/convergence.json",
     "wan": "wan-overlap/wan.json",
     "churn": "churn-overlap/churn.json",
 }
@@ -68,10 +73,23 @@ def gather(out: Path) -> dict:
             (f"diloco-h10-fp4-{OVERLAP_MODE}5", "loss_ratio_overlap_4bit_vs_blocking_fp32"),
             (f"diloco-h10-sparse-{OVERLAP_MODE}5", "loss_ratio_overlap_sparse_vs_blocking_fp32"),
             (f"diloco-h10-fp32-{OVERLAP_MODE}5", "loss_ratio_overlap_fp32_vs_blocking_fp32"),
+            (f"diloco-h10-fp4-{OVERLAP_MODE}5-robust", "loss_ratio_overlap_4bit_robust_vs_blocking_fp32"),
+            (f"diloco-h10-sparse-{OVERLAP_MODE}5-robust", "loss_ratio_overlap_sparse_robust_vs_blocking_fp32"),
+            ("diloco-h10-fp32-outer0.7m0.9", "loss_ratio_paper_outer_vs_preset_outer"),
         ):
             entry = ratios.get(f"{variant}/diloco-h10-fp32")
             if entry is not None:
                 put(key, entry["eval_loss_ratio"], f"{SOURCES['convergence']} ratios[{variant}/diloco-h10-fp32]")
+    stand_in = _load(out, "stand_in")
+    if stand_in is not None:
+        for variant, key in (
+            (f"diloco-h10-fp4-{OVERLAP_MODE}5-share", "loss_ratio_overlap_4bit_share_vs_blocking_fp32"),
+            (f"diloco-h10-fp4-{OVERLAP_MODE}1-share", "loss_ratio_overlap_4bit_share_1_step_late_vs_blocking_fp32"),
+            ("diloco-h10-fp4", "loss_ratio_blocking_4bit_vs_blocking_fp32"),
+        ):
+            entry = stand_in["ratios"].get(f"{variant}/diloco-h10-fp32")
+            if entry is not None:
+                put(key, entry["eval_loss_ratio"], f"{SOURCES['stand_in']} ratios[{variant}/diloco-h10-fp32]")
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

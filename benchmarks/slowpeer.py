@@ -19,11 +19,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, pyplot, save_figure
+from benchmarks.common import (
+    Stopwatch,
+    add_common_args,
+    command_line,
+    machine_info,
+    print_table,
+    pyplot,
+    save_figure,
+    scratch_dir,
+)
 from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records as records
 
@@ -85,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.inner_steps = 2, 5
+    with scratch_dir(None, "swarm-slowpeer-") as workdir:
+        return measure(args, workdir)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> int:
     clock = Stopwatch()
-    workdir = Path(tempfile.mkdtemp(prefix="swarm-slowpeer-"))
     sets = [f"inner_steps={args.inner_steps}", "averaging.matchmaking_time=2.0", *args.sets]
     cores = os.cpu_count() or 1
     fast_share = min(1.0, cores / args.peers)  # the fast peers share the cores

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from benchmarks.common import (
     print_table,
     pyplot,
     save_figure,
+    scratch_dir,
     write_json,
 )
 from benchmarks.netns import CounterSampler, Lab, require_root
@@ -360,13 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     clock = Stopwatch()
     manifest = build_manifest("tiny", overrides=[f"inner_steps={args.inner_steps}"])
     numel = count_parameters(build_model(manifest))
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="swarm-bench-wan-"))
-    print(
-        f"wan: {args.peers} peers, tiny preset ({numel / 1e6:.2f}M parameters), H={args.inner_steps}; files in "
-        f"{workdir}"
-    )
     raw, figures = {}, {}
-    with Lab() as lab:
+    with scratch_dir(args.workdir, "swarm-bench-wan-") as workdir, Lab() as lab:
+        print(
+            f"wan: {args.peers} peers, tiny preset ({numel / 1e6:.2f}M parameters), H={args.inner_steps}; files in "
+            f"{workdir}"
+        )
         for wire in args.wires:
             raw[wire] = run_swarm(args, lab, wire, workdir / wire)
             figures[wire] = [phase_figures(ph, wire, numel) for ph in raw[wire]]

@@ -62,6 +62,7 @@ class AuditRound:
     runner: ExactAllReduceRunner
     receipt: bytes | None = None  # ours, signed, once our own all-reduce is complete
     outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
+    own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
     news: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False  # our receipt is final (or there will be none)
@@ -133,8 +134,14 @@ class Auditing:
         record = AuditRound(members, runner)
         self._audit_rounds[runner.group_id] = record
         while len(self._audit_rounds) > KEEP_ROUNDS:
-            self._audit_rounds.popitem(last=False)
+            self._forget_round(next(iter(self._audit_rounds)))
         return record
+
+    def _forget_round(self, group_id: bytes) -> None:
+        """A round no auditor will ask about any more: its record goes, and the parts we sent (on disk) with it."""
+        record = self._audit_rounds.pop(group_id, None)
+        if record is not None:
+            record.runner.sent_parts.close()
 
     async def rpc_audit_fetch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -152,6 +159,12 @@ class Auditing:
                 await asyncio.sleep(0.05)
             if record.receipt is not None:
                 yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(receipt=record.receipt)))
+        elif fields.get("what") == "output":  # our own slice's average again, as we signed it in the receipt
+            deadline = time.monotonic() + self._audit_timeout
+            while not record.done and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for part in record.own_output or ():
+                yield averaging_pb2.DownloadData(tensor_part=part)
         elif fields.get("what") == "parts":
             parts = record.sent_to(str(fields.get("reducer")))
             logger.debug(
@@ -199,8 +212,8 @@ class Auditing:
             break
         return None, None
 
-    async def _fetch_parts(self, record: AuditRound, sender: str, reducer: str, limit: int) -> list:
-        stream = await self._request(sender, dict(group_id=record.runner.group_id, what="parts", reducer=reducer))
+    async def _fetch_parts(self, record: AuditRound, sender: str, reducer: str, limit: int, what="parts") -> list:
+        stream = await self._request(sender, dict(group_id=record.runner.group_id, what=what, reducer=reducer))
         parts, total = [], 0
         async for message in stream:
             total += len(message.tensor_part.buffer)
@@ -230,6 +243,13 @@ class Auditing:
             *(asyncio.wait_for(self._fetch_parts(record, s, reducer, limit), _left(deadline)) for s in others),
             return_exceptions=True,
         )
+        if reducer in others:  # its own parts decide "withheld", which drops its slice: a fetch cut short (a
+            i = others.index(reducer)  # stream error on a loaded host) is tried once more before that is said
+            mine = receipt.inputs[receipt.senders.index(reducer)]
+            if isinstance(fetched[i], BaseException) or digest_parts(fetched[i]) != mine:
+                logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
+                retry = self._fetch_parts(record, reducer, reducer, limit)
+                fetched[i] = (await asyncio.gather(asyncio.wait_for(retry, _left(deadline)), return_exceptions=True))[0]
         served = {me: ours}
         for sender, parts in zip(others, fetched):
             if isinstance(parts, BaseException):
@@ -250,6 +270,45 @@ class Auditing:
             "audited %s: %s (parts from %d of %d senders)", reducer, verdict, len(served), len(receipt.senders)
         )
         return verdict, blob
+
+    async def _repair_slice(self, record: AuditRound, reducer: str, deadline: float) -> list[HeldPart] | None:
+        """``reducer``'s whole average, fetched again from it when our copy came in part (its stream to us was
+        cut): accepted only if it is what the reducer signed in its receipt, which its auditor checked, and
+        agrees with every part we did receive. So every groupmate applies the same slice, instead of one
+        dropping it alone and leaving the round with another state than the others'. None if it cannot be had."""
+        have = record.outputs[reducer]
+        numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
+        try:
+            receipt, _ = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+            if receipt is None:
+                logger.debug("no receipt from %s to repair its slice with", reducer)
+                return None
+            fetch = self._fetch_parts(record, reducer, reducer, 4 * sum(numels) + (1 << 16), "output")
+            parts = await asyncio.wait_for(fetch, _left(deadline))
+        except Exception:
+            logger.debug("could not fetch %s's average again", reducer, exc_info=True)
+            return None
+        if len(parts) != len(have) or digest_parts(parts) != receipt.output:
+            logger.debug("%s's average again: %d parts of %d, digest as signed: %s", reducer, len(parts), len(have),
+                         digest_parts(parts) == receipt.output)  # fmt: skip
+            return None
+        for index, (got, held, numel) in enumerate(zip(parts, have, numels)):
+            if math.prod(got.size) != numel or (
+                not isinstance(held, Dropped) and got.SerializeToString() != held.SerializeToString()
+            ):
+                logger.debug("%s's average again: part %d differs from what we received", reducer, index)
+                return None
+        return parts
+
+    @staticmethod
+    def _restore_slice(held: list[list[HeldPart]], owner: dict, peer: str, parts: list[HeldPart]) -> int:
+        """``peer``'s slice from ``parts`` (in the order it reduced them); the number of values restored."""
+        restored = 0
+        for (t, j), part in zip([key for key, who in owner.items() if who == peer], parts):
+            if isinstance(held[t][j], Dropped):
+                restored += held[t][j].numel
+            held[t][j] = part
+        return restored
 
     @staticmethod
     def _drop_slice(held: list[list[HeldPart]], owner: dict, peer: str) -> int:
@@ -305,6 +364,7 @@ class Auditing:
             receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
                               digest_parts(record.outputs[me]))  # fmt: skip
             record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
+            record.own_output = record.outputs[me]
             logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
         record.done = True
 
@@ -350,11 +410,18 @@ class Auditing:
                 found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
 
         findings, dropped = [], 0
-        # a slice that came in part (its reducer vanished mid-way, or cut its stream to us) is not audited, so it
-        # is dropped whole: else a liar could fail one part to us and have the rest applied unchecked
+        # a slice that came in part (its reducer vanished mid-way, or cut its stream to us) is fetched again from
+        # its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail
+        # one part to us and have the rest applied unchecked (then our state differs from the group's, and the
+        # consistency check re-syncs us)
         partial = [m for m, out in record.outputs.items() if m != me and any(isinstance(p, Dropped) for p in out)]
-        for peer in partial:
-            dropped += self._drop_slice(held, owner, peer)
+        repairs = await asyncio.gather(*(self._repair_slice(record, p, recheck_deadline) for p in partial))
+        for peer, parts in zip(partial, repairs):
+            if parts is None:
+                dropped += self._drop_slice(held, owner, peer)
+            else:
+                dropped -= self._restore_slice(held, owner, peer, parts)
+                logger.debug("the average of %s came in part: fetched again, whole", peer)
         for peer, verdict, blob, drop, ban in found:
             if not (drop or ban):
                 continue
@@ -366,5 +433,5 @@ class Auditing:
             logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
         # what we sent stays for groupmates still re-checking an accusation, then goes: it is c x N bytes
         record.outputs.clear()
-        asyncio.get_event_loop().call_later(self._audit_timeout, self._audit_rounds.pop, runner.group_id, None)
+        asyncio.get_event_loop().call_later(self._audit_timeout, self._forget_round, runner.group_id)
         return held, dropped, findings

@@ -16,19 +16,38 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.headline import SOURCES
+
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
 
 
 def run_smoke(module: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """With a temporary folder of its own (``out/tmp``), to see what the benchmark leaves there."""
+    (out / "tmp").mkdir(parents=True, exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(out / "tmp")),
     )
+
+
+def left_behind(out: Path) -> list[str]:
+    """The peers' files a benchmark left in its temporary folder: checkpoints and states of gigabytes once
+    filled the disk after a few runs. Only the byzantine benchmark keeps a folder (its logs and identities,
+    for ``--identities``), and nothing of the peers' own folders in it. ``swarm-ports`` is the host's port
+    claims (``swarm.network.claim_port``): shared by every peer on the host, and meant to stay."""
+    tmp = out / "tmp"
+    kept = [
+        p
+        for p in tmp.rglob("*")
+        if (p.name.startswith("swarm-") and not p.name.startswith(("swarm-byzantine-", "swarm-ports")))
+        or {"runs", "checkpoints"} & set(p.relative_to(tmp).parts)
+    ]
+    return sorted(str(p.relative_to(tmp)) for p in kept)
 
 
 def load_result(out: Path, name: str, proc: subprocess.CompletedProcess) -> dict:
@@ -41,6 +60,7 @@ def load_result(out: Path, name: str, proc: subprocess.CompletedProcess) -> dict
     assert record["plots"] == [f"{name}.png"]
     png = out / f"{name}.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert not left_behind(out), left_behind(out)
     return record
 
 
@@ -52,7 +72,7 @@ def test_convergence_smoke(tmp_path: Path):
     record = load_result(tmp_path, "convergence", run_smoke("convergence", tmp_path, timeout=120))
     runs = {r["name"]: r for r in record["runs"]}
     assert {"ddp", "single", "diloco-h2-fp32", "diloco-h3-fp32", "diloco-h3-fp16"} <= set(runs)
-    assert {"diloco-h3-fp4-delayed1", "diloco-h3-fp32-eager1"} <= set(runs)
+    assert {"diloco-h3-fp4-delayed1", "diloco-h3-fp32-eager1", "diloco-h3-fp4-eager1-share"} <= set(runs)
     for run in runs.values():
         assert all(positive_finite(v) for v in run["eval_loss"])
         assert run["tokens"][0] == 0 and run["tokens"][-1] == record["sizes"]["tokens_per_run"]
@@ -61,7 +81,10 @@ def test_convergence_smoke(tmp_path: Path):
     assert len(set(record["sizes"]["worker_shards"])) == record["sizes"]["workers"]  # disjoint shards
     for key in ("diloco-h2-fp32/ddp", "diloco-h3-fp16/diloco-h3-fp32", "diloco-h3-fp4-delayed1/diloco-h3-fp32"):
         assert positive_finite(record["ratios"][key]["eval_loss_ratio"])
-    assert 0.45 < runs["diloco-h3-fp4-delayed1"]["settings"]["bytes_per_param"] < 0.55
+        if not key.endswith("/ddp"):  # against blocking fp32: the mean ratio over the second half's points too
+            assert positive_finite(record["ratios"][key]["eval_loss_ratio_second_half"])
+    # fp4 codes deflated: about 0.44 bytes per value on real sizes (0.501 raw), a little less on these
+    assert 0.3 < runs["diloco-h3-fp4-delayed1"]["settings"]["bytes_per_param"] < 0.5
     # FP16 rounding changes the outcome by far less than the algorithm does
     assert abs(record["ratios"]["diloco-h3-fp16/diloco-h3-fp32"]["eval_loss_ratio"] - 1) < 0.01
 
@@ -96,7 +119,7 @@ def test_wan_smoke(tmp_path: Path):
         goodput = phases[1]["goodput_share_of_link"]  # timed only where the loop waits for the all-reduce
         assert goodput is None if mode.endswith("overlap") else 0 < goodput <= 1.1
     # one encoded pseudo-gradient per parameter, scales included, averaged over both directions
-    assert all(0.45 < ph["bytes_per_param"] < 0.6 for ph in record["figures"]["fp4-overlap"])
+    assert all(0.3 < ph["bytes_per_param"] < 0.55 for ph in record["figures"]["fp4-overlap"])  # deflated codes
     assert all(1.9 < ph["bytes_per_param"] < 2.2 for ph in record["figures"]["fp16"])
     slowdown = record["slowdown_vs_unlimited"]["fp16@20mbit"]
     assert slowdown["round_time_ratio"] > 0 and slowdown["equal_compute_ratio"] > 0
@@ -161,15 +184,16 @@ def test_slowpeer_smoke(tmp_path: Path):
 @pytest.mark.timeout(420)
 def test_byzantine_smoke(tmp_path: Path):
     record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
-    baseline, attacked, hiding, nonfinite = record["scenarios"]
+    baseline, attacked, hiding, nonfinite, cut = record["scenarios"]
     assert [s["scenario"] for s in record["scenarios"]] == [
         "honest/mean",
         "reducer/centered-clip",
         "hide/centered-clip",
         "nonfinite/centered-clip",
+        "cut/centered-clip",
     ]
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
-    for scenario in (baseline, attacked, hiding, nonfinite):
+    for scenario in (baseline, attacked, hiding, nonfinite, cut):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
@@ -201,17 +225,36 @@ def test_byzantine_smoke(tmp_path: Path):
     for peer in hiding["honest_peers"]:
         with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
         assert all(d > 0.2 for d in with_liar), hiding
-    assert any(n == 3 for peer in hiding["honest_peers"] for n in peer["group_sizes"]), hiding
+    sizes = [peer["group_sizes"] for peer in hiding["honest_peers"]]
+    assert hiding["liar_met"] and any(n == 3 for s in sizes for n in s), (sizes, hiding["attempt"])
     bans = [b for peer in hiding["honest_peers"] for b in peer["banned"]]
     assert all(b["peer_id"] == hiding["liar"] for b in bans), hiding
     assert {b["reason"] for b in bans} <= {"withheld its own parts", "did not answer its audit", "false accusation"}
     assert 0.5 < hiding["ratio_to_honest_mean"] < 1.5, hiding
     # a sender whose parts hold infinities (its codec's clamp removed): every honest peer, as its reducer, refuses
-    # them and bans it in the first round, for malformed parts and for nothing else, and trains on without it
+    # them and bans it within the run's two rounds, for malformed parts and for nothing else, and trains on without
+    # it. Within two, not in the first: the honest pair may form round 0 without it (min_group_size 2 here) while it
+    # is still downloading the state on a loaded machine, and meet it first in round 1 (seen in a local CI run)
     for peer in nonfinite["honest_peers"]:
         assert [(b["peer_id"], b["reason"]) for b in peer["banned"]] == [(nonfinite["liar"], "sent malformed parts")]
-        assert peer["banned"][0]["epoch"] == 0, nonfinite
+        assert peer["banned"][0]["epoch"] <= 1, nonfinite
     assert 0.5 < nonfinite["ratio_to_honest_mean"] < 1.5, nonfinite
+    # a reducer that ends its stream to each groupmate half-way (no lie in any value): each fetches the slice
+    # again from it over the audit RPC, checked against its signed receipt, and applies it whole. Nobody is banned,
+    # all three end on one state, and at least one such repair worked. Not every one: in one CI run one of the
+    # four (peer, round) repairs failed, cause not yet found (the debug log now says which check), and that peer
+    # dropped the slice whole and re-synced, as designed. The liar's own lines say the streams were cut
+    said = cut["liar_said"]
+    assert cut["liar_met"] and said and all(line.startswith("cut: sent") for line in said), cut
+    assert any(int(line.split()[2]) < int(line.split()[4]) for line in said), said  # "cut: sent K of N ..."
+    repaired = 0
+    for peer in cut["honest_peers"]:
+        with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
+        assert with_liar and all(d == 0.0 or d > 0.2 for d in with_liar), cut  # restored, or dropped whole
+        repaired += sum(d == 0.0 for d in with_liar)
+        assert peer["banned"] == [], cut
+    assert repaired >= 1, cut
+    assert len({peer["checksum"] for peer in cut["honest_peers"]}) == 1, cut
 
 
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
@@ -227,13 +270,24 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     ratios = {
         "diloco-h10-fp4-eager5/diloco-h10-fp32": dict(eval_loss_ratio=1.004),
         "diloco-h10-fp32-eager5/diloco-h10-fp32": dict(eval_loss_ratio=1.001),
+        "diloco-h10-fp4-eager5-robust/diloco-h10-fp32": dict(eval_loss_ratio=1.02),
+        "diloco-h10-fp32-outer0.7m0.9/diloco-h10-fp32": dict(eval_loss_ratio=1.2),
+        "diloco-h10-fp4-eager5-outer0.7m0.9/diloco-h10-fp32-outer0.7m0.9": dict(eval_loss_ratio=1.5),
     }
     churn = dict(
         joins=[dict(rate_mbit=50.0, to_first_averaged_round=20.0), dict(rate_mbit=10.0, to_first_averaged_round=44.0)]
     )
     slow = dict(slow_peer_share_of_rounds_averaged=0.92, speed_ratio_fast_over_slow=4.1)
-    for name, record in dict(wan=wan, convergence=dict(ratios=ratios), churn=churn, slowpeer=slow).items():
-        path = tmp_path / (f"{name}-overlap/{name}.json" if name != "slowpeer" else f"{name}.json")
+    stand_in = dict(
+        ratios={
+            "diloco-h10-fp4-eager5-share/diloco-h10-fp32": dict(eval_loss_ratio=1.1),
+            "diloco-h10-fp4-eager1-share/diloco-h10-fp32": dict(eval_loss_ratio=1.03),
+            "diloco-h10-fp4/diloco-h10-fp32": dict(eval_loss_ratio=0.999),
+        }
+    )
+    records = dict(wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, churn=churn, slowpeer=slow)
+    for name, record in records.items():
+        path = tmp_path / SOURCES.get(name, f"{name}.json")
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record))
     proc = subprocess.run(
@@ -241,6 +295,9 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr
     headline = json.loads((tmp_path / "headline.json").read_text())
+    assert headline["loss_ratio_overlap_4bit_robust_vs_blocking_fp32"] == 1.02
+    assert headline["loss_ratio_paper_outer_vs_preset_outer"] == 1.2  # against the preset's settings, not its own
+    assert "loss_ratio_overlap_sparse_robust_vs_blocking_fp32" not in headline
     assert headline["utilization_10mbit_overlap"] == 0.97 and headline["utilization_10mbit_blocking_fp16"] == 0.4
     assert headline["utilization_100mbit_overlap"] == 0.98 and headline["utilization_100mbit_blocking_fp16"] == 0.7
     assert headline["bytes_per_param_per_round_4bit"] == pytest.approx((0.5 + 0.52 + 0.5) / 3)
@@ -248,6 +305,11 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["loss_ratio_overlap_4bit_vs_blocking_fp32"] == 1.004
     assert headline["loss_ratio_overlap_fp32_vs_blocking_fp32"] == 1.001
     assert "loss_ratio_overlap_sparse_vs_blocking_fp32" not in headline  # not measured: not made up
+    assert headline["loss_ratio_overlap_4bit_share_vs_blocking_fp32"] == 1.1
+    assert headline["loss_ratio_overlap_4bit_share_1_step_late_vs_blocking_fp32"] == 1.03
+    assert headline["loss_ratio_blocking_4bit_vs_blocking_fp32"] == 0.999
+    assert "loss_ratio_overlap_4bit_blend_vs_blocking_fp32" not in headline  # not in that run: not carried over
+    assert "loss_ratio_overlap_4bit_blend_vs_blocking_fp32" not in headline
     assert headline["joiner_10mbit_first_averaged_round_s"] == 44.0
     assert headline["slow_peer_share_of_rounds_averaged"] == 0.92
     assert set(headline["sources"]) == set(headline) - {"sources"}

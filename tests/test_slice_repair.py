@@ -1,0 +1,89 @@
+"""A reducer's average that reached us in part is fetched again from it, whole, and kept only if it is what the
+reducer signed and agrees with every part we did receive; else the slice is dropped as before.
+
+The averager's fetches are replaced by fakes that serve real signed receipts and real wire parts: what is tested
+is the rule that decides, not the network (tests/test_engine_overlap.py runs the averager for real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.allreduce import Dropped
+from swarm.audit import Receipt, digest_parts
+from swarm.auditing import Auditing, AuditRound
+from swarm.identity import peer_id_of_owner
+
+GROUP = b"g" * 20
+
+
+def part(seed: int, size: int) -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(torch.randn(size, generator=torch.Generator().manual_seed(seed)))
+
+
+class FakeFetches(Auditing):
+    """The averager's side of a repair, with the reducer's answers given instead of fetched over libp2p."""
+
+    def __init__(self, receipt: Receipt | None, served: list[runtime_pb2.Tensor]):
+        self._receipt, self._served = receipt, served
+
+    async def _fetch_receipt(self, record, reducer):
+        return self._receipt, b""
+
+    async def _fetch_parts(self, record, sender, reducer, limit, what="parts"):
+        assert what == "output" and sender == reducer
+        return list(self._served)
+
+
+@pytest.fixture(scope="module")
+def reducer() -> str:
+    key = RSAPrivateKey()
+    return peer_id_of_owner(b"[owner:" + key.get_public_key().to_bytes() + b"]")
+
+
+def partial_copy(reducer: str, whole: list[runtime_pb2.Tensor]) -> tuple[AuditRound, list[list], dict]:
+    """Our copy of ``reducer``'s slice (three parts of tensor 0) with its last part missing, as held."""
+    mine = part(99, 300)
+    held = [[mine, whole[0], whole[1], Dropped(whole[2].size[0])]]
+    owner = {(0, 0): "us", (0, 1): reducer, (0, 2): reducer, (0, 3): reducer}
+    record = AuditRound(members=["us", reducer], runner=None)
+    record.outputs[reducer] = [held[0][1], held[0][2], held[0][3]]
+    return record, held, owner
+
+
+def repair(auditing: Auditing, record: AuditRound, reducer: str):
+    return asyncio.run(auditing._repair_slice(record, reducer, time.monotonic() + 5))
+
+
+def test_a_slice_that_came_in_part_is_restored_from_the_reducers_signed_average(reducer):
+    whole = [part(1, 200), part(2, 200), part(3, 150)]
+    receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
+    record, held, owner = partial_copy(reducer, whole)
+    parts = repair(FakeFetches(receipt, whole), record, reducer)
+    assert parts is not None
+    assert Auditing._restore_slice(held, owner, reducer, parts) == 150  # the missing part's values
+    assert [p.SerializeToString() for p in held[0][1:]] == [p.SerializeToString() for p in whole]
+    assert held[0][0] is not None and not isinstance(held[0][0], Dropped)  # our own part is untouched
+
+
+@pytest.mark.parametrize("lie", ["unsigned", "other-than-received", "wrong-size", "no-receipt"])
+def test_a_repair_that_is_not_the_signed_average_or_disagrees_with_what_came_is_refused(reducer, lie):
+    whole = [part(1, 200), part(2, 200), part(3, 150)]
+    served, signed = list(whole), list(whole)
+    if lie == "unsigned":  # another average than the one in the receipt its auditor checked
+        served[2] = part(4, 150)
+    elif lie == "other-than-received":  # signed, but not what it streamed to us the first time
+        served[0] = signed[0] = part(5, 200)
+    elif lie == "wrong-size":
+        served[2] = signed[2] = part(3, 151)
+    receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(signed))
+    record, held, owner = partial_copy(reducer, whole)
+    assert repair(FakeFetches(None if lie == "no-receipt" else receipt, served), record, reducer) is None
+    assert isinstance(held[0][3], Dropped)  # nothing changed: the caller drops the slice whole
