@@ -73,6 +73,14 @@ def _count(text: str) -> int:
     return _whole(text, 0, "a whole number, 0 or more")
 
 
+def held_out_sequences(args: argparse.Namespace) -> int:
+    """Held-out sequences a peer scores: --eval-sequences, or EVAL_SEQUENCES_DEFAULT when only --eval-every is
+    given (asking for a score every few rounds and getting none would be a surprise), or none."""
+    if args.eval_sequences:
+        return args.eval_sequences
+    return EVAL_SEQUENCES_DEFAULT if args.eval_every else 0
+
+
 def _add_initial_peers(p: argparse.ArgumentParser, required: bool) -> None:
     peers = _env("initial_peers", [])
     p.add_argument(
@@ -342,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command in ("start", "join"):
-            from client.run import run_peer
+            with STOP.shielded():  # a stop raised inside torch's import once aborted the process (exit -6, CI):
+                from client.run import run_peer  # it is raised when the import is done, and we return 0
 
             return run_peer(args, creating=args.command == "start")
         if args.command == "status":

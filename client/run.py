@@ -14,12 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from client.cli import EVAL_SEQUENCES_DEFAULT
+from client.cli import held_out_sequences
 from client.logs import setup_logging
 from client.signals import STOP
 from swarm import NetworkConfig, RunSecret, SwarmError
 
 _workdir_lock = None  # held for the life of the process
+FIND_RUN_WAIT = 30.0  # seconds a joiner reads the DHT again while it shows no run at all (swarm.choose_run)
 
 
 def prepare_workdir(workdir: Path, exclusive: bool = False) -> Path:
@@ -117,7 +118,7 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
     watch = tick = None
     try:
         if manifest is None:
-            manifest = choose_run(dht, args.run)
+            manifest = choose_run(dht, args.run, wait=FIND_RUN_WAIT)
             print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
         maddrs = [a for a in visible_maddrs(dht)]
         if creating:
@@ -128,7 +129,7 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
             name=args.name,
             micro_batch=args.micro_batch,
             max_epochs=args.max_epochs,
-            eval_sequences=args.eval_sequences or (EVAL_SEQUENCES_DEFAULT if args.eval_every else 0),
+            eval_sequences=held_out_sequences(args),
             eval_every=args.eval_every,
         )
         run_id = manifest.run_id

@@ -52,7 +52,7 @@ def adopt_identity(path: Path) -> bool:
 
 def temporary_identity() -> Path:
     """An identity file for a peer that was given none (it gets a new peer id each start)."""
-    folder = Path(tempfile.mkdtemp(prefix="swarm-identity-"))
+    folder = Path(tempfile.mkdtemp(prefix="swarm-identity-"))  # start_dht removes it once p2pd has read the key
     return folder / "identity.key"
 
 

@@ -21,6 +21,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Sequence
@@ -218,9 +219,10 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     port is claimed here, and the claim is kept on the returned node as ``dht.port_claim``.
     """
     dht_kwargs(config)  # a wrong address fails before any port is claimed
-    fresh_key = False
+    fresh_key, temporary = False, None
     if not config.client_mode:  # records are signed with the libp2p key: one key, one peer id, one vote
         identity = config.identity_path or temporary_identity()
+        temporary = identity.parent if config.identity_path is None else None
         fresh_key = adopt_identity(identity)
         config = config.model_copy(update=dict(identity_path=identity))
     claim = claim or claim_port(config.host_ip, config.host_port)
@@ -244,6 +246,9 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
                 f"Port {claim.port} on {config.host_ip} is taken. Stop the other peer or pick another --host-port."
             ) from None
         raise NetworkConfigError(f"The peer-to-peer daemon could not start: {text}") from None
+    finally:
+        if temporary is not None:  # p2pd reads its key once, at its start: gone before a peer can be killed
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def _listening(maddr: str, timeout: float = 3.0) -> bool:

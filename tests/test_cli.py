@@ -11,7 +11,7 @@ import pytest
 from client_helpers import LOCAL, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 
-from client.cli import ENV_VARS, build_parser
+from client.cli import ENV_VARS, EVAL_SEQUENCES_DEFAULT, build_parser, held_out_sequences
 from swarm import NetworkConfig, publish_manifest, start_dht, visible_maddrs
 
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMgLAsHqV95yhKK1Chk3q2GRsUsfnukFcEN4U5RqpfDt5"
@@ -65,6 +65,20 @@ ENV_VALUES = {
     "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),
     "secret_file": ("/run/secrets/swarm", "/run/secrets/swarm"),
 }
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ([], 0),
+        (["--eval-every", "2"], EVAL_SEQUENCES_DEFAULT),  # alone: the default number of sequences
+        (["--eval-every", "2", "--eval-sequences", "8"], 8),
+        (["--eval-sequences", "8"], 8),  # scored at start and end only
+    ],
+)
+def test_eval_every_alone_scores_the_default_number_of_sequences(flags, expected):
+    args = build_parser().parse_args(["join", "--initial-peers", PEER, *flags])
+    assert held_out_sequences(args) == expected
 
 
 @pytest.mark.parametrize("dest", sorted(set(ENV_VARS) - {"preset", "manifest", "max_age"}))

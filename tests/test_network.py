@@ -1,3 +1,4 @@
+import tempfile
 import time
 
 import pytest
@@ -56,3 +57,15 @@ def test_identity_file_keeps_the_peer_id_across_restarts(tmp_path):
         dht.shutdown()
     assert ids[0] == ids[1]
     assert (tmp_path / "sub" / "identity.key").exists()
+
+
+def test_a_peer_without_an_identity_file_leaves_no_temporary_key_behind(tmp_path, monkeypatch):
+    """A new key is made in a temporary folder for p2pd to read at its start; the folder goes once it is up
+    (a CI run of peers that exit with os._exit once left hundreds of them in /tmp)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    try:
+        assert dht.peer_id.to_base58().startswith("Qm")  # an RSA key: the one made here, not an Ed25519 default
+        assert not list(tmp_path.glob("swarm-identity-*"))
+    finally:
+        dht.shutdown()
