@@ -67,12 +67,15 @@ def test_a_restarted_peer_replays_the_rounds_it_missed_even_when_its_donor_dies_
     )
     swarm = make_swarm(manifest)
     epochs = 14
+    back = swarm.root / "peer2-back"  # as below: the two that stay wait before epoch 6 until peer 2 is back
     for rank in range(3):
-        swarm.start(rank, 2 if rank == 2 else epochs, wait_ready=rank == 0)
+        hold = () if rank == 2 else ("--hold-at-epoch", "6", "--hold-for", str(back))
+        swarm.start(rank, 2 if rank == 2 else epochs, wait_ready=rank == 0, extra_args=hold)
     assert swarm.wait_exit(2, 180) == 0, swarm.log(2)
     wait_for(lambda: swarm.marker(0, "training", 3).exists(), 180, "the swarm to reach epoch 3")
     (swarm.out(2) / "maddrs.txt").unlink()
     swarm.start(2, epochs, extra_args=("--resume",))
+    back.touch()
     started = wait_for(lambda: events_since_restart(swarm, 2, "replay_started"), 120, "the replay to start", poll=0.005)
     assert started[0]["target"] - started[0]["epoch"] >= 2, started
     swarm.kill(0)
@@ -86,12 +89,17 @@ def test_replay_is_used_instead_of_a_download_when_nothing_goes_wrong(make_swarm
     manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True, replay_rounds=7)
     swarm = make_swarm(manifest)
     epochs = 10
+    # a round takes ~2 s here, a restart on a loaded machine can take longer than the 7 left: the two that stay
+    # wait before epoch 5 until the restarted peer is back, or they may finish (and close their ports) first
+    back = swarm.root / "peer1-back"
     for rank in range(3):  # peers 0 and 2 keep averaging while peer 1 is away, so every round has an update
-        swarm.start(rank, 2 if rank == 1 else epochs, wait_ready=rank == 0)
+        hold = () if rank == 1 else ("--hold-at-epoch", "5", "--hold-for", str(back))
+        swarm.start(rank, 2 if rank == 1 else epochs, wait_ready=rank == 0, extra_args=hold)
     assert swarm.wait_exit(1, 180) == 0, swarm.log(1)
     wait_for(lambda: swarm.marker(0, "training", 3).exists(), 180, "the swarm to reach epoch 3")
     (swarm.out(1) / "maddrs.txt").unlink()
     swarm.start(1, epochs, extra_args=("--resume",))
+    back.touch()
     for rank in range(3):
         assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
     replayed = events_since_restart(swarm, 1, "replayed")
