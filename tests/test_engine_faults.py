@@ -52,8 +52,8 @@ def test_peer_killed_during_matchmaking(make_swarm):
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0)
     swarm = make_swarm(manifest)
     epochs = 4
-    for rank in range(3):
-        swarm.start(rank, epochs, wait_ready=rank == 0)
+    for rank in range(3):  # all three train from round 0 together (see below)
+        swarm.start(rank, epochs, wait_ready=rank == 0, extra_args=("--start-with", "3"))
     wait_for(swarm.marker(2, "matchmaking", 1).exists, 120, "the victim to start matchmaking")
     swarm.kill(2)
     for rank in (0, 1):
@@ -68,17 +68,23 @@ def test_peer_killed_during_allreduce(make_swarm):
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0)
     swarm = make_swarm(manifest)
     epochs = 5
+    # all three wait for each other before round 0: on a slow machine peer 0 otherwise raced through local rounds
+    # while the others started, the victim joined past epoch 3, and no all-reduce of it was left to interrupt
     for rank in range(3):
-        swarm.start(rank, epochs, extra_params=20_000_000, wait_ready=rank == 0)
+        swarm.start(rank, epochs, extra_params=20_000_000, wait_ready=rank == 0, extra_args=("--start-with", "3"))
     # the victim's first all-reduce from epoch 1 on (a round may finish without it, so not always epoch 1), and
     # never the last round: a kill can leave one survivor with the victim's slice and the other without it, and
     # it is the next round's checksum check that brings them together again
     epoch = wait_for(
-        lambda: next((e for e in range(1, epochs - 1) if swarm.marker(2, "averaging", e).exists()), None),
-        180,
+        lambda: (
+            next((e for e in range(1, epochs - 1) if swarm.marker(2, "averaging", e).exists()), None)
+            or swarm.procs[2].poll() is not None
+        ),
+        240,
         "the victim to start an all-reduce",
         poll=0.005,
     )
+    assert epoch is not True, f"the victim ended with no all-reduce to interrupt: {swarm.reports(2)}\n{swarm.log(2)}"
     swarm.kill(2)
     assert all(r["epoch"] <= epoch for r in swarm.reports(2)), "the victim finished its round before it was killed"
     for rank in (0, 1):

@@ -44,8 +44,12 @@ def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and
     manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True)
     swarm = make_swarm(manifest)
     epochs = 10
-    swarm.start(0, epochs)
-    swarm.start(1, epochs)
+    # the two hold before epoch 5's steps until the joiner is up: on a slow machine it once came at epoch 7, was
+    # re-synced twice, and the run ended before it could average with them
+    joined = swarm.out(2) / "maddrs.txt"
+    hold = ("--hold-at-epoch", "5", "--hold-for", str(joined))
+    swarm.start(0, epochs, extra_args=hold)
+    swarm.start(1, epochs, extra_args=hold)
     wait_for(swarm.marker(0, "averaging", 2).exists, 180, "a round in flight at epoch 2")
     swarm.start(2, epochs)
     for rank in range(3):
