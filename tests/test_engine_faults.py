@@ -32,9 +32,10 @@ def test_peer_joining_mid_run_downloads_state_and_converges(make_swarm):
     # joiner arrives, and it would catch up by replaying (tested with the overlap tests) instead of downloading
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, replay_rounds=0)
     swarm = make_swarm(manifest)
-    epochs = 10  # rounds take ~2 s: the swarm must outlast the joiner's start-up on a loaded machine
-    swarm.start(0, epochs)
-    swarm.start(1, epochs)
+    epochs = 10  # rounds take ~2 s: the swarm must outlast the joiner's start-up on a loaded machine, so the two
+    hold = ("--hold-at-epoch", "5", "--hold-for", str(swarm.out(2) / "maddrs.txt"))  # wait at epoch 5 until it is up
+    swarm.start(0, epochs, extra_args=hold)
+    swarm.start(1, epochs, extra_args=hold)
     wait_for(swarm.marker(0, "training", 2).exists, 120, "the swarm to reach epoch 2")
     swarm.start(2, epochs)
     for rank in range(3):
