@@ -110,6 +110,16 @@ class Averaging:
                 raise RoundAborted(reason)
         return False
 
+    def settle(self, timeout: float) -> bool:
+        """After a cancel, wait (up to ``timeout``) for the averager process to let go of the step. hivemind's
+        cancel can lose a race with a group being assembled, and the step then runs its all-reduce on our
+        buffers anyway (seen in its log: "Can't set_result to a future that is CANCELLED"); until it is over,
+        the buffers are not ours to write. Whether it is over."""
+        deadline = time.monotonic() + timeout
+        while self._control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._control.stage == AveragingStage.FINISHED
+
     def wait(self) -> AllReduceOutcome:
         while not self.poll():
             time.sleep(0.02)

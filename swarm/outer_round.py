@@ -22,21 +22,17 @@ its checksum, and (blocking) a comparison with the groupmates' checksums.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import AllreduceException
-from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from swarm.averaging import AllReduceOutcome, Averaging, RoundAborted, epoch_group_bits
+from swarm.averaging import RoundAborted, epoch_group_bits
 from swarm.codecs import apply_error_feedback
 from swarm.errors import LeaveRequested
+from swarm.flight import EXPECTED_FAILURES, Flight
 from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
@@ -46,36 +42,8 @@ if TYPE_CHECKING:
     from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
+SETTLE_SECONDS = 5.0  # a cancelled averaging step is given this long to end before its buffers are written
 ERROR_FEEDBACK = ("fp4", "sparse")
-# what other machines and the network do to a round; anything else is a bug of ours
-EXPECTED_FAILURES = (
-    AllreduceException,
-    MatchmakingException,
-    TimeoutError,
-    asyncio.TimeoutError,
-    ConnectionError,
-    P2PDaemonError,
-    P2PHandlerError,
-    RuntimeError,  # hivemind wraps remote failures in it
-)
-
-
-@dataclass
-class Flight:
-    """One round's averaging, under way in the averager process."""
-
-    epoch: int
-    samples: int
-    seconds: dict[str, float]
-    wait_until: float  # retries stop here (averaging.wait_for_peers)
-    attempt: Averaging | None = None
-    attempt_started: float = 0.0
-    stage_times: dict[str, float] = field(default_factory=dict)
-    stand_in: list[torch.Tensor] | None = None  # overlapped: the step the local model took ahead of the group
-    outcome: AllReduceOutcome | None = None
-    fallback: str | None = None  # why the group's average is not used
-    aborted: RoundAborted | None = None
-    done: bool = False
 
 
 class OuterRound:
@@ -97,7 +65,11 @@ class OuterRound:
         peer = self.peer
         seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
         epoch = peer.outer.epoch
-        self._unchecked = None
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None and unchecked[0].epoch == epoch:
+            # the groupmates landed with us but may not have published yet; seeing only our own checksum, two
+            # diverged peers would each find no majority against it and average on from two states for good
+            self._await_checksums(unchecked[1], epoch)
         why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
             return self._resync_round(seconds, str(why))
@@ -174,15 +146,16 @@ class OuterRound:
             timeout=avg.matchmaking_timeout,
             hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
-            abort_if=lambda: "moved on" if self._moved_on(flight.epoch) else None,
+            abort_if=lambda: "moved on" if self._moved_on(flight) else None,
             leaving=lambda: peer.stop_requested,
         )
 
-    def _moved_on(self, epoch: int) -> bool:
-        """Whether the swarm finished this round without us, from the records read in the background (polled
-        between inner steps while matchmaking runs, so it must not wait on the DHT)."""
-        view = self.peer.recent_view()
-        return view is not None and swarm_moved_on(view, epoch)
+    def _moved_on(self, flight: Flight) -> bool:
+        """Whether the swarm finished this round without us: from the records read in the background while
+        inner steps run (they must not wait on the DHT), from the DHT itself once the loop waits for the round
+        (a second sooner: an overlapped peer that missed the round still has the next one to catch)."""
+        view = self.peer.view() if flight.blocking else self.peer.recent_view()
+        return view is not None and swarm_moved_on(view, flight.epoch)
 
     # ---- while it runs -------------------------------------------------------------------------
 
@@ -203,6 +176,8 @@ class OuterRound:
             raise
         except RoundAborted as e:
             flight.aborted = e
+            if not flight.attempt.settle(SETTLE_SECONDS):
+                logger.debug("the cancelled averaging step of epoch %d is still running", flight.epoch)
         except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
             logger.debug("averaging attempt failed", exc_info=True)
             flight.fallback = short_reason(e)
@@ -218,6 +193,7 @@ class OuterRound:
         return True
 
     def wait(self, flight: Flight) -> None:
+        flight.blocking = True
         while not self.poll(flight):
             time.sleep(0.02)
 
@@ -243,6 +219,10 @@ class OuterRound:
                     checksum=peer.outer.checksum(),
                     seconds=seconds,
                 )
+            if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
+                adopted = self._adopt_round(flight)
+                if adopted is not None:
+                    return adopted
             # our pseudo-gradient is for a round that is over: take the swarm's state
             return self._resync_round(seconds, "the swarm finished this round without us")
 
@@ -325,16 +305,50 @@ class OuterRound:
         another state. An overlapped round leaves this to the next round's late check, so training goes on."""
         peer = self.peer
         t2 = time.monotonic()
-        deadline = t2 + peer.manifest.averaging.consistency_timeout
         epoch = peer.outer.epoch
-        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
-            time.sleep(0.2)
+        self._await_checksums(group, epoch)
         why = peer.sync.resync_needed(epoch)
         if why is not None:
             report.resynced = peer.sync.resync(f"after the round: {why}")
             report.checksum = peer.outer.checksum()
             report.epoch = peer.outer.epoch
         report.seconds["consistency"] = time.monotonic() - t2
+
+    def _await_checksums(self, group: Sequence[str], epoch: int) -> None:
+        """Until every groupmate still here published its checksum for ``epoch``, or consistency_timeout."""
+        peer = self.peer
+        deadline = time.monotonic() + peer.manifest.averaging.consistency_timeout
+        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
+            time.sleep(0.2)
+
+    def _adopt_round(self, flight: Flight) -> RoundReport | None:
+        """The swarm finished our round without us (overlapped): apply its average, as a replay, to the outer
+        state and to the model less our stand-in step; the inner steps taken since stay (``StateSync.
+        adopt_round``). None when that round cannot be replayed: the caller re-syncs."""
+        peer, t0 = self.peer, time.monotonic()
+        with peer.shield():
+            _add(peer.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again
+            flight.stand_in = None
+        self._last_average = None
+        if not peer.sync.adopt_round(peer.params):
+            return None
+        flight.seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
+        peer.last_round_local = False
+        peer.stats.rounds += 1
+        report = RoundReport(
+            epoch=peer.outer.epoch,
+            averaged=False,
+            group_size=1,
+            outcome=RoundOutcome.adopted,
+            fallback_reason="the swarm finished this round without us: its average was applied",
+            checksum=peer.outer.checksum(),
+            samples=flight.samples,
+            seconds=flight.seconds,
+        )
+        peer.announce_state()
+        peer.set_state(PeerState.training, publish=True)
+        peer.emit(PeerEvent.round, dict(report=report))
+        return report
 
     def _buffers_finite(self) -> bool:
         with self.peer.averager.get_tensors() as buffers:

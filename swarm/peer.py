@@ -34,11 +34,12 @@ from swarm.access import check_access
 from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
 from swarm.bans import BanList, Guard
 from swarm.errors import LeaveRequested
+from swarm.flight import Flight
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
 from swarm.outer import OuterState
-from swarm.outer_round import ERROR_FEEDBACK, Flight, OuterRound
+from swarm.outer_round import ERROR_FEEDBACK, OuterRound
 from swarm.presence import Presence
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
 from swarm.records import PeerState, run_prefix, run_validator

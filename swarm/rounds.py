@@ -32,6 +32,7 @@ class RoundOutcome(enum.Enum):
     averaged = "averaged"  # the group's average was applied
     local = "local"  # no usable group: our own pseudo-gradient was applied
     resynced = "resynced"  # the round was replaced by the swarm's state (behind, disagreed, ...)
+    adopted = "adopted"  # overlapped, the swarm finished it without us: its average was applied, our steps kept
     skipped = "skipped"  # the group's values could not be used (another epoch, not finite): nothing was applied
     non_finite = "non-finite"  # our pseudo-gradient was not finite: the loop should reset its inner optimizer
     abandoned = "abandoned"  # the peer is leaving: nothing was applied

@@ -13,8 +13,11 @@ import enum
 import logging
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from swarm import state_file
 from swarm.allreduce import check_parts, decode_into
@@ -168,14 +171,26 @@ class StateSync:
 
     # ---- replaying the rounds we missed ---------------------------------------------------------
 
-    def _replay(self) -> bool:
+    def adopt_round(self, shift: Sequence[torch.Tensor]) -> bool:
+        """Overlapped: the swarm finished the round of our epoch without us while our next round's inner steps
+        went on. Apply that round's average as its group received it (a one-round replay) and move ``shift``
+        (the model, less the stand-in step) by the same change, so those steps are kept and we stay in phase
+        with the swarm; a full re-sync would restart them, and by the time they were done the swarm's next
+        round would be under way without us again, every round. False when the swarm is not exactly one round
+        ahead or no donor served the round: nothing changed. On a ``broken`` replay the outer state moved,
+        and so did ``shift``: the caller must re-sync."""
+        return self._replay(shift=shift)
+
+    def _replay(self, shift: Sequence[torch.Tensor] | None = None) -> bool:
         """Catch up by applying the averages of the rounds we missed, as their groups received them, when our
-        state is the swarm's at our epoch and we are 1..replay_rounds epochs behind. Each step must give the
-        checksum the majority published for it; anything else and the caller downloads the whole state."""
+        state is the swarm's at our epoch and we are 1..replay_rounds epochs behind (one, with ``shift``). Each
+        step must give the checksum the majority published for it; anything else and the caller downloads the
+        whole state."""
         peer = self.peer
         view = peer.view()
         start, target = peer.outer.epoch, view.global_epoch
-        if target is None or not 0 < target - start <= peer.manifest.averaging.replay_rounds:
+        limit = 1 if shift is not None else peer.manifest.averaging.replay_rounds
+        if target is None or not 0 < target - start <= limit:
             return False
         ours = consensus(view.peers, start)
         if ours is None or not ours.agrees(peer.outer.checksum()):
@@ -190,7 +205,7 @@ class StateSync:
             random.shuffle(donors)
             outcome = ReplayStep.unavailable
             for donor in donors[:REPLAY_DONORS]:
-                outcome = self._replay_one(donor, epoch, agreed.checksum)
+                outcome = self._replay_one(donor, epoch, agreed.checksum, shift)
                 if outcome != ReplayStep.unavailable:
                     break
             if outcome != ReplayStep.applied:  # unavailable everywhere, or it broke our state: download it all
@@ -198,12 +213,15 @@ class StateSync:
                 return False
         with peer.shield():
             peer.outer.reset_residual()
-            peer.outer.write_to(peer.params)
+            if shift is None:
+                peer.outer.write_to(peer.params)
             peer.save_state()
-        peer.emit(PeerEvent.replayed, dict(epoch=start, target=target))
+        peer.emit(PeerEvent.replayed, dict(epoch=start, target=target, kept_steps=shift is not None))
         return True
 
-    def _replay_one(self, donor: str, epoch: int, expected: str) -> ReplayStep:
+    def _replay_one(
+        self, donor: str, epoch: int, expected: str, shift: Sequence[torch.Tensor] | None = None
+    ) -> ReplayStep:
         peer = self.peer
         avg = peer.manifest.averaging
         destination = peer.store.temporary_path(f"update-{epoch}-{donor[-8:]}")
@@ -232,7 +250,7 @@ class StateSync:
             with peer.shield(), peer.averager.get_tensors() as buffers:
                 for tensor, parts in zip(buffers, held):
                     decode_into(tensor, parts)
-                peer.outer.step(buffers)
+                peer.outer.step(buffers, shift=shift)
             return ReplayStep.applied if peer.outer.checksum() == expected else ReplayStep.broken
         finally:
             destination.unlink(missing_ok=True)

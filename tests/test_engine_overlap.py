@@ -108,4 +108,8 @@ def test_replay_is_used_instead_of_a_download_when_nothing_goes_wrong(make_swarm
     replayed = events_since_restart(swarm, 1, "replayed")
     assert replayed and replayed[0]["target"] - replayed[0]["epoch"] >= 2, swarm.events(1)
     assert not events_since_restart(swarm, 1, "state_loaded"), "a replayed peer downloads nothing"
+    # caught up, it averages with both others: it does not stay a round behind (the swarm's next round is under
+    # way by the time it has trained for the one it replayed to; it adopts that round's average and keeps its steps)
+    rounds = [e["report"] for e in events_since_restart(swarm, 1, "round")]
+    assert any(r["averaged"] and r["group_size"] == 3 for r in rounds), rounds
     assert_consistent(swarm, range(3), epochs)

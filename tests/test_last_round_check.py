@@ -27,10 +27,23 @@ class FakePeer:
         self.outer = SimpleNamespace(epoch=epoch, checksum=lambda: checksum)
         self.resyncs: list[str] = []
         self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._resync)
+        self.compute_seconds, self.round_started, self.late = 1.0, 0.0, ()
+        self.late_after = float("inf")  # records in ``late`` are seen from this time.monotonic() on
+
+    @property
+    def epoch(self) -> int:
+        return self.outer.epoch
+
+    def begin_round(self) -> None:
+        pass
 
     def view(self):
         now = time.time()
-        return build_view([PeerEntry(r, now + 10) for r in self.records], now, inner_steps=10, samples_per_step=4)
+        records = {r.peer_id: r for r in self.records}
+        if time.monotonic() >= self.late_after:
+            records.update({r.peer_id: r for r in self.late})
+        records = list(records.values())
+        return build_view([PeerEntry(r, now + 10) for r in records], now, inner_steps=10, samples_per_step=4)
 
     def _resync_needed(self, epoch: int):
         return resync_needed(self.view(), self.peer_id, epoch, self.outer.checksum(), last_round_local=False)
@@ -87,3 +100,16 @@ def test_nothing_is_checked_when_no_round_was_left_unchecked_or_the_state_moved_
     assert OuterRound(peer).check_unchecked() is None
     moved = rounds_with_unchecked(peer, 5, OLD)  # a re-sync or replay took the state past that round
     assert moved.check_unchecked() is None and peer.resyncs == []
+
+
+def test_the_next_round_waits_for_its_groupmates_checksums_before_its_late_check():
+    """Two diverged groupmates landed together: at the next round's begin the other's checksum may not be
+    published yet. Seeing only our own vote there is no majority against it, and the two would average on from
+    two states for good; begin waits for it (up to consistency_timeout) and re-syncs."""
+    records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=5), record(C, epoch=5)]
+    peer = FakePeer(records, epoch=5, checksum=MINE)
+    peer.late = (record(B, epoch=5, checksums=[(5, THEIRS)]), record(C, epoch=5, checksums=[(5, THEIRS)]))
+    peer.late_after = time.monotonic() + 0.4
+    started = rounds_with_unchecked(peer, 5, MINE).begin()
+    assert isinstance(started, RoundReport) and started.outcome == RoundOutcome.resynced, started
+    assert len(peer.resyncs) == 1 and "disagreed" in peer.resyncs[0], peer.resyncs
