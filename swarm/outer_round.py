@@ -176,7 +176,7 @@ class OuterRound:
             raise
         except RoundAborted as e:
             flight.aborted = e
-            if not flight.attempt.settle(SETTLE_SECONDS):
+            if not e.leaving and not flight.attempt.settle(SETTLE_SECONDS):  # a leaving peer writes no buffer
                 logger.debug("the cancelled averaging step of epoch %d is still running", flight.epoch)
         except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
             logger.debug("averaging attempt failed", exc_info=True)
