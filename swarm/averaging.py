@@ -105,7 +105,9 @@ class Averaging:
         if self._stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > self._next_poll:
             self._next_poll = time.monotonic() + self._abort_poll
             reason = self._abort_if()
-            if reason is not None:
+            # the check reads the DHT, and meanwhile the averager may have found a group, even finished its
+            # all-reduce with us (the groupmates' new epoch is what the check saw): that round is ours to keep
+            if reason is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and not control.done():
                 control.cancel()
                 raise RoundAborted(reason)
         return False

@@ -172,9 +172,9 @@ def test_slowpeer_smoke(tmp_path: Path):
     record = load_result(tmp_path, "slowpeer", run_smoke("slowpeer", tmp_path, timeout=400))
     peers = record["per_peer"]
     assert len(peers) == 3 and [v["slow"] for v in peers.values()] == [False, False, True]
-    assert record["swarm_rounds"] >= 2
+    assert record["swarm_rounds"] >= 4
     for peer in peers.values():
-        assert peer["rounds"] >= 1 and 0 <= peer["averaged"] <= peer["rounds"]
+        assert peer["rounds"] >= 1 and 0 <= peer["averaged"] <= peer["rounds"], peers
         assert positive_finite(peer["steps_per_second"])
     # the quota really slowed it: a quarter of a fast peer's CPU share
     assert record["speed_ratio_fast_over_slow"] > 1.5
