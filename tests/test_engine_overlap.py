@@ -41,9 +41,10 @@ def test_a_peer_killed_during_a_background_allreduce_leaves_the_survivors_consis
 
 
 def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and_averages(make_swarm):
-    # H=20, not 4: with 4 steps the pair's next round began ~0.4 s after each landing, sooner than the joiner's
-    # catch-up; it was then always a round behind (re-synced 4 times, never averaged; see the closing note)
-    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True, inner_steps=20)
+    # H=4: the pair's next round begins ~0.4 s after each landing, sooner than a joiner can catch up by
+    # re-syncing (it was then a round behind every round and never averaged); it adopts the round in flight
+    # instead and keeps its steps (5 runs here: adopted or re-synced at epoch 6, then averaged with 3 in 7-10)
+    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, overlap=True)
     swarm = make_swarm(manifest)
     epochs = 10
     # the two hold before epoch 5's steps until the joiner is up: on a slow machine it once came at epoch 7, was
@@ -59,7 +60,8 @@ def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and
     # a fresh joiner starts from the run's seeded init, so it may catch up by replaying the rounds' averages
     # (when it is at most replay_rounds behind, as on a fast machine) or by downloading the state
     assert events_of(swarm, 2, "replayed") or events_of(swarm, 2, "state_loaded"), swarm.events(2)
-    assert any(r["averaged"] and r["group_size"] == 3 for r in swarm.reports(2)), swarm.reports(2)
+    rounds = swarm.reports(2)
+    assert sum(r["averaged"] and r["group_size"] == 3 for r in rounds) >= len(rounds) // 2, rounds  # in phase
     assert_consistent(swarm, range(3), epochs)
 
 
