@@ -330,3 +330,18 @@ def test_byzantine_summary_spreads_each_scenario_over_invocations():
     assert round_ratios({1: 4.0, 2: None, 3: 3.0}, {1: 2.0, 2: 2.0}) == {1: 2.0, 2: None}
     assert _spread(summary[0]["ratio_to_absent"]) == "1.025 [0.97, 1.08]"
     assert _spread(summary[1]["ratio_to_honest_mean"]) == "0.92 [0.92, 0.92] (1 diverged)"
+
+
+def test_gpu_smoke(tmp_path: Path):
+    """On this CPU machine the GPU benchmark runs its fp32 path and two real peers; the CUDA figures are in
+    benchmarks/results/gpu.json, measured on a lent H100."""
+    record = load_result(tmp_path, "gpu", run_smoke("gpu", tmp_path, timeout=300))
+    runs = record["in_process"]["precisions"]
+    assert list(runs) == ["fp32"] and runs["fp32"]["speed_vs_fp32"] == 1.0
+    assert 1 <= runs["fp32"]["micro_batch"] <= runs["fp32"]["search_found"] <= runs["fp32"]["search_limit"]
+    assert positive_finite(runs["fp32"]["tokens_per_second"]) and all(map(positive_finite, runs["fp32"]["losses"]))
+    peers = record["two_peers"]["peers"]
+    assert [p["exit_code"] for p in peers] == [0, 0], peers
+    assert all(r["averaged"] for p in peers for r in p["rounds"]) and len(peers[0]["rounds"]) == 1, peers
+    assert peers[0]["rounds"][-1]["checksum"] == peers[1]["rounds"][-1]["checksum"]
+    assert peers[0]["result"]["eval_loss_end"] < peers[0]["result"]["eval_loss_start"]
