@@ -34,6 +34,7 @@ from swarm.audit import MALFORMED
 from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
+from swarm.pace import pace_matchmaking
 from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
     def _run_internal(self) -> None:
         rebuild_torch_thread_pool()
         heap.limit_retention()
+        pace_matchmaking()
         super()._run_internal()
 
     async def _run_allreduce_inplace_(
