@@ -345,3 +345,14 @@ def test_gpu_smoke(tmp_path: Path):
     assert all(r["averaged"] for p in peers for r in p["rounds"]) and len(peers[0]["rounds"]) == 1, peers
     assert peers[0]["rounds"][-1]["checksum"] == peers[1]["rounds"][-1]["checksum"]
     assert peers[0]["result"]["eval_loss_end"] < peers[0]["result"]["eval_loss_start"]
+
+
+def test_idle_smoke(tmp_path: Path):
+    record = load_result(tmp_path, "idle", run_smoke("idle", tmp_path, timeout=300))
+    (run,) = record["runs"]  # no baseline in the smoke run
+    assert run["state_at_end"] == "matchmaking" and run["window_seconds"] >= 3.0
+    assert {"trainer", "dht", "averager"} <= set(run["by_role"])
+    # CPU consumed by the peer's own processes (not wall time): paced, a waiting peer's tree used 0.04 CPU-s/s
+    # here, and hivemind's spinning search 1.05 (benchmarks/results/idle.json)
+    assert 0 <= run["cpu_seconds_per_second"] < 0.5, run
+    assert left_behind(tmp_path) == []
