@@ -35,6 +35,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.memory import baseline_tree
+from benchmarks.pss import tree_by_role
 
 NAME = "idle"
 REPO = Path(__file__).resolve().parent.parent
@@ -48,26 +49,8 @@ SETS = [
 
 
 def tree_cpu(root: psutil.Process) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root`` and its descendants, by role: trainer, dht, averager
-    (the forked Python children, by age: the DHT starts first), p2pd, torch_shm_manager."""
-    children = root.children(recursive=True)
-    helpers = ("p2pd", "torch_shm_manager")
-    pythons = sorted((c for c in children if c.name() not in helpers), key=lambda c: c.create_time())
-    out: dict[str, float] = {}
-    for proc in [root, *children]:
-        try:
-            times = proc.cpu_times()
-            name = proc.name()
-        except psutil.Error:
-            continue
-        if proc.pid == root.pid:
-            role = "trainer"
-        elif name in helpers:
-            role = name
-        else:
-            role = ["dht", "averager"][pythons.index(proc)] if proc in pythons[:2] else "other"
-        out[role] = out.get(role, 0.0) + times.user + times.system
-    return out
+    """CPU seconds (user + system) so far of ``root`` and its descendants, by role (``tree_by_role``)."""
+    return tree_by_role(root, lambda proc: sum(proc.cpu_times()[:2]))
 
 
 def state(workdir: Path) -> str:
@@ -139,6 +122,7 @@ def plot(runs: list[dict], out: Path) -> list[str]:
     ax.set_ylabel("CPU-seconds per second")
     ax.set_title("a tiny peer waiting in matchmaking: its process tree", fontsize=9)
     ax.legend(fontsize=8)
+    out.mkdir(parents=True, exist_ok=True)
     return [save_figure(fig, out, NAME).name]
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import psutil
 
 
-def tree_pss(root: psutil.Process) -> dict[str, int]:
-    """PSS in bytes of ``root`` and its descendants, keyed by role: trainer, dht, averager, p2pd,
+def tree_by_role(root: psutil.Process, figure: Callable[[psutil.Process], float]) -> dict[str, float]:
+    """``figure`` of ``root`` and each descendant, summed by role: trainer, dht, averager, p2pd,
     torch_shm_manager (torch's helper for shared tensors), other.
 
     The forked Python children are named by age: the peer starts its DHT first and its averager second.
@@ -26,11 +26,11 @@ def tree_pss(root: psutil.Process) -> dict[str, int]:
         children = root.children(recursive=True)
     except psutil.Error:
         return {}
-    out: dict[str, int] = {}
+    out: dict[str, float] = {}
     pythons = []
     for proc in [root, *children]:
         try:
-            pss = proc.memory_full_info().pss
+            value = figure(proc)
             name = proc.name()
             created = proc.create_time()
         except psutil.Error:
@@ -40,13 +40,18 @@ def tree_pss(root: psutil.Process) -> dict[str, int]:
         elif name in ("p2pd", "torch_shm_manager"):
             role = name
         else:
-            pythons.append((created, proc.pid, pss))
+            pythons.append((created, proc.pid, value))
             continue
-        out[role] = out.get(role, 0) + pss
-    for index, (_, _, pss) in enumerate(sorted(pythons)):
+        out[role] = out.get(role, 0) + value
+    for index, (_, _, value) in enumerate(sorted(pythons)):
         role = ("dht", "averager")[index] if index < 2 else "other"
-        out[role] = out.get(role, 0) + pss
+        out[role] = out.get(role, 0) + value
     return out
+
+
+def tree_pss(root: psutil.Process) -> dict[str, int]:
+    """PSS in bytes of ``root`` and its descendants, by role (``tree_by_role``)."""
+    return tree_by_role(root, lambda proc: proc.memory_full_info().pss)
 
 
 @dataclass
