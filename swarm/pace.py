@@ -10,57 +10,45 @@ per second each for an idle `tiny` peer, a whole core per peer. On the volunteer
 is a core taken from the data loader and the GPU's feeding; with several peers per host it is
 all of them.
 
-The loop below is hivemind's, with one change: two reads of the same search are at least
-``MIN_READ_INTERVAL`` apart. A leader that declares itself is then seen at most that much later,
-well inside any matchmaking time a run can set.
+hivemind's loop is kept as it is; the key manager it reads through is wrapped so that two reads of
+one search are at least ``MIN_READ_INTERVAL`` apart. A leader that declares itself is then seen at
+most that much later, well inside any matchmaking time a run can set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from math import isfinite
+from typing import Any
 
 from hivemind.averaging import matchmaking
 
 MIN_READ_INTERVAL = 0.25  # seconds between two DHT reads of one search for a leader
 
-_original = matchmaking.PotentialLeaders._update_queue_periodically
+_unpaced = matchmaking.PotentialLeaders._update_queue_periodically
 
 
-async def _update_queue_paced(self: matchmaking.PotentialLeaders, key_manager) -> None:
-    discrepancy = matchmaking.MAX_DHT_TIME_DISCREPANCY_SECONDS
-    while matchmaking.get_dht_time() < self.search_end_time:
-        read_at = time.monotonic()
-        new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
-        self.max_assured_time = max(
-            self.max_assured_time, matchmaking.get_dht_time() + self.min_matchmaking_time - discrepancy
-        )
-        self.leader_queue.clear()
-        for peer, peer_expiration_time in new_peers:
-            if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
-                continue
-            self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
-            self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
-        self.update_finished.set()
+class _PacedKeys:
+    """A group key manager whose ``get_averagers`` waits out the rest of MIN_READ_INTERVAL since its last read."""
 
-        left = self.search_end_time - matchmaking.get_dht_time()
-        await asyncio.wait(
-            {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
-            return_when=asyncio.ALL_COMPLETED,
-            timeout=left if isfinite(self.search_end_time) else None,
-        )
-        self.update_triggered.clear()
-        pause = MIN_READ_INTERVAL - (time.monotonic() - read_at)
+    def __init__(self, keys: Any) -> None:
+        self._keys, self._last_read = keys, float("-inf")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._keys, name)
+
+    async def get_averagers(self, *args: Any, **kwargs: Any) -> Any:
+        pause = self._last_read + MIN_READ_INTERVAL - time.monotonic()
         if pause > 0:
             await asyncio.sleep(pause)
+        self._last_read = time.monotonic()
+        return await self._keys.get_averagers(*args, **kwargs)
+
+
+async def _update_queue_paced(self: matchmaking.PotentialLeaders, key_manager: Any) -> None:
+    await _unpaced(self, _PacedKeys(key_manager))
 
 
 def pace_matchmaking() -> None:
     """Use the paced refresh in this process (the averager's) from now on."""
     matchmaking.PotentialLeaders._update_queue_periodically = _update_queue_paced
-
-
-def unpaced() -> None:
-    """hivemind's own refresh again (for the tests that compare the two)."""
-    matchmaking.PotentialLeaders._update_queue_periodically = _original
