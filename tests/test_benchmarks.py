@@ -356,3 +356,13 @@ def test_idle_smoke(tmp_path: Path):
     # here, and hivemind's spinning search 1.04 (benchmarks/results/idle.json)
     assert 0 <= run["cpu_seconds_per_second"] < 0.5, run
     assert left_behind(tmp_path) == []
+
+
+def test_reduce_smoke(tmp_path: Path):
+    record = load_result(tmp_path, "reduce", run_smoke("reduce", tmp_path, timeout=300))
+    (run,) = record["runs"]  # no baseline in the smoke run
+    assert record["groups"] == [2, 3] and record["part_values"] == 4096
+    assert set(run["ms_per_part"]) == {"mean", "centered_clip"}
+    for figures in run["ms_per_part"].values():
+        assert set(figures) == {"2", "3"} and all(positive_finite(ms) for ms in figures.values()), figures
+    assert record["baseline_over_current"] is None

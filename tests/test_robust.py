@@ -20,6 +20,7 @@ from swarm.robust import (
     capped_weights,
     check_part,
     robust_mean,
+    sorted_rows,
 )
 
 N = 4096
@@ -182,7 +183,7 @@ def test_a_negated_part_is_left_out_even_when_the_honest_parts_agree_only_weakly
         assert 0.98 < float(result.norm() / without_liar.norm()) < 1.02
     # weakly agreeing honest peers are all kept
     stacked = torch.stack(own)
-    kept, _, _ = _against_the_grain_left_out(stacked, torch.full((group,), 1 / group), stacked.median(0).values)
+    kept, _ = _against_the_grain_left_out(stacked, torch.full((group,), 1 / group))
     assert kept.shape[0] == group
 
 
@@ -197,3 +198,54 @@ def test_a_part_whose_bytes_do_not_decode_is_refused_not_raised():
     bad.buffer = good.buffer[:-3]  # not a whole number of fp16 values
     refused, _, _ = decode_part(averaging_pb2.AveragingData(tensor_part=bad, weight=1.0))
     assert isinstance(refused, RefusedPart) and "could not be decoded" in str(refused)
+
+
+def reference_robust_mean(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """The module's steps written out directly, one pass over the data per CenteredClip iteration (as the
+    client computed them until the iterations moved to the Gram matrix)."""
+    w = capped_weights(weights)
+    w = (w / w.sum()).float()
+    stacked = torch.stack(parts)
+    norms = stacked.norm(dim=1)
+    stacked = stacked * torch.clamp(norms.median() / norms.clamp_min(1e-30), max=1.0)[:, None]
+    if len(parts) > 2:
+        unit = stacked / stacked.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        keep = ((unit @ unit.T).fill_diagonal_(0.0) > 0).any(dim=1)
+        if len(parts) > int(keep.sum()) > len(parts) / 2:
+            stacked, w = stacked[keep], w[keep] / w[keep].sum()
+    center = stacked.median(dim=0).values if len(stacked) > 2 else (stacked * w[:, None]).sum(0)
+    tau = (stacked - center).norm(dim=1).median()
+    for _ in range(5):
+        diff = stacked - center
+        center = center + (diff * (w * torch.clamp(tau / diff.norm(dim=1).clamp_min(1e-30), max=1.0))[:, None]).sum(0)
+    if len(stacked) <= 2:
+        return center
+    ordered = stacked.sort(dim=0).values
+    return torch.minimum(torch.maximum(center, ordered[1]), ordered[-2])
+
+
+@pytest.mark.parametrize("group", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("spread", [0.01, 0.3, 3.0])
+def test_the_gram_matrix_iterations_give_what_one_pass_per_iteration_gives(group, spread):
+    """Honest groups of every closeness, and each with a liar of each kind: the reducer's result is the
+    reference's to float32 rounding (the distances now come from a float64 Gram matrix, not float32 norms)."""
+    parts = honest(group, seed=group, spread=spread)
+    weights = [float(10 + i) for i in range(group)]
+    for liar in (None, -4.0, 1000.0, 0.0):
+        attacked = parts if liar is None else [*parts[:-1], liar * parts[-1]]
+        result = robust_mean(attacked, weights, Aggregation.centered_clip)
+        expected = reference_robust_mean(attacked, weights)
+        # (in a group of two a zero part clips both to norm 0: both are then exactly zero)
+        assert float((result - expected).norm()) <= 1e-5 * float(expected.norm()), (liar, result, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17])
+def test_sorted_rows_are_torch_sort_along_the_rows_exactly(rows):
+    g = torch.Generator().manual_seed(rows)
+    stacked = torch.randn(rows, 1000, generator=g).round(decimals=1)  # ties included
+    assert torch.equal(torch.stack(sorted_rows(stacked)), stacked.sort(dim=0).values)
+
+
+def test_identical_parts_come_out_as_they_went_in():
+    part = honest(1)[0]
+    assert torch.equal(robust_mean([part] * 4, [1.0] * 4, Aggregation.centered_clip), part)
