@@ -231,6 +231,8 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
                 ],
                 leave=leave.get(p.name),
                 rounds=len(p.records("round")),
+                # where each averaged round's time went (all-reduce, audit, ...): the reducer's work is in them
+                averaged_round_seconds=[r["seconds"] for r in p.records("round") if r["averaged"]],
             )
             for p in peers
         },
@@ -284,6 +286,11 @@ def report(record: dict) -> None:
         ["code", "peer", "peak GiB", "B/param", "at the peak (GiB)", "max pause s", "ckpt GiB", "disk GiB", "leave s"],
         rows,
     )
+    for run in record["runs"]:
+        for name, peer in run["peers"].items():
+            for seconds in peer.get("averaged_round_seconds", []):
+                phases = " ".join(f"{k} {v:.1f}" for k, v in seconds.items())
+                print(f"{run['label']} {name}: an averaged round's seconds: {phases}")
     for run in record["runs"]:
         for name, peer in run["peers"].items():
             writes = [w for w in peer.get("checkpoint_writes", []) if w["seconds"] > 0]

@@ -63,7 +63,7 @@ def check_part(values: torch.Tensor, numel: int, weight: float) -> torch.Tensor:
     if values.numel() != numel:
         raise RefusedPart(f"a sender's part has {values.numel()} values, not {numel}")
     flat = values.reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(flat).all()):
+    if not math.isfinite(float(flat.sum(dtype=torch.float64))):  # one pass; no float32 values overflow it
         raise RefusedPart("a sender's part holds NaN or infinite values")
     return flat
 
@@ -83,9 +83,12 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     w = capped_weights(weights) if aggregation == Aggregation.centered_clip else torch.tensor(weights).double()
     if float(w.sum()) <= 0:  # everyone sent weight 0 (all auxiliary, say): the plain mean of nothing is zero
         return torch.zeros_like(parts[0])
+    if aggregation == Aggregation.mean or len(parts) == 1:  # in float64, one sender after the other
+        total = torch.zeros(parts[0].shape, dtype=torch.float64)
+        for part, share in zip(parts, (w / w.sum()).tolist()):
+            total.add_(part, alpha=share)
+        return total.float()
     stacked = torch.stack(list(parts))
-    if aggregation == Aggregation.mean or len(parts) == 1:
-        return (stacked.double() * (w / w.sum())[:, None]).sum(0).float()
     w = (w / w.sum()).float()
     norms = stacked.norm(dim=1)
     factors = torch.clamp(CLIP_FACTOR * norms.median() / norms.clamp_min(1e-30), max=1.0)
@@ -93,7 +96,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     if len(parts) > 2:
         stacked, w = _against_the_grain_left_out(stacked, w, norms * factors)
     if len(stacked) <= 2:
-        return _centered_clip(stacked, w, (stacked * w[:, None]).sum(0))
+        return _centered_clip(stacked, w, stacked.T @ w)
     ordered = sorted_rows(stacked)
     center = _centered_clip(stacked, w, ordered[(len(ordered) - 1) // 2])  # from the (lower) median
     # the inner range (6.), of the norm-clipped parts: against raw parts, a liar sending x1000 would pick, for
