@@ -79,7 +79,11 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     """The reducer's result for one part from each sender's checked values (same length, finite).
 
     Few part-sized buffers are allocated, and none in a loop: in the averager every block of 1 MiB or more is
-    mapped from the system on its own and returned when freed (swarm/heap.py), so each costs page faults."""
+    mapped from the system on its own and returned when freed (swarm/heap.py), so each costs page faults.
+    Whatever depends on a sum over a whole part (norms, cosines, CenteredClip's distances) comes from float64
+    Gram matrices, and the values are combined elementwise, one row after another, not by float32 BLAS: an
+    auditor on another CPU recomputes this, and float32 reductions ordered by the CPU's vector width would
+    differ from the reducer's in the last bit of many values."""
     w = capped_weights(weights) if aggregation == Aggregation.centered_clip else torch.tensor(weights).double()
     if float(w.sum()) <= 0:  # everyone sent weight 0 (all auxiliary, say): the plain mean of nothing is zero
         return torch.zeros_like(parts[0])
@@ -90,13 +94,13 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
         return total.float()
     stacked = torch.stack(list(parts))
     w = (w / w.sum()).float()
-    norms = stacked.norm(dim=1)
-    factors = torch.clamp(CLIP_FACTOR * norms.median() / norms.clamp_min(1e-30), max=1.0)
-    stacked.mul_(factors[:, None])
-    if len(parts) > 2:
-        stacked, w = _against_the_grain_left_out(stacked, w, norms * factors)
+    gram = _gram64(stacked)
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    stacked.mul_(torch.clamp(CLIP_FACTOR * norms.median() / norms.clamp_min(1e-30), max=1.0).float()[:, None])
+    if len(parts) > 2:  # cosines do not change with the clipping's positive factors
+        stacked, w = _against_the_grain_left_out(stacked, w, gram)
     if len(stacked) <= 2:
-        return _centered_clip(stacked, w, stacked.T @ w)
+        return _centered_clip(stacked, w, _combination(torch.zeros_like(stacked[0]), stacked, w))
     ordered = sorted_rows(stacked)
     center = _centered_clip(stacked, w, ordered[(len(ordered) - 1) // 2])  # from the (lower) median
     # the inner range (6.), of the norm-clipped parts: against raw parts, a liar sending x1000 would pick, for
@@ -122,7 +126,14 @@ def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, start: torch.Tensor) 
         coeff = eye - b  # row i: x_i - centre, in the coefficients of the d_j
         distance = ((coeff @ gram) * coeff).sum(1).clamp_min(0).sqrt()
         b = b + (wd * torch.clamp(tau / distance.clamp_min(1e-30), max=1.0)) @ coeff
-    return torch.addmv(start, d.T, b.float())
+    return _combination(start.clone(), d, b.float())
+
+
+def _combination(out: torch.Tensor, rows: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """``out += sum_j coefficients[j] * rows[j]``, in place, one row after another."""
+    for row, coefficient in zip(rows, coefficients.tolist()):
+        out.add_(row, alpha=coefficient)
+    return out
 
 
 def _gram64(rows: torch.Tensor, chunk: int = 1 << 15) -> torch.Tensor:
@@ -157,15 +168,16 @@ def sorted_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _against_the_grain_left_out(
-    stacked: torch.Tensor, w: torch.Tensor, norms: torch.Tensor | None = None
+    stacked: torch.Tensor, w: torch.Tensor, gram: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Parts that point away from every other part (no positive cosine with any) are left out, if a majority
     remains: a sign-flipped or negated pseudo-gradient then counts for nothing rather than shrinking the step.
     Pairwise, not against the coordinate-wise median: with three senders whose honest pseudo-gradients agree
     only weakly (cosine ~0.1, as two peers' H-step updates on different data do), the median follows the liar
     in every coordinate where the honest two differ in sign, and a -4x liar had a positive cosine with it."""
-    norms = stacked.norm(dim=1) if norms is None else norms
-    cosine = (stacked @ stacked.T) / (norms[:, None] * norms[None, :]).clamp_min(1e-30)
+    gram = _gram64(stacked) if gram is None else gram
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    cosine = gram / (norms[:, None] * norms[None, :]).clamp_min(1e-30)
     keep = (cosine.fill_diagonal_(0.0) > 0).any(dim=1)
     kept = int(keep.sum())
     if logger.isEnabledFor(logging.DEBUG):

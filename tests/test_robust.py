@@ -249,3 +249,20 @@ def test_sorted_rows_are_torch_sort_along_the_rows_exactly(rows):
 def test_identical_parts_come_out_as_they_went_in():
     part = honest(1)[0]
     assert torch.equal(robust_mean([part] * 4, [1.0] * 4, Aggregation.centered_clip), part)
+
+
+def test_the_result_does_not_depend_on_how_many_threads_compute_it():
+    """A groupmate recomputes a reducer's result to audit it, with its own thread count: bitwise the same here
+    (across CPUs, only the float64 sums' last bits may differ; the values are combined elementwise)."""
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(1 << 18, generator=g)
+    parts = [common + 0.5 * (i + 1) * torch.randn(1 << 18, generator=g) for i in range(4)]
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(robust_mean(parts, [100.0, 101.0, 102.0, 103.0], Aggregation.centered_clip))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
