@@ -113,7 +113,7 @@ def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, start: torch.Tensor) 
 
     Every centre it visits is ``start + sum_j b_j d_j`` with ``d_j = x_j - start``, so the iterations run on
     the k coefficients ``b`` and the k x k Gram matrix of the ``d_j`` (summed in float64), and the data is
-    read twice rather than once per iteration (benchmarks/reduce.py). ``stacked`` becomes the ``d_j``."""
+    read three times rather than once per iteration (benchmarks/reduce.py). ``stacked`` becomes the ``d_j``."""
     d = stacked.sub_(start)
     gram = _gram64(d)
     tau = CLIP_FACTOR * gram.diagonal().clamp_min(0).sqrt().median()
