@@ -253,6 +253,8 @@ class Peer:
             except Exception:
                 logger.debug("could not turn state sharing off", exc_info=True)
             self.averager.shutdown()
+        if self.store is not None:
+            self.store.discard_downloads()
         saved = self.store.close(timeout=remaining()) if self.store is not None else True
         if self.presence is not None:
             self.presence.stop(timeout=min(2.0, remaining()))

@@ -163,6 +163,13 @@ class StateStore:
         self._finish(saved)
         return saved
 
+    def discard_downloads(self) -> None:
+        """Remove this process's unfinished downloads: an averager stopped in the middle of one may have
+        written its file after the download was given up and removed."""
+        for path in self.directory.glob(f".tmp-*-{os.getpid()}.safetensors"):
+            if path.name.startswith((".tmp-download-", ".tmp-update-")):
+                path.unlink(missing_ok=True)
+
     def use_existing(self, path: Path, header: StateHeader) -> SavedState:
         """Make a state file already in the directory (a checkpoint we resumed from) the newest one."""
         saved = SavedState(Path(path), header.epoch, header.checksum, header.total_bytes, 0.0)

@@ -46,6 +46,10 @@ class DownloadStopped(RuntimeError):
     """A download was given up because the peer is leaving."""
 
 
+class _HostGaveUp(Exception):
+    """The averager process learns that the host stopped waiting for a download: its file is removed."""
+
+
 def update_path(directory: Path, epoch: int) -> Path:
     return Path(directory) / f"update-{epoch:07d}.bin"
 
@@ -282,8 +286,8 @@ class FileTransfer:
             metadata, received = None, 0
             with open(destination, "wb") as out:
                 async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
-                    if future.done():  # the host gave up
-                        return
+                    if future.done():  # the host gave up (and may have removed the file before it was opened)
+                        raise _HostGaveUp
                     if metadata is None:
                         metadata = self.serializer.loads(message.metadata) if message.metadata else None
                         nbytes = metadata.get("nbytes") if isinstance(metadata, dict) else None

@@ -1,6 +1,7 @@
 """State files and the background state store: the format, its checks, atomic writes, pruning, resuming."""
 
 import json
+import os
 import threading
 import time
 
@@ -241,3 +242,21 @@ def test_the_error_feedback_residual_is_saved_beside_its_state_and_used_only_wit
     assert store.wait_idle(30)
     newest = state_files(tmp_path)[0]
     assert newest != path and not residual_path(newest).exists()  # no residual is better than another state's
+
+
+def test_a_leaving_peer_removes_its_unfinished_downloads_and_nothing_else(tmp_path):
+    """The averager process may write a download's file after the trainer gave the download up and removed it:
+    the leaving peer removes its own unfinished downloads and replays, not a state file being written, nor
+    another process's."""
+    store = StateStore(tmp_path, "run")
+    pid = os.getpid()
+    ours = [store.temporary_path("download-abcdefgh"), store.temporary_path("update-7-abcdefgh")]
+    kept = [
+        tmp_path / f".tmp-state-000003-{pid}.safetensors",
+        tmp_path / f".tmp-download-abcdefgh-{pid + 1}.safetensors",
+    ]
+    for path in [*ours, *kept]:
+        path.write_bytes(b"partial")
+    store.discard_downloads()
+    assert [p.exists() for p in ours] == [False, False] and [p.exists() for p in kept] == [True, True]
+    store.close()
