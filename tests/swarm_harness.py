@@ -1,4 +1,5 @@
-"""Runs engine workers as real processes on 127.0.0.1 and cleans up after them.
+"""Runs engine workers as real processes on 127.0.0.1 (forked from a warm server: worker_fork) and cleans up
+after them.
 
 It also watches every p2pd daemon the workers start, so a test can assert that
 none survives its peer: not after a graceful leave, not after SIGKILL.
@@ -10,13 +11,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from worker_fork import ForkedWorker
 
 from swarm import RunManifest
 
@@ -40,7 +41,7 @@ class WorkerSwarm:
         root.mkdir(parents=True, exist_ok=True)
         self.manifest_path = root / "manifest.json"
         self.manifest_path.write_text(manifest.canonical_json())
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, ForkedWorker] = {}
         self.p2pd_pids: set[int] = set()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch_p2pd, daemon=True)
@@ -58,9 +59,8 @@ class WorkerSwarm:
         bootstrap: int | None = 0,
         wait_ready: bool = True,
         extra_args: tuple[str, ...] = (),
-    ) -> subprocess.Popen:
-        cmd = [
-            sys.executable,
+    ) -> ForkedWorker:
+        argv = [
             str(WORKER),
             "--manifest",
             str(self.manifest_path),
@@ -75,10 +75,10 @@ class WorkerSwarm:
             *extra_args,
         ]
         if bootstrap is not None and bootstrap != rank:
-            cmd += ["--initial-peers", *self.maddrs(bootstrap)]
-        log = (self.root / f"peer{rank}.log").open("w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.procs[rank] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            argv += ["--initial-peers", *self.maddrs(bootstrap)]
+        log = self.root / f"peer{rank}.log"
+        log.write_text("")
+        self.procs[rank] = ForkedWorker(argv, log)
         if wait_ready:
             self.wait_ready(rank)
         return self.procs[rank]
