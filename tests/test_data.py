@@ -79,6 +79,10 @@ def test_builtin_corpus_is_dealt_in_a_fixed_mixed_order_not_by_name():
     for package in ("encodings", "test", "idlelib"):  # each spread over the corpus, not one stretch of it
         where = [i for i, t in enumerate(top) if t == package]
         assert where[0] < len(files) // 10 and where[-1] > len(files) * 9 // 10, package
+    # the library's own sources only, every one of them: no installed package, no folder, nothing missed
+    assert all("site-packages" not in p.parts and p.is_file() and p.suffix == ".py" for p in files)
+    assert (root / "os.py") in files and (root / "json" / "decoder.py") in files
+    assert len(files) == len(set(files)) > 500
 
 
 def test_held_out_sequences_span_many_documents(tmp_path):
