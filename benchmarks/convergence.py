@@ -162,13 +162,23 @@ def make_optimizer(model: torch.nn.Module, manifest: RunManifest) -> torch.optim
     )
 
 
-def inner_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, lr: float, clip: float):
-    """The client's CPU inner step: loss, backward, clip, AdamW (client.trainer.Trainer._inner_step)."""
+def inner_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    lr: float,
+    clip: float,
+    grads: list[list[torch.Tensor | None]] | None = None,
+):
+    """The client's CPU inner step: loss, backward, clip, AdamW (client.trainer.Trainer._inner_step). With
+    ``grads``, the clipped gradients the step used are appended to it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if grads is not None:
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
@@ -243,6 +253,10 @@ class Variant:
     # eager: the stand-in from the pseudo-gradient as computed (raw, as the client does since 2026-11-25) or as sent
     # (after the codec's rounding and error feedback: what the runs before then measured)
     stand_in_source: str = "raw"
+    # eager: what the inner optimizer's first moment keeps of the steps taken from the stand-in once the average
+    # lands: all of it (keep), or none (forget: each such step's gradient, measured at the stand-in and not where
+    # the model turned out to be, is taken out of AdamW's exp_avg; the steps themselves stay)
+    moments: str = "keep"
 
     @property
     def name(self) -> str:
@@ -257,6 +271,8 @@ class Variant:
             name += f"-{self.stand_in}"
         if self.mode == "eager" and self.stand_in_source != "raw":
             name += f"-from{self.stand_in_source}"
+        if self.mode == "eager" and self.moments != "keep":
+            name += f"-{self.moments}"
         return name
 
     @classmethod
@@ -273,6 +289,7 @@ class Variant:
             robust=fields.get("agg", "mean") == "robust",
             stand_in=fields.get("standin", "own"),
             stand_in_source=fields.get("standinfrom", "raw"),
+            moments=fields.get("moments", "keep"),
         )
 
 
@@ -326,11 +343,15 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         outer_momentum=variant.outer_momentum,
         aggregation="robust" if variant.robust else "mean",
         stand_in=variant.stand_in if variant.mode == "eager" else None,
+        moments=variant.moments if variant.mode == "eager" else None,
     )
     curve.add(0, evaluate(models[0], setup.eval_set))
     pending: tuple[list[torch.Tensor], list[list[torch.Tensor]] | None] | None = None
     last_average: list[torch.Tensor] | None = None  # the last round's, as applied: blend's guess of the others'
     wire_bytes: list[float] = []
+
+    displaced: list[list[list[torch.Tensor | None]]] = [[] for _ in models]  # per worker, steps from the stand-in
+    beta1 = manifest.inner.betas[0]
 
     def land() -> None:
         averaged, stand_ins = pending
@@ -340,6 +361,13 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
             for w, worker in enumerate(params):
                 for i, p in enumerate(worker):
                     p.add_(moved[i] - (stand_ins[w][i] if stand_ins is not None else 0))
+                steps = displaced[w]
+                for n, grads in enumerate(steps):  # exp_avg = ... + (1 - b1) * b1^(steps after) * g
+                    weight = (1 - beta1) * beta1 ** (len(steps) - 1 - n)
+                    for p, g in zip(worker, grads):
+                        if g is not None:
+                            optimizers[w].state[p]["exp_avg"].sub_(g, alpha=weight)
+                steps.clear()
 
     for r in range(rounds):
         for k in range(h):
@@ -347,8 +375,11 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
                 land()
                 pending = None
             step = r * h + k
+            forget = pending is not None and variant.moments == "forget"
             for w, (model, optimizer) in enumerate(zip(models, optimizers)):
-                inner_step(model, optimizer, setup.batches[w][step], lr_at(manifest, step), manifest.inner.grad_clip)
+                grads = displaced[w] if forget else None
+                lr = lr_at(manifest, step)
+                inner_step(model, optimizer, setup.batches[w][step], lr, manifest.inner.grad_clip, grads)
         if pending is not None:
             land()
             pending = None
@@ -506,6 +537,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.workers, args.steps = 2, 6
         args.variants = ["h=2", "h=3", "h=3,wire=fp16", "h=3,wire=fp4,mode=delayed,delay=1", "h=3,mode=eager,delay=1"]
         args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share")  # the client's stand-in, from raw
+        args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share,moments=forget")
         args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
     args.variants = [Variant.parse(v) for v in args.variants]
     for v in args.variants:

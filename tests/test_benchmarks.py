@@ -73,6 +73,9 @@ def test_convergence_smoke(tmp_path: Path):
     runs = {r["name"]: r for r in record["runs"]}
     assert {"ddp", "single", "diloco-h2-fp32", "diloco-h3-fp32", "diloco-h3-fp16"} <= set(runs)
     assert {"diloco-h3-fp4-delayed1", "diloco-h3-fp32-eager1", "diloco-h3-fp4-eager1-share"} <= set(runs)
+    # the stand-in steps' gradients taken out of AdamW's first moment when the average lands: not a no-op
+    forget, keep = runs["diloco-h3-fp4-eager1-share-forget"], runs["diloco-h3-fp4-eager1-share"]
+    assert forget["eval_loss"][0] == keep["eval_loss"][0] and forget["eval_loss"][1:] != keep["eval_loss"][1:]
     for run in runs.values():
         assert all(positive_finite(v) for v in run["eval_loss"])
         assert run["tokens"][0] == 0 and run["tokens"][-1] == record["sizes"]["tokens_per_run"]
