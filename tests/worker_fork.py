@@ -4,7 +4,7 @@ hivemind, instead of as fresh interpreters.
 A fresh worker spends about 10 s of CPU before its first line of test code: 7-8 s importing torch,
 transformers and hivemind, and 2-3 s in the first model build, which imports the rest of transformers
 (torch.distributed.tensor, sympy). With three workers starting at once on CI's two cores, that was 15 s of
-every engine test, over 70 starts a run. multiprocessing's fork server pays it once: it imports those
+every engine test, over 55 starts a run. multiprocessing's fork server pays it once: it imports those
 modules and builds a model (``worker_warmup``), then forks each worker from that state, as the stdlib's
 ``forkserver`` start method does for any program. Each worker is still its own process, with its own
 hivemind DHT, averager and p2pd, and it runs ``engine_worker.main`` exactly as ``python engine_worker.py``
@@ -93,6 +93,3 @@ class ForkedWorker:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
