@@ -27,6 +27,7 @@ from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, 
 from client.hardware import Hardware, Precision, choose_precision
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, count_parameters, model_config, parameter_shapes
+from client.moments import FlightMoments
 from client.peer_events import describe
 from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate
@@ -218,6 +219,8 @@ class Trainer:
             weight_decay=m.inner.weight_decay,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision.use_scaler)
+        # overlapped rounds: the steps taken from the stand-in leave the first moment when the round lands
+        self.moments = FlightMoments(self.optimizer) if m.averaging.overlap else None
         extra = dict(self._resumed_extra)
         inner = checkpoint.load_inner(self.ckpt_dir, self.peer.outer.checksum(), warn=lambda t: self.note("log", t))
         if inner is not None:
@@ -292,6 +295,8 @@ class Trainer:
                 self._log_steps(window, peer.inner_step + 1)
                 window, last_log = [], time.monotonic()
             report = peer.report_step(m.samples_per_step, loss, compute_seconds=elapsed)
+            if self.moments is not None:
+                self.moments.after_step(peer.flight)
             if report is not None:
                 self._after_round(report)
                 if self.stop.after_round and report.outcome != RoundOutcome.abandoned:
