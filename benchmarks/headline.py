@@ -27,6 +27,9 @@ SOURCES = {
     # the client's stand-in (averaging.stand_in=share, from the raw pseudo-gradient) landing 1 and 5 steps late, and
     # blocking fp4, under the same settings
     "stand_in": "convergence-rawstandin/convergence.json",
+    # the client's overlap landing 1 step late, with the inner optimizer's moments kept and forgotten (what the
+    # client does now), over five seeds: benchmarks.seeds over one convergence run per seed and variant
+    "seeds": "convergence-moments-seeds/seeds.json",
     "wan": "wan-overlap/wan.json",
     "churn": "churn-overlap/churn.json",
 }
@@ -90,6 +93,16 @@ def gather(out: Path) -> dict:
             entry = stand_in["ratios"].get(f"{variant}/diloco-h10-fp32")
             if entry is not None:
                 put(key, entry["eval_loss_ratio"], f"{SOURCES['stand_in']} ratios[{variant}/diloco-h10-fp32]")
+    seeds = _load(out, "seeds")
+    if seeds is not None:
+        for variant, key in (
+            (f"diloco-h10-fp4-{OVERLAP_MODE}1-share", "loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"),
+            (f"diloco-h10-fp4-{OVERLAP_MODE}1-share-forget", "loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"),
+        ):
+            entry = seeds["variants"].get(variant)
+            if entry is not None:
+                source = f"{SOURCES['seeds']} variants[{variant}] mean_end over {entry['seeds']} seeds"
+                put(key, entry["mean_end"], source)
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

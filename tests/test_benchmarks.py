@@ -288,7 +288,13 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "diloco-h10-fp4/diloco-h10-fp32": dict(eval_loss_ratio=0.999),
         }
     )
-    records = dict(wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, churn=churn, slowpeer=slow)
+    seeds = dict(
+        variants={
+            "diloco-h10-fp4-eager1-share": dict(mean_end=1.04, seeds=5),
+            "diloco-h10-fp4-eager1-share-forget": dict(mean_end=1.02, seeds=5),
+        }
+    )
+    records = dict(wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, churn=churn, slowpeer=slow)
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
         path.parent.mkdir(exist_ok=True)
@@ -313,9 +319,38 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["loss_ratio_blocking_4bit_vs_blocking_fp32"] == 0.999
     assert "loss_ratio_overlap_4bit_blend_vs_blocking_fp32" not in headline  # not in that run: not carried over
     assert "loss_ratio_overlap_4bit_blend_vs_blocking_fp32" not in headline
+    assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"] == 1.02  # the client's: forget
+    assert headline["loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"] == 1.04
     assert headline["joiner_10mbit_first_averaged_round_s"] == 44.0
     assert headline["slow_peer_share_of_rounds_averaged"] == 0.92
     assert set(headline["sources"]) == set(headline) - {"sources"}
+
+
+def test_seeds_pairs_each_run_with_blocking_fp32_of_its_seed(tmp_path: Path):
+    """benchmarks.seeds: per seed, a variant over the blocking FP32 run of the same seed and H, then the mean."""
+    from benchmarks.seeds import load_runs, summarize
+
+    def write(name: str, runs: dict[str, list[float]]) -> None:
+        tokens = [0, 100, 200, 300, 400]
+        record = dict(runs=[dict(name=n, tokens=tokens, eval_loss=v) for n, v in runs.items()])
+        (tmp_path / name).write_text(json.dumps(record))
+
+    write("s0-a.json", {"diloco-h10-fp32": [5.0, 4.0, 3.0, 2.0, 2.0]})
+    write("s0-b.json", {"diloco-h10-fp4-eager1-share": [5.0, 4.0, 3.3, 2.2, 2.1]})
+    write("s1-all.json", {"diloco-h10-fp32": [5.0, 4.0, 3.0, 2.0, 1.0], "diloco-h10-fp4-eager1-share": [5] * 4 + [1.2]})
+    write("s2-b.json", {"diloco-h10-fp4-eager1-share": [5.0, 4.0, 3.0, 2.0, 9.0]})  # no reference: left out
+    write("notes.json", {"diloco-h10-fp32": [1.0] * 5})  # not a seed's file
+    summary = summarize(load_runs(tmp_path))
+    assert set(summary) == {"diloco-h10-fp4-eager1-share"}
+    entry = summary["diloco-h10-fp4-eager1-share"]
+    assert entry["seeds"] == 2 and set(entry["per_seed"]) == {0, 1}
+    assert entry["per_seed"][0]["end"] == pytest.approx(1.05)
+    assert entry["per_seed"][0]["second_half"] == pytest.approx((1.1 + 1.1 + 1.05) / 3)  # tokens 200, 300, 400
+    assert entry["per_seed"][1]["end"] == pytest.approx(1.2)
+    assert entry["mean_end"] == pytest.approx((1.05 + 1.2) / 2) and entry["worst_end"] == pytest.approx(1.2)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.seeds", str(tmp_path)], cwd=REPO, capture_output=True)
+    assert proc.returncode == 0
+    assert json.loads((tmp_path / "seeds.json").read_text())["variants"].keys() == summary.keys()
 
 
 def test_byzantine_summary_spreads_each_scenario_over_invocations():
