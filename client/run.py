@@ -176,6 +176,7 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
                     eval_loss_end=result.eval_loss_end,
                     eval_losses=result.eval_losses,
                     averaged_rounds=sum(r.averaged for r in result.reports),
+                    first_moment_corrections=result.first_moment_corrections,
                     checkpoint=str(result.checkpoint) if result.checkpoint else None,
                 )
             )

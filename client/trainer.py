@@ -65,6 +65,7 @@ class TrainerResult:
     checkpoint: Path | None = None
     checksum: str = ""
     reports: list[RoundReport] = field(default_factory=list)
+    first_moment_corrections: int = 0  # overlapped rounds whose landing took the stand-in steps out of exp_avg
 
 
 def lr_at(manifest: RunManifest, step: int) -> float:
@@ -297,6 +298,7 @@ class Trainer:
             report = peer.report_step(m.samples_per_step, loss, compute_seconds=elapsed)
             if self.moments is not None:
                 self.moments.after_step(peer.flight)
+                self.result.first_moment_corrections = self.moments.landed
             if report is not None:
                 self._after_round(report)
                 if self.stop.after_round and report.outcome != RoundOutcome.abandoned:

@@ -33,6 +33,19 @@ def test_demo_two_peers_two_epochs_end_to_end(tmp_path):
     assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), outer))
 
 
+def test_an_overlapped_peer_takes_the_stand_in_steps_out_of_its_first_moment_as_each_round_lands(tmp_path):
+    """Alone, each overlapped round lands as a local one after the matchmaking timeout, while training goes on
+    from the stand-in: the trainer corrects AdamW's first moment at every landing (``client/moments.py``)."""
+    result_file = tmp_path / "result.json"
+    overlap = ["--set", "averaging.overlap=true", "--set", "averaging.compression=fp4"]
+    args = ["start", "--preset", "tiny", *FAST, *overlap, *LOCAL, "--workdir", str(tmp_path / "w")]
+    done = cli(*args, "--max-epochs", "2", "--result-file", str(result_file), timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    result = json.loads(result_file.read_text())
+    assert result["rounds"] == 2 and result["averaged_rounds"] == 0
+    assert result["first_moment_corrections"] == 2, result
+
+
 def test_resume_after_sigkill_keeps_identity_and_epoch(tmp_path):
     args = ["start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(tmp_path)]
     log = tmp_path / "first.log"

@@ -3,27 +3,36 @@ moment when it lands, as ``benchmarks.convergence``'s ``moments=forget`` takes t
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from client.moments import FlightMoments
 
 BETA1 = 0.9
+# SWARM_TEST_DEVICE=cuda runs these with the moments on a GPU (as on a lent machine); the copy stays on the host
+DEVICE = torch.device(os.environ.get("SWARM_TEST_DEVICE", "cpu"))
 
 
 def setup(seed: int = 0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(BETA1, 0.95), weight_decay=0.1)
     return model, optimizer
 
 
-def step(model, optimizer) -> list[torch.Tensor]:
-    """One AdamW step on random data; the gradients it used."""
-    x, y = torch.randn(32, 8), torch.randn(32, 4)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
+def step(model, optimizer, scaler: torch.amp.GradScaler | None = None, poison: bool = False) -> list[torch.Tensor]:
+    """One AdamW step on random data (through ``scaler`` if given; ``poison``: an inf loss); the gradients."""
+    x, y = torch.randn(32, 8).to(DEVICE), torch.randn(32, 4).to(DEVICE)
+    loss = torch.nn.functional.mse_loss(model(x), y) * (float("inf") if poison else 1.0)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     grads = [p.grad.clone() for p in model.parameters()]
-    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grads
 
@@ -115,6 +124,24 @@ def test_a_state_rebuilt_during_the_flight_is_left_alone():
     assert moments.landed == 0
     for a, b in zip(moment(optimizer), rebuilt):
         assert torch.equal(a, b)
+
+
+def test_a_step_the_gradient_scaler_skipped_is_not_counted():
+    """Under a GradScaler an overflowing step leaves AdamW untouched: beta1 is raised to the steps taken."""
+    model, optimizer = setup()
+    scaler = torch.amp.GradScaler(DEVICE.type)
+    moments, flight = FlightMoments(optimizer), object()
+    step(model, optimizer, scaler)
+    moments.after_step(flight)
+    at_takeoff = moment(optimizer)
+    steps_at_takeoff = float(next(iter(optimizer.state.values()))["step"])
+    step(model, optimizer, scaler, poison=True)  # skipped: inf gradients
+    step(model, optimizer, scaler)
+    assert float(next(iter(optimizer.state.values()))["step"]) == steps_at_takeoff + 1  # the skip did happen
+    moments.after_step(None)
+    assert moments.landed == 1
+    for a, t in zip(moment(optimizer), at_takeoff):
+        torch.testing.assert_close(a, t * BETA1, rtol=1e-2, atol=1e-6)
 
 
 def test_the_copy_is_bf16_on_the_host():
