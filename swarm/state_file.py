@@ -88,8 +88,11 @@ def write(
     checksum: str,
     params: Sequence[torch.Tensor],
     momentum: Sequence[torch.Tensor],
+    durable: bool = True,
 ) -> int:
-    """Write the state to ``path`` (no atomic rename here: the caller writes to a temporary name). Returns bytes."""
+    """Write the state to ``path`` (no atomic rename here: the caller writes to a temporary name). Returns bytes.
+    ``durable=False`` leaves the fsync to the caller (``make_durable``), who may hold a lock only while the bytes
+    are copied out, not while the disk takes them."""
     header = _header_json(run_id, epoch, checksum, _CRC_PLACEHOLDER, [tuple(p.shape) for p in params])
     crc = 0
     with open(path, "wb") as f:
@@ -105,8 +108,18 @@ def write(
         f.seek(position)
         f.write(f"crc32:{crc:08x}".encode())
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
         return f.seek(0, os.SEEK_END)
+
+
+def make_durable(path: Path) -> None:
+    """fsync a file written with ``durable=False``: its bytes are on disk before it is renamed into place."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_header(path: Path, *, run_id: str | None = None, shapes: Sequence[Sequence[int]] | None = None) -> StateHeader:
@@ -220,8 +233,11 @@ def check(path: Path, *, run_id: str, shapes: Sequence[Sequence[int]] | None = N
 RESIDUAL_FORMAT = "swarm-residual-1"
 
 
-def write_residual(path: Path, *, run_id: str, epoch: int, checksum: str, residual: Sequence[torch.Tensor]) -> int:
-    """The residual that goes with the state of ``checksum`` (same layout; tensors ``residual.NNNNN``)."""
+def write_residual(
+    path: Path, *, run_id: str, epoch: int, checksum: str, residual: Sequence[torch.Tensor], durable: bool = True
+) -> int:
+    """The residual that goes with the state of ``checksum`` (same layout; tensors ``residual.NNNNN``); ``durable``
+    as for ``write``."""
     header: dict = {}
     offset = 0
     for i, tensor in enumerate(residual):
@@ -242,7 +258,8 @@ def write_residual(path: Path, *, run_id: str, epoch: int, checksum: str, residu
         for tensor in residual:
             f.write(_raw(tensor))
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
         return f.tell()
 
 

@@ -121,6 +121,42 @@ def test_a_change_waits_for_the_write_in_progress_and_never_tears_it(tmp_path):
     assert header.epoch == 0 and header.checksum == before != outer.checksum()
 
 
+def test_the_lock_is_free_while_the_disk_takes_the_bytes_and_the_file_is_the_state_it_copied(tmp_path):
+    """The fsync runs after the writer let go of the lock: an overlapped round's begin (which needs the lock) and
+    an outer step need not wait for the disk; the file still holds the state as copied, and appears only once
+    durable."""
+    store = StateStore(tmp_path, "r")
+    outer = make_outer()
+    syncing, release = threading.Event(), threading.Event()
+    real_durable = state_file.make_durable
+    in_place_while_syncing = []
+
+    def slow_durable(path):
+        in_place_while_syncing.append(bool(state_files(tmp_path)))
+        syncing.set()
+        assert release.wait(10)
+        real_durable(path)
+
+    state_file.make_durable = slow_durable
+    try:
+        before = outer.checksum()
+        store.save_async(outer)
+        assert syncing.wait(10)
+        assert outer.lock.acquire(timeout=2.0)  # free while the disk is busy
+        outer.lock.release()
+        outer.step([torch.ones(*s) for s in SHAPES])  # a change now does not tear the file being synced
+        release.set()
+        assert store.wait_idle(30)
+    finally:
+        state_file.make_durable = real_durable
+    assert in_place_while_syncing == [False]  # renamed into place only after its fsync
+    header = state_file.check(state_files(tmp_path)[0], run_id="r", shapes=SHAPES)
+    assert header.epoch == 0 and header.checksum == before != outer.checksum()
+    copy = make_outer(seed=1)
+    copy.load_file(state_files(tmp_path)[0], header)
+    assert copy.checksum() == before
+
+
 def test_a_damaged_newest_file_falls_back_to_the_one_before_with_a_message(tmp_path):
     store = StateStore(tmp_path, "r")
     outer = make_outer()
