@@ -10,8 +10,8 @@ import torch
 from client.moments import FlightMoments
 
 BETA1 = 0.9
-# SWARM_TEST_DEVICE=cuda runs these with the moments on a GPU (as on a lent machine); the copy stays on the host
-DEVICE = torch.device(os.environ.get("SWARM_TEST_DEVICE", "cpu"))
+# TEST_DEVICE=cuda runs these with the moments on a GPU (as on a lent machine); the copy stays on the host
+DEVICE = torch.device(os.environ.get("TEST_DEVICE", "cpu"))
 
 
 def setup(seed: int = 0):
