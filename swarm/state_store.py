@@ -3,9 +3,9 @@
 After each round (and each download) the training thread hands the new state to
 ``save_async`` and goes on training; a writer thread writes it to a temporary name
 under the state's lock (which the training thread needs again only at the next
-round's begin or end), fsyncs it once the lock is released and renames it into place, so a reader or a restart sees a
-whole file or none. The newest ``keep`` files are kept: a file damaged later
-still leaves the one before it.
+round's begin or end), fsyncs it once the lock is released and renames it into
+place, so a reader or a restart sees a whole file or none. The newest ``keep``
+files are kept: a file damaged later still leaves the one before it.
 
 Each state file ``state-SEQ.safetensors`` may have a small ``state-SEQ.json``
 beside it with the owner's own extras (its data position, say), which is never

@@ -41,6 +41,12 @@ def moment(optimizer, name: str = "exp_avg") -> list[torch.Tensor]:
     return [optimizer.state[p][name].clone() for g in optimizer.param_groups for p in g["params"]]
 
 
+def assert_decayed(optimizer, copy: list[torch.Tensor], steps: int) -> None:
+    """The first moment is ``copy`` times beta1^steps, up to the bf16 copy's rounding."""
+    for a, t in zip(moment(optimizer), copy):
+        torch.testing.assert_close(a, t * BETA1**steps, rtol=1e-2, atol=1e-6)
+
+
 def test_landing_takes_the_flights_gradients_out_of_the_first_moment_and_nothing_else():
     model, optimizer = setup()
     moments, flight = FlightMoments(optimizer), object()
@@ -100,13 +106,11 @@ def test_a_round_that_lands_where_the_next_takes_off_corrects_and_copies_again()
     moments.after_step(second)  # the first landed at the boundary, the second took off at once
     assert moments.landed == 1
     landed = moment(optimizer)
-    for a, t in zip(landed, at_first):
-        torch.testing.assert_close(a, t * BETA1**2, rtol=1e-2, atol=1e-6)
+    assert_decayed(optimizer, at_first, 2)
     step(model, optimizer)
     moments.after_step(None)
     assert moments.landed == 2
-    for a, t in zip(moment(optimizer), landed):
-        torch.testing.assert_close(a, t * BETA1, rtol=1e-2, atol=1e-6)
+    assert_decayed(optimizer, landed, 1)
 
 
 def test_a_state_rebuilt_during_the_flight_is_left_alone():
@@ -140,8 +144,7 @@ def test_a_step_the_gradient_scaler_skipped_is_not_counted():
     assert float(next(iter(optimizer.state.values()))["step"]) == steps_at_takeoff + 1  # the skip did happen
     moments.after_step(None)
     assert moments.landed == 1
-    for a, t in zip(moment(optimizer), at_takeoff):
-        torch.testing.assert_close(a, t * BETA1, rtol=1e-2, atol=1e-6)
+    assert_decayed(optimizer, at_takeoff, 1)
 
 
 def test_the_copy_is_bf16_on_the_host():
