@@ -105,6 +105,12 @@ class WorkerSwarm:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"peer {rank} did not finish in {timeout:.0f} s:\n{self.log(rank)}") from None
 
+    def wait_exit_or_none(self, rank: int, timeout: float) -> int | None:
+        try:
+            return self.procs[rank].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill(self, rank: int) -> None:
         self.procs[rank].send_signal(signal.SIGKILL)
         self.procs[rank].wait(timeout=10)
