@@ -379,9 +379,15 @@ def entry_point() -> None:
     """Console script: stop signals are handled from here on (before anything heavy is imported), and the
     process exits without interpreter teardown, which hivemind's helper threads can abort."""
     STOP.install()
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        code = main()
+    except LeaveRequested:  # asked to stop while the command line was still being read (CI: inside argparse's
+        code = 0  # import of shutil, on a loaded machine): nothing had started, nothing went wrong
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except LeaveRequested:  # asked to stop while already leaving: what was left unflushed is lost either way
+        pass
     os._exit(code)
 
 

@@ -198,3 +198,21 @@ def test_health_imports_neither_torch_nor_hivemind(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert "HEAVY [] CODE 1" in result.stdout, result.stdout + result.stderr  # no status file here: unhealthy
+
+
+def test_a_stop_while_the_command_line_is_read_exits_cleanly():
+    """SIGTERM handling starts before the parser is built: a stop that arrives while it is (CI once saw one inside
+    argparse's import of shutil) leaves at once with exit 0 and no traceback. The signal is sent from inside the
+    parser's construction, so it lands there every time."""
+    script = (
+        "import os, signal\n"
+        "import client.cli as cli\n"
+        "build = cli.build_parser\n"
+        "def interrupted():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return build()\n"
+        "cli.build_parser = interrupted\n"
+        "cli.entry_point()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, "status"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
