@@ -100,10 +100,9 @@ class WorkerSwarm:
         return (self.root / f"peer{rank}.log").read_text()[-4000:]
 
     def wait_exit(self, rank: int, timeout: float) -> int:
-        try:
-            return self.procs[rank].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"peer {rank} did not finish in {timeout:.0f} s:\n{self.log(rank)}") from None
+        code = self.wait_exit_or_none(rank, timeout)
+        assert code is not None, f"peer {rank} did not finish in {timeout:.0f} s:\n{self.log(rank)}"
+        return code
 
     def wait_exit_or_none(self, rank: int, timeout: float) -> int | None:
         try:
