@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from worker_fork import ForkedWorker
+from worker_fork import STACKS_SIGNAL, ForkedWorker, stacks_path
 
 from swarm import RunManifest
 
@@ -84,11 +84,14 @@ class WorkerSwarm:
         return self.procs[rank]
 
     def wait_ready(self, rank: int) -> None:
-        wait_for(
-            lambda: (self.out(rank) / "maddrs.txt").exists() or self.procs[rank].poll() is not None,
-            START_TIMEOUT,
-            f"peer {rank} to start",
-        )
+        try:
+            wait_for(
+                lambda: (self.out(rank) / "maddrs.txt").exists() or self.procs[rank].poll() is not None,
+                START_TIMEOUT,
+                f"peer {rank} to start",
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.diagnose(rank)}") from None
         assert self.procs[rank].poll() is None, f"peer {rank} exited early:\n{self.log(rank)}"
 
     def maddrs(self, rank: int) -> list[str]:
@@ -101,7 +104,9 @@ class WorkerSwarm:
 
     def wait_exit(self, rank: int, timeout: float) -> int:
         code = self.wait_exit_or_none(rank, timeout)
-        assert code is not None, f"peer {rank} did not finish in {timeout:.0f} s:\n{self.log(rank)}"
+        if code is None:
+            story = f"{self.log(rank)}\n{self.diagnose(rank)}"
+            raise AssertionError(f"peer {rank} did not finish in {timeout:.0f} s:\n{story}")
         return code
 
     def wait_exit_or_none(self, rank: int, timeout: float) -> int | None:
@@ -109,6 +114,11 @@ class WorkerSwarm:
             return self.procs[rank].wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return None
+
+    def diagnose(self, rank: int) -> str:
+        """What a stuck worker was doing: its processes, each one's threads (innermost frames), its last events, and
+        the machine's memory, load and disk."""
+        return diagnose(self.procs[rank].pid, stacks_path(self.root / f"peer{rank}.log"), self.events(rank))
 
     def kill(self, rank: int) -> None:
         self.procs[rank].send_signal(signal.SIGKILL)
@@ -164,3 +174,55 @@ class WorkerSwarm:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def diagnose(pid: int, stacks: Path, events: list[dict]) -> str:
+    vm, disk = psutil.virtual_memory(), psutil.disk_usage(str(stacks.parent))
+    lines = [
+        f"machine: {vm.available / 2**30:.1f} GiB available of {vm.total / 2**30:.1f}, load {os.getloadavg()}, "
+        f"{disk.free / 2**30:.1f} GiB free on the test disk",
+        f"last events: {[e['kind'] + (':' + str(e.get('state')) if 'state' in e else '') for e in events[-6:]]}",
+    ]
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return "\n".join([*lines, f"worker {pid} is gone"])
+    for proc in tree:
+        try:
+            with proc.oneshot():
+                cpu = proc.cpu_times()
+                lines.append(
+                    f"pid {proc.pid} {proc.name()} {proc.status()} cpu {cpu.user + cpu.system:.1f} s "
+                    f"rss {proc.memory_info().rss >> 20} MiB threads {proc.num_threads()}"
+                )
+                python = proc.name().startswith("python")
+        except psutil.Error:
+            continue
+        if python:  # the worker and the processes it forked (DHT, averager) dump their stacks; p2pd is Go
+            before = stacks.stat().st_size if stacks.exists() else 0
+            try:
+                os.kill(proc.pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                continue
+            time.sleep(0.5)
+            if stacks.exists():
+                with stacks.open() as f:
+                    f.seek(before)
+                    lines += summarize_stacks(f.read())
+    return "\n".join(lines)
+
+
+def summarize_stacks(dump: str, frames: int = 4) -> list[str]:
+    """faulthandler's dump, a line per thread: its innermost frames as file:line function."""
+    out = []
+    for block in dump.split("\n\n"):
+        head, *calls = [line.strip() for line in block.strip().splitlines()] or [""]
+        if not head:
+            continue
+        where = []
+        for call in calls[:frames]:  # 'File "/a/b.py", line 12 in f'
+            path, _, rest = call.removeprefix('File "').partition('", line ')
+            where.append(f"{Path(path).name}:{rest.replace(' in ', ' ')}")
+        out.append(f"  {head.split(' (')[0]}: {' < '.join(where)}")
+    return out

@@ -14,6 +14,7 @@ volunteer does.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -25,6 +26,11 @@ from pathlib import Path
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["worker_warmup"])
 _TESTS = str(Path(__file__).resolve().parent)
+STACKS_SIGNAL = signal.SIGUSR2  # the client's SIGUSR1 means "finish the round and leave"; nothing uses SIGUSR2
+
+
+def stacks_path(log: str | Path) -> Path:
+    return Path(f"{log}.stacks")
 
 
 def _ensure_server() -> None:
@@ -50,6 +56,10 @@ def _run(argv: list[str], log: str) -> None:
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - fd 1 outlives this function
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # a stuck worker's story: on STACKS_SIGNAL it (and each process it forks, which inherit the handler and the
+    # file) writes every thread's stack to <log>.stacks, read by the harness when a worker outlives its timeout
+    stacks = open(stacks_path(log), "a")  # noqa: SIM115 - kept open for the handler
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
     sys.argv = argv
     if "worker_warmup" not in sys.modules:
         print("worker_fork: the fork server did not preload worker_warmup; this worker imports everything itself")
