@@ -35,6 +35,7 @@ from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
 from swarm.pace import pace_matchmaking
+from swarm.startup import start_and_wait
 from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
             self.schema_hash = secret.schema_hash(self.schema_hash)
         if start:
-            self.run_in_background(await_ready=True)
+            start_and_wait(self, "averager")
 
     # ---- averaging (runs in the averager process) ------------------------------------------------
 

@@ -35,10 +35,11 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.access import RunSecret, SecretAuthorizer
-from swarm.errors import BootstrapError, NetworkConfigError, PortTakenError
+from swarm.errors import BootstrapError, NetworkConfigError, PortTakenError, StartupError
 from swarm.identity import adopt_identity, temporary_identity
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
+from swarm.startup import start_and_wait
 
 DEFAULT_PORT = 31337
 PORT_SEARCH = 64  # with the default port, look this far for a free one
@@ -231,10 +232,14 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
         kwargs["check_if_identity_free"] = False
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     try:
-        dht = hivemind.DHT(start=True, **kwargs)
+        dht = hivemind.DHT(start=False, **kwargs)
+        start_and_wait(dht, "DHT")
         dht.port_claim = claim
         dht.run_secret = config.secret  # the averager's matchmaking and downloads use the same keys
         return dht
+    except StartupError:
+        claim.release()
+        raise
     except Exception as e:
         logger.debug("the DHT failed to start", exc_info=True)
         claim.release()

@@ -1,0 +1,72 @@
+"""Wait for a hivemind helper process (the DHT, the averager) to be ready, for a bounded time.
+
+hivemind's own ``run_in_background(await_ready=True)`` waits for ever: a helper that dies
+before it says it is ready (killed by the OOM killer, a crash in its first lines) or that
+hangs there leaves the peer waiting with no message. Here the wait ends as soon as the
+helper has died, or after ``READY_SECONDS``; either way the helper and its children (the
+DHT's ``p2pd``) are killed and the volunteer gets one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+
+import psutil
+
+from swarm.errors import StartupError
+
+logger = logging.getLogger(__name__)
+
+READY_SECONDS = 120.0  # a DHT bootstraps from its initial peers in this time (3-20 s over the internet)
+POLL_SECONDS = 0.5
+
+
+def start_and_wait(helper: mp.Process, what: str) -> None:
+    """Start a hivemind DHT or averager (created with start=False) and wait until it serves.
+
+    Raises the helper's own exception if it failed to start, and ``StartupError`` if it died
+    silently or did not get ready in ``READY_SECONDS``.
+    """
+    helper.run_in_background(await_ready=False)
+    deadline = time.monotonic() + READY_SECONDS
+    try:
+        while True:
+            try:
+                helper.wait_until_ready(timeout=POLL_SECONDS)
+                return
+            except TimeoutError:
+                pass
+            if not helper.is_alive():
+                raise StartupError(
+                    f"The {what} process ended (exit code {helper.exitcode}) before it was ready. This machine may be "
+                    f"out of memory; free some, then start again."
+                )
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"The {what} process was not ready after {READY_SECONDS:.0f} s. This machine may be overloaded or "
+                    f"short of memory; check it with `swarm-client doctor`, then start again."
+                )
+    except BaseException:  # a failed start, a stop signal: nothing of the helper may outlive this peer
+        kill_tree(helper.pid)
+        raise
+
+
+def kill_tree(pid: int | None) -> None:
+    """SIGKILL a process and every process under it (a stuck helper cannot be asked to leave)."""
+    if pid is None:
+        return
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.Error:
+            logger.debug("could not kill helper process %s", proc.pid, exc_info=True)
+    psutil.wait_procs(procs, timeout=5)

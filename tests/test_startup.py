@@ -1,0 +1,72 @@
+"""A helper process (the DHT, the averager) that hangs or dies before it is ready ends the peer's start with one
+clear error, soon, and leaves no process behind: hivemind's own start waits for ever.
+
+Each case runs in a fresh interpreter whose forks are made to hang or die at their first line, the way an OOM
+kill or a fork-time deadlock leaves them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = r"""
+import json, os, sys, time
+import psutil
+import torch
+import swarm.startup
+from swarm.averaging import PseudoGradientAverager
+from swarm.errors import StartupError
+from swarm.network import NetworkConfig, start_dht
+
+swarm.startup.READY_SECONDS = 5.0
+what, fault = sys.argv[1], sys.argv[2]
+me = psutil.Process()
+break_forks = lambda: os.register_at_fork(
+    after_in_child=(lambda: time.sleep(600)) if fault == "hang" else (lambda: os._exit(3))
+)
+if what == "averager":
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+# torch_shm_manager is this process's own (torch's shared memory, used by hivemind's futures), not a helper's
+helpers = lambda: {p.pid for p in me.children(recursive=True) if p.name() != "torch_shm_manager"}
+before = helpers()
+break_forks()
+t0 = time.monotonic()
+try:
+    if what == "dht":
+        start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    else:
+        PseudoGradientAverager([torch.zeros(4)], dht, run_id="0" * 16, prefix="t", start=True)
+    result = dict(error=None)
+except StartupError as e:
+    result = dict(error=str(e))
+result.update(seconds=time.monotonic() - t0, left=sorted(helpers() - before))
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("what", ["dht", "averager"])
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_a_helper_that_hangs_or_dies_before_it_is_ready_ends_the_start_with_a_clear_error(what, fault, tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, what, fault], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    label = "DHT" if what == "dht" else "averager"
+    assert result["error"] is not None, result
+    if fault == "hang":
+        assert f"The {label} process was not ready after 5 s" in result["error"], result
+        assert result["seconds"] >= 5.0, result  # it waited its bound, no less
+    else:
+        assert f"The {label} process ended (exit code 3) before it was ready" in result["error"], result
+        assert result["seconds"] < 5.0, result  # a dead helper is seen at once, not at the deadline
+    assert result["left"] == [], result  # the stuck or dead helper, and anything it started, are gone
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - started < 120
