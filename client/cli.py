@@ -7,6 +7,7 @@ image's way in); a flag on the command line wins over the variable.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -373,6 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # asked to stop (SIGTERM, Ctrl-C) before or while starting: nothing went wrong
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a bug: the traceback goes to the log file (and the terminal with --verbose)
+        logging.getLogger(__name__).error("swarm-client stopped on an unexpected error", exc_info=True)
+        print(
+            f"error: unexpected {type(e).__name__}: {e}. This is a bug in swarm-client: please report it with the "
+            f"traceback from WORKDIR/logs/swarm-client.log (or run again with --verbose).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
 
 
 def entry_point() -> None:

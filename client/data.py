@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import queue
 import random
@@ -24,6 +25,9 @@ import datasets
 import torch
 
 from swarm import DatasetSpec, SwarmError, TokenizerSpec
+
+logger = logging.getLogger(__name__)
+_BUILD_LOCK = threading.Lock()
 
 BYTE_VOCAB = 256
 BOS, EOS, PAD = 256, 257, 258
@@ -130,6 +134,29 @@ def _local_data_files(path: str) -> tuple[str, list[str]]:
 
 def load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
     """The raw documents as an iterable ``datasets`` pipeline with a ``text`` column."""
+    # datasets patches a builder module's globals (open, os.path.join, ...) when it builds that module's first
+    # streaming pipeline, and not under a lock: the prefetch thread and the held-out set build theirs at once
+    with _BUILD_LOCK:
+        return _load_documents(spec)
+
+
+def read_documents(docs: datasets.IterableDataset, spec: DatasetSpec) -> Iterator[dict]:
+    """The rows of a documents pipeline. A file that cannot be read or parsed (broken JSON, bad encoding, a
+    connection lost mid-stream) ends the run with one message instead of the reader's traceback."""
+    try:
+        yield from docs
+    except SwarmError:
+        raise
+    except Exception as e:
+        logger.debug("reading the dataset failed", exc_info=True)
+        where = f"{spec.source} dataset {spec.path}" if spec.path else f"{spec.source} dataset"
+        raise SwarmError(
+            f"The {where} could not be read: {type(e).__name__}: {e}. Fix or remove the file it names (or check "
+            f"the connection), then start again."
+        ) from None
+
+
+def _load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
     if spec.source == "builtin":
         return datasets.IterableDataset.from_generator(_builtin_documents)
     if spec.source == "local":
@@ -212,7 +239,7 @@ class SequenceStream:
 
     def _shard_sequences(self, shard: int) -> Iterator[torch.Tensor]:
         docs = shard_documents(load_documents(self.spec), self.spec.num_shards, shard)
-        return pack((row["text"] for row in docs), self.tokenizer, self.seq_len)
+        return pack((row["text"] for row in read_documents(docs, self.spec)), self.tokenizer, self.seq_len)
 
     def _sequences(self) -> Iterator[torch.Tensor]:
         empty_in_a_row = 0
@@ -242,7 +269,7 @@ def eval_batches(
     docs = shard_documents(load_documents(spec), spec.num_shards, spec.num_shards - 1)
     sequences: list[torch.Tensor] = []
     buffer: list[int] = []
-    for row in docs:
+    for row in read_documents(docs, spec):
         buffer.extend(tokenizer.encode(row["text"]))
         buffer.append(tokenizer.eos_id)
         taken = 0

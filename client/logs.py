@@ -76,8 +76,15 @@ def setup_logging(log_file: Path | None, verbose: bool) -> None:
     for noisy in ("asyncio", "urllib3", "filelock", "fsspec", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.INFO)
     # datasets prints its records through its own stderr handler: at INFO a volunteer saw "Using custom data
-    # configuration ..." on the terminal, twice per peer; its warnings still show
-    logging.getLogger("datasets").setLevel(logging.WARNING)
+    # configuration ..." on the terminal, twice per peer, and a broken file printed the reader's error before
+    # the client's own line about it. Its warnings and errors go to the log file like everyone else's.
+    import datasets.utils.logging  # noqa: F401 - it adds that handler when imported: remove it after
+
+    library = logging.getLogger("datasets")
+    for handler in list(library.handlers):
+        library.removeHandler(handler)
+    library.propagate = True
+    library.setLevel(logging.WARNING)
     logging.captureWarnings(True)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "info" if verbose else "fatal")  # p2pd's own logs
 

@@ -100,6 +100,7 @@ class Trainer:
         self.stop = stopper
         self._on_connected = on_connected
         self.batches: Prefetcher | None = None
+        self.eval_set: list[torch.Tensor] | None = None  # the held-out sequences, once read
         self.ckpt_dir = checkpoint.checkpoint_dir(settings.workdir, manifest.run_id)
         self._resumed_extra: dict[str, Any] = {}
         self._disk_rate = ASSUMED_DISK_BYTES_PER_SECOND
@@ -190,14 +191,15 @@ class Trainer:
                 self.note("log", f"Resuming from {found.path.name} (epoch {found.header.epoch}).")
             self.peer.start(self.model, resume=found.path if found else None)
             self.peer.presence.update(micro_batch=self.micro_batch)
+            if self.settings.eval_sequences:  # read before the prefetch thread starts reading the training shards
+                self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
             self._build_optimizer()
             self.note(
                 "log",
                 f"Peer {self.peer.peer_id} on {self.hardware.label}, {self.precision.label}, "
                 f"{self.parameters / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, epoch {self.peer.epoch}.",
             )
-            if self.settings.eval_sequences:
-                self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
+            if self.eval_set is not None:
                 self.result.eval_loss_start = evaluate(self.model, self.eval_set, self.hardware.device)
                 self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")
             self._loop()
@@ -338,7 +340,7 @@ class Trainer:
             f"checksum {report.checksum[:10]}",
         )
         every = self.settings.eval_every
-        if every and self.settings.eval_sequences and self.result.rounds % every == 0:
+        if every and self.eval_set is not None and self.result.rounds % every == 0:
             loss = evaluate(self.model, self.eval_set, self.hardware.device)  # the model is the round's outer state
             self.result.eval_losses.append((report.epoch, loss))
             self.telemetry.evaluation(report.epoch, loss)
@@ -363,7 +365,7 @@ class Trainer:
         budget = lambda: limit - (time.monotonic() - started)  # noqa: E731
         try:
             if peer.outer is not None and self.batches is not None:
-                if self.settings.eval_sequences and not self.stop.requested:
+                if self.eval_set is not None and not self.stop.requested:
                     latest = self.result.eval_losses[-1] if self.result.eval_losses else None
                     self.result.eval_loss_end = (  # the last round's figure, if it was just taken
                         latest[1]

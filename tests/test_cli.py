@@ -216,3 +216,30 @@ def test_a_stop_while_the_command_line_is_read_exits_cleanly():
     )
     result = subprocess.run([sys.executable, "-c", script, "status"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_dataset_file_that_cannot_be_parsed_ends_the_run_with_one_line_and_keeps_the_checkpoint(tmp_path):
+    broken = tmp_path / "docs.jsonl"
+    broken.write_text('{"text": "a first document that parses"}\n{"text": cut off here\n')
+    workdir = tmp_path / "w"
+    data = ("--set", "dataset.source=local", "--set", f"dataset.path={broken}")
+    # with held-out sequences the main thread reads the file too, while the prefetch thread reads its shard
+    result = cli("start", "--preset", "tiny", "--workdir", str(workdir), *LOCAL, *data, "--eval-sequences", "4")
+    assert_clean_error(result, f"The local dataset {broken} could not be read", "JSON parse error")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # datasets' own error line is in the log
+    assert list((workdir / "runs").glob("*/checkpoints/state-*.safetensors")), "the start's checkpoint was lost"
+    assert "ArrowInvalid" in (workdir / "logs" / "swarm-client.log").read_text()  # the reader's story is kept
+
+
+def test_a_bug_is_one_line_on_the_terminal_and_a_traceback_in_the_log(monkeypatch, capsys, caplog):
+    import client.cli
+
+    def broken(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(client.cli, "_status", broken)
+    assert client.cli.main(["status", "--initial-peers", PEER]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: unexpected ZeroDivisionError: a bug. This is a bug in swarm-client"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert any(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)  # the traceback is logged
