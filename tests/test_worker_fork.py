@@ -3,10 +3,12 @@ reports its end as subprocess.Popen would, since the engine tests read exit code
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 
 import pytest
+import worker_fork
 from diloco_helpers import tiny_manifest
 from swarm_harness import WORKER, wait_for
 from worker_fork import ForkedWorker
@@ -35,3 +37,32 @@ def test_a_waiting_worker_times_out_like_popen_and_dies_of_sigkill(tmp_path):
     assert worker.poll() is None
     worker.kill()
     assert worker.wait(10) == -signal.SIGKILL
+
+
+def _die_holding_hivemind_locks() -> None:
+    """A forked process killed inside hivemind's locked sections (as a SIGKILL mid-all-reduce can land)."""
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
+        lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_inside_hiveminds_locks_does_not_hang_the_next_one(tmp_path):
+    # the locks the server imported with hivemind, taken for good by a process that died holding them
+    worker_fork._ensure_server()  # the warm server, as ForkedWorker starts it (a cold one imports nothing)
+    holder = worker_fork._CONTEXT.Process(target=_die_holding_hivemind_locks)
+    holder.start()
+    holder.join(60)
+    assert holder.exitcode == -signal.SIGKILL
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(tiny_manifest().canonical_json())
+    out = tmp_path / "peer"
+    argv = [str(WORKER), "--manifest", str(manifest), "--out", str(out), "--rank", "0", "--max-epochs", "1"]
+    worker = ForkedWorker(argv, tmp_path / "peer.log")  # its DHT's first future needs those locks
+    try:
+        assert worker.wait(90) == 0, (tmp_path / "peer.log").read_text()
+    finally:
+        worker.kill()
+    assert (out / "maddrs.txt").exists() and (out / "final.pt").exists()
+    assert "did not preload" not in (tmp_path / "peer.log").read_text()  # it did share the server's hivemind

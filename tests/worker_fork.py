@@ -66,12 +66,29 @@ def _run(argv: list[str], log: str) -> None:
     # the fork server's child inherits its start method; a fresh interpreter's default on Linux is fork, which
     # hivemind's DHT and averager processes need (their objects hold weak references and do not pickle)
     multiprocessing.set_start_method("fork", force=True)
+    own_hivemind_locks()
     import engine_worker
 
     code = engine_worker.main()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # as engine_worker.py's __main__ does: hivemind's threads can abort a teardown
+
+
+def own_hivemind_locks() -> None:
+    """Give this worker hivemind's process-wide locks of its own, as a fresh interpreter has.
+
+    hivemind makes them with ``mp.Lock()`` when it is imported: the futures' update and shared-byte locks and
+    the async executor's lock. Imported in the fork server, they were one set of semaphores shared by every worker
+    of a pytest process and the DHT and averager processes they fork. A test that SIGKILLs a worker (or a worker
+    killed at teardown) while one of its processes held one left it locked for good, and every later worker then
+    hung at its first future: the last CI lost the overlap tests' peers that way, one not finishing and the next
+    three not starting, with empty logs."""
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()  # new MPFuture._initialization_lock, _update_lock and SharedBytes._lock
+    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 class ForkedWorker:
