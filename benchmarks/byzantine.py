@@ -188,12 +188,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
                 audit_bytes_mean=_mean([r.get("audit_bytes", 0) for r in averaged]),
                 allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),
                 round_wall_seconds_mean=_mean([r["wall_seconds"] for r in rounds[1:]]),
-                # why a slice that came in part could not be fetched again (its debug lines): then it was dropped
-                repair_failures=[
-                    line.split(": ", 1)[-1]
-                    for line in _lines(workdir / f"peer{i}" / "logs" / "swarm-client.log")
-                    if any(why in line for why in _REPAIR_FAILED)
-                ],
+                # slices that came in part and could not be fetched again whole (so were dropped), and why
+                repair_failures=[dict(epoch=r["epoch"], **f) for r in averaged for f in r.get("repair_failures", [])],
             )
         )
     ends = [h["eval_loss_end"] for h in honest]
@@ -224,10 +220,6 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),
     )
-
-
-# the debug lines of swarm.auditing's _repair_slice when it gives up
-_REPAIR_FAILED = ("to repair its slice with", "could not fetch", "'s average again:")
 
 
 def _lines(log: Path) -> list[str]:

@@ -113,6 +113,7 @@ class Telemetry:
                 bytes_sent=report.bytes_sent,
                 bytes_received=report.bytes_received,
                 audit_bytes=report.audit_bytes,
+                repair_failures=list(report.repair_failures),
                 wall_seconds=round(self.last_round_wall, 4),
             )
         )

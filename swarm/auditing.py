@@ -18,6 +18,7 @@ coroutines run in the averager process; ``set_bans`` is called from the host.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import time
@@ -52,6 +53,15 @@ def _left(deadline: float) -> float:
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
+
+
+class RepairFailure(enum.StrEnum):
+    """Why a slice that came in part could not be had again whole from its reducer (then it is dropped)."""
+
+    no_receipt = "no_receipt"  # the reducer did not hand over the receipt it signed for the round
+    unreachable = "unreachable"  # fetching its average again failed or ran out of time
+    not_signed = "not_signed"  # what it served is not the average it signed (part count or digest)
+    disagrees = "disagrees"  # a part differs from what it streamed to us the first time
 
 
 @dataclass
@@ -271,33 +281,33 @@ class Auditing:
         )
         return verdict, blob
 
-    async def _repair_slice(self, record: AuditRound, reducer: str, deadline: float) -> list[HeldPart] | None:
+    async def _repair_slice(self, record: AuditRound, reducer: str, deadline: float) -> list[HeldPart] | RepairFailure:
         """``reducer``'s whole average, fetched again from it when our copy came in part (its stream to us was
         cut): accepted only if it is what the reducer signed in its receipt, which its auditor checked, and
         agrees with every part we did receive. So every groupmate applies the same slice, instead of one
-        dropping it alone and leaving the round with another state than the others'. None if it cannot be had."""
+        dropping it alone and leaving the round with another state than the others'. Otherwise, why not."""
         have = record.outputs[reducer]
         numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
         try:
             receipt, _ = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
             if receipt is None:
                 logger.debug("no receipt from %s to repair its slice with", reducer)
-                return None
+                return RepairFailure.no_receipt
             fetch = self._fetch_parts(record, reducer, reducer, 4 * sum(numels) + (1 << 16), "output")
             parts = await asyncio.wait_for(fetch, _left(deadline))
         except Exception:
             logger.debug("could not fetch %s's average again", reducer, exc_info=True)
-            return None
+            return RepairFailure.unreachable
         if len(parts) != len(have) or digest_parts(parts) != receipt.output:
             logger.debug("%s's average again: %d parts of %d, digest as signed: %s", reducer, len(parts), len(have),
                          digest_parts(parts) == receipt.output)  # fmt: skip
-            return None
+            return RepairFailure.not_signed
         for index, (got, held, numel) in enumerate(zip(parts, have, numels)):
             if math.prod(got.size) != numel or (
                 not isinstance(held, Dropped) and got.SerializeToString() != held.SerializeToString()
             ):
                 logger.debug("%s's average again: part %d differs from what we received", reducer, index)
-                return None
+                return RepairFailure.disagrees
         return parts
 
     @staticmethod
@@ -346,7 +356,8 @@ class Auditing:
 
     async def _audit_group(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]):
         """Audit this round's reducers; returns the held parts with caught reducers' slices dropped, the
-        number of values dropped, and what was found (for the host: ``AllReduceOutcome.findings``)."""
+        number of values dropped, what was found (for the host: ``AllReduceOutcome.findings``) and the slices
+        that came in part and could not be repaired (``AllReduceOutcome.repair_failures``)."""
         members, me = record.members, self.peer_id.to_base58()
         container = runner.tensor_part_container
         flat = [(t, j) for t, parts in enumerate(held) for j in range(len(parts))]
@@ -416,9 +427,11 @@ class Auditing:
         # consistency check re-syncs us)
         partial = [m for m, out in record.outputs.items() if m != me and any(isinstance(p, Dropped) for p in out)]
         repairs = await asyncio.gather(*(self._repair_slice(record, p, recheck_deadline) for p in partial))
+        repair_failures = []
         for peer, parts in zip(partial, repairs):
-            if parts is None:
+            if isinstance(parts, RepairFailure):
                 dropped += self._drop_slice(held, owner, peer)
+                repair_failures.append(dict(peer=peer, failure=parts.value))
             else:
                 dropped -= self._restore_slice(held, owner, peer, parts)
                 logger.debug("the average of %s came in part: fetched again, whole", peer)
@@ -434,4 +447,4 @@ class Auditing:
         # what we sent stays for groupmates still re-checking an accusation, then goes: it is c x N bytes
         record.outputs.clear()
         asyncio.get_event_loop().call_later(self._audit_timeout, self._forget_round, runner.group_id)
-        return held, dropped, findings
+        return held, dropped, findings, repair_failures

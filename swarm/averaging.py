@@ -66,6 +66,9 @@ class AllReduceOutcome:
     findings: tuple[dict, ...] = ()
     audit_seconds: float = 0.0  # after the all-reduce, until every audit and re-check was done
     audit_bytes: int = 0  # parts this peer downloaded for its audits
+    # checked reducers: slices that came in part and could not be fetched again whole (so were dropped); each a dict
+    # of peer and failure (auditing.RepairFailure's value)
+    repair_failures: tuple[dict, ...] = ()
 
 
 class RoundAborted(RuntimeError):
@@ -198,9 +201,9 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         except BaseException:
             self._audit_rounds.pop(group_id, None)  # nothing to audit: let the parts we sent go now
             raise
-        findings, discarded, audit_started = [], 0, time.monotonic()
+        findings, repair_failures, discarded, audit_started = [], [], 0, time.monotonic()
         if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone
-            held, discarded, findings = await self._audit_group(runner, record, held)
+            held, discarded, findings, repair_failures = await self._audit_group(runner, record, held)
         audit_seconds = time.monotonic() - audit_started
         # a sender whose parts we refused as its reducer: seen by us on its own stream, so we ban it (for us alone)
         findings += [
@@ -226,14 +229,14 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
             tuple(findings),
             audit_seconds,
             record.fetched_bytes if record is not None else 0,
+            tuple(repair_failures),
         )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        empty = (0.0, 0, 0, 0, None, (), 0.0, 0)
-        dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes = self._round_stats.pop(
-            group_info.group_id, empty
-        )
+        empty = (0.0, 0, 0, 0, None, (), 0.0, 0, ())
+        stats = self._round_stats.pop(group_info.group_id, empty)
+        dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes, repair_failures = stats
         ours = gathered.get(self.peer_id)
         if held is not None and isinstance(ours, dict) and isinstance(ours.get("epoch"), int):
             try:  # the average as it came off the wire, for peers that replay the round later
@@ -252,6 +255,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
             findings=findings,
             audit_seconds=audit_seconds,
             audit_bytes=audit_bytes,
+            repair_failures=repair_failures,
         )
 
     # ---- averaging (the host's side) -------------------------------------------------------------

@@ -276,6 +276,7 @@ class OuterRound:
             bytes_sent=outcome.bytes_sent if outcome is not None else 0,
             bytes_received=outcome.bytes_received if outcome is not None else 0,
             audit_bytes=outcome.audit_bytes if outcome is not None else 0,
+            repair_failures=outcome.repair_failures if outcome is not None else (),
         )
         if not self.overlapped:
             peer.begin_round()

@@ -55,6 +55,7 @@ class RoundReport:
     bytes_sent: int = 0  # all-reduce tensor payload, framing excluded, as of when our own results were complete
     bytes_received: int = 0
     audit_bytes: int = 0  # checked reducers: parts downloaded to recompute a groupmate's average (seconds["audit"])
+    repair_failures: tuple[dict, ...] = ()  # checked reducers: slices that came in part and stayed so (dropped)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.headline import SOURCES
+from swarm.auditing import RepairFailure
 
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
@@ -260,6 +261,9 @@ def test_byzantine_smoke(tmp_path: Path):
         with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
         assert with_liar and all(d == 0.0 or d > 0.2 for d in with_liar), cut  # restored, or dropped whole
         repaired += sum(d == 0.0 for d in with_liar)
+        failed = peer["repair_failures"]  # each names a reason, and a round whose repair failed dropped its slice
+        assert all(f["peer"] == cut["liar"] and f["failure"] in set(RepairFailure) for f in failed), cut
+        assert len({f["epoch"] for f in failed}) <= sum(d > 0.2 for d in with_liar), cut
         assert peer["banned"] == [], cut
         by_last_round.setdefault(peer["dropped_fractions"][-1] == 0.0, set()).add(peer["checksum"])
     assert repaired >= 1, cut

@@ -18,7 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.allreduce import Dropped
 from swarm.audit import Receipt, digest_parts
-from swarm.auditing import Auditing, AuditRound
+from swarm.auditing import Auditing, AuditRound, RepairFailure
 from swarm.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
@@ -31,14 +31,16 @@ def part(seed: int, size: int) -> runtime_pb2.Tensor:
 class FakeFetches(Auditing):
     """The averager's side of a repair, with the reducer's answers given instead of fetched over libp2p."""
 
-    def __init__(self, receipt: Receipt | None, served: list[runtime_pb2.Tensor]):
-        self._receipt, self._served = receipt, served
+    def __init__(self, receipt: Receipt | None, served: list[runtime_pb2.Tensor], fail: bool = False):
+        self._receipt, self._served, self._fail = receipt, served, fail
 
     async def _fetch_receipt(self, record, reducer):
         return self._receipt, b""
 
     async def _fetch_parts(self, record, sender, reducer, limit, what="parts"):
         assert what == "output" and sender == reducer
+        if self._fail:  # the reducer is gone, or its stream breaks again
+            raise ConnectionResetError("the stream was cut")
         return list(self._served)
 
 
@@ -67,14 +69,23 @@ def test_a_slice_that_came_in_part_is_restored_from_the_reducers_signed_average(
     receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
     record, held, owner = partial_copy(reducer, whole)
     parts = repair(FakeFetches(receipt, whole), record, reducer)
-    assert parts is not None
+    assert not isinstance(parts, RepairFailure), parts
     assert Auditing._restore_slice(held, owner, reducer, parts) == 150  # the missing part's values
     assert [p.SerializeToString() for p in held[0][1:]] == [p.SerializeToString() for p in whole]
     assert held[0][0] is not None and not isinstance(held[0][0], Dropped)  # our own part is untouched
 
 
-@pytest.mark.parametrize("lie", ["unsigned", "other-than-received", "wrong-size", "no-receipt"])
-def test_a_repair_that_is_not_the_signed_average_or_disagrees_with_what_came_is_refused(reducer, lie):
+@pytest.mark.parametrize(
+    ("lie", "failure"),
+    [
+        ("unsigned", RepairFailure.not_signed),
+        ("other-than-received", RepairFailure.disagrees),
+        ("wrong-size", RepairFailure.disagrees),
+        ("no-receipt", RepairFailure.no_receipt),
+        ("unreachable", RepairFailure.unreachable),
+    ],
+)
+def test_a_repair_that_is_not_the_signed_average_or_disagrees_with_what_came_is_refused(reducer, lie, failure):
     whole = [part(1, 200), part(2, 200), part(3, 150)]
     served, signed = list(whole), list(whole)
     if lie == "unsigned":  # another average than the one in the receipt its auditor checked
@@ -85,5 +96,6 @@ def test_a_repair_that_is_not_the_signed_average_or_disagrees_with_what_came_is_
         served[2] = signed[2] = part(3, 151)
     receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(signed))
     record, held, owner = partial_copy(reducer, whole)
-    assert repair(FakeFetches(None if lie == "no-receipt" else receipt, served), record, reducer) is None
+    fetches = FakeFetches(None if lie == "no-receipt" else receipt, served, fail=lie == "unreachable")
+    assert repair(fetches, record, reducer) is failure  # the reason, as the round's report carries it
     assert isinstance(held[0][3], Dropped)  # nothing changed: the caller drops the slice whole
