@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 FAST = [
@@ -60,7 +61,11 @@ def kill_spawned(keep: int = 0) -> None:
             proc.wait(timeout=30)
 
 
-def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float = 120) -> str:
+def wait_for_line(
+    log: Path, needle: str, proc: subprocess.Popen, timeout: float = 120, others: Sequence[subprocess.Popen] = ()
+) -> str:
+    """The first line of ``log`` holding ``needle``; fails at once if ``proc`` (or one of ``others``, peers the
+    line depends on) exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
@@ -69,5 +74,8 @@ def wait_for_line(log: Path, needle: str, proc: subprocess.Popen, timeout: float
                 return line
         if proc.poll() is not None:
             raise AssertionError(f"process exited ({proc.returncode}) before printing {needle!r}:\n{text[-3000:]}")
+        gone = [other for other in others if other.poll() is not None]
+        if gone:
+            raise AssertionError(f"{gone[0].args[-8:]} exited ({gone[0].returncode}) before {needle!r} was printed")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {needle!r}:\n{log.read_text()[-3000:]}")

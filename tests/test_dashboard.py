@@ -103,7 +103,7 @@ def swarm(tmp_path_factory):
     s = Swarm(tmp_path_factory.mktemp("dash"))
     try:
         s.start()
-        wait_for_line(s.logs[0], "averaged with 3 peers", s.procs[0], timeout=240)
+        wait_for_line(s.logs[0], "averaged with 3 peers", s.procs[0], timeout=240, others=s.procs[1:])
         yield s
     finally:
         s.close()
