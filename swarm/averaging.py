@@ -33,9 +33,9 @@ from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.audit import MALFORMED
 from swarm.auditing import Auditing
 from swarm.codecs import CODECS
+from swarm.helpers import start_and_wait
 from swarm.manifest import Aggregation
 from swarm.pace import pace_matchmaking
-from swarm.startup import start_and_wait
 from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)

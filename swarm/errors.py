@@ -39,5 +39,5 @@ class SecretError(SwarmError):
     """A closed run's secret that is missing, unreadable, too short, or not this run's."""
 
 
-class StartupError(SwarmError):
-    """A helper process (the DHT, the averager) died or hung before it was ready."""
+class HelperError(SwarmError):
+    """A helper process (the DHT, the averager) died or hung before it was ready, or died later."""

@@ -35,11 +35,11 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.access import RunSecret, SecretAuthorizer
-from swarm.errors import BootstrapError, NetworkConfigError, PortTakenError, StartupError
+from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
+from swarm.helpers import start_and_wait
 from swarm.identity import adopt_identity, temporary_identity
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
-from swarm.startup import start_and_wait
 
 DEFAULT_PORT = 31337
 PORT_SEARCH = 64  # with the default port, look this far for a free one
@@ -237,7 +237,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
         dht.port_claim = claim
         dht.run_secret = config.secret  # the averager's matchmaking and downloads use the same keys
         return dht
-    except StartupError:
+    except HelperError:
         claim.release()
         raise
     except Exception as e:

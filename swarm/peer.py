@@ -35,6 +35,7 @@ from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
 from swarm.bans import BanList, Guard
 from swarm.errors import LeaveRequested
 from swarm.flight import Flight
+from swarm.helpers import check_alive
 from swarm.manifest import RunManifest
 from swarm.network import NetworkConfig, start_dht
 from swarm.orphans import install_orphan_reaper
@@ -330,6 +331,7 @@ class Peer:
         self.in_round = True
         epoch = self.epoch
         try:
+            check_alive({"DHT": self._dht, "averager": self.averager})  # else every round would go local, silently
             if self.flight is not None:
                 t0 = time.monotonic()
                 self.rounds.wait(self.flight)

@@ -1,10 +1,14 @@
-"""Wait for a hivemind helper process (the DHT, the averager) to be ready, for a bounded time.
+"""hivemind's helper processes (the DHT, the averager): a bounded start, and a check that they still run.
 
 hivemind's own ``run_in_background(await_ready=True)`` waits for ever: a helper that dies
 before it says it is ready (killed by the OOM killer, a crash in its first lines) or that
 hangs there leaves the peer waiting with no message. Here the wait ends as soon as the
 helper has died, or after ``READY_SECONDS``; either way the helper and its children (the
 DHT's ``p2pd``) are killed and the volunteer gets one line saying what to do.
+
+A helper that dies later, mid-run, took the peer down 30 s into its next round with a bare
+``TimeoutError`` from a call to the dead averager. ``check_alive`` is called at each outer
+round, and ends the peer at once with one line that says what happened.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 
 import psutil
 
-from swarm.errors import StartupError
+from swarm.errors import HelperError
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ POLL_SECONDS = 0.5
 def start_and_wait(helper: mp.Process, what: str) -> None:
     """Start a hivemind DHT or averager (created with start=False) and wait until it serves.
 
-    Raises the helper's own exception if it failed to start, and ``StartupError`` if it died
+    Raises the helper's own exception if it failed to start, and ``HelperError`` if it died
     silently or did not get ready in ``READY_SECONDS``.
     """
     helper.run_in_background(await_ready=False)
@@ -39,18 +43,28 @@ def start_and_wait(helper: mp.Process, what: str) -> None:
             except TimeoutError:
                 pass
             if not helper.is_alive():
-                raise StartupError(
+                raise HelperError(
                     f"The {what} process ended (exit code {helper.exitcode}) before it was ready. This machine may be "
                     f"out of memory; free some, then start again."
                 )
             if time.monotonic() > deadline:
-                raise StartupError(
+                raise HelperError(
                     f"The {what} process was not ready after {READY_SECONDS:.0f} s. This machine may be overloaded or "
                     f"short of memory; check it with `swarm-client doctor`, then start again."
                 )
     except BaseException:  # a failed start, a stop signal: nothing of the helper may outlive this peer
         kill_tree(helper.pid)
         raise
+
+
+def check_alive(helpers: dict[str, mp.Process | None]) -> None:
+    """Raise ``HelperError`` if one of the peer's helper processes (by name) has ended."""
+    for what, helper in helpers.items():
+        if helper is not None and not helper.is_alive():
+            raise HelperError(
+                f"The {what} process ended (exit code {helper.exitcode}) while the peer was training; this machine "
+                f"may be out of memory. The last round's checkpoint is kept: free some memory, then start again."
+            )
 
 
 def kill_tree(pid: int | None) -> None:

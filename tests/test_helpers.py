@@ -11,18 +11,20 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
+from client_helpers import FAST, LOCAL, wait_for_line
 
 SCRIPT = r"""
 import json, os, sys, time
 import psutil
 import torch
-import swarm.startup
+import swarm.helpers
 from swarm.averaging import PseudoGradientAverager
-from swarm.errors import StartupError
+from swarm.errors import HelperError
 from swarm.network import NetworkConfig, start_dht
 
-swarm.startup.READY_SECONDS = 5.0
+swarm.helpers.READY_SECONDS = 5.0
 what, fault = sys.argv[1], sys.argv[2]
 me = psutil.Process()
 break_forks = lambda: os.register_at_fork(
@@ -41,7 +43,7 @@ try:
     else:
         PseudoGradientAverager([torch.zeros(4)], dht, run_id="0" * 16, prefix="t", start=True)
     result = dict(error=None)
-except StartupError as e:
+except HelperError as e:
     result = dict(error=str(e))
 result.update(seconds=time.monotonic() - t0, left=sorted(helpers() - before))
 print("RESULT " + json.dumps(result), flush=True)
@@ -70,3 +72,31 @@ def test_a_helper_that_hangs_or_dies_before_it_is_ready_ends_the_start_with_a_cl
     assert result["left"] == [], result  # the stuck or dead helper, and anything it started, are gone
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - started < 120
+
+
+def test_an_averager_that_dies_mid_run_ends_the_peer_with_one_line_and_keeps_the_checkpoint(tmp_path):
+    """Killed alone (the OOM killer's pick), the averager took the peer down 30 s into its next round with a bare
+    TimeoutError (exit 1; a traceback before the CLI caught unexpected errors)."""
+    workdir, log = tmp_path / "w", tmp_path / "peer.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "client.cli", "start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(workdir)],
+        stdout=log.open("w"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_line(log, "round -> epoch 1", proc, timeout=180)
+        # hivemind's two helpers are forks of the peer: the DHT process runs p2pd, the averager does not
+        forks = [p for p in psutil.Process(proc.pid).children() if p.name().startswith("python")]
+        averager = [p for p in forks if not any(c.name() == "p2pd" for c in p.children())]
+        assert len(forks) == 2 and len(averager) == 1, [(p.pid, p.name()) for p in forks]
+        averager[0].kill()
+        _, err = proc.communicate(timeout=180)  # the next round notices, within one round's time limit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 2, (proc.returncode, err, log.read_text()[-3000:])
+    assert err.startswith("error: The averager process ended (exit code -9) while the peer was training"), err
+    assert "Traceback" not in err + log.read_text()
+    assert list((workdir / "runs").glob("*/checkpoints/state-*.safetensors")), "the checkpoint was lost"
