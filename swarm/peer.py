@@ -331,7 +331,7 @@ class Peer:
         self.in_round = True
         epoch = self.epoch
         try:
-            check_alive({"DHT": self._dht, "averager": self.averager})  # else every round would go local, silently
+            check_alive({"DHT": self._dht, "averager": self.averager})  # else a dead one fails the round 30 s later
             if self.flight is not None:
                 t0 = time.monotonic()
                 self.rounds.wait(self.flight)
