@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.audit import MALFORMED
 from swarm.auditing import Auditing
 from swarm.codecs import CODECS
+from swarm.errors import HelperError
 from swarm.helpers import start_and_wait
 from swarm.manifest import Aggregation
 from swarm.pace import pace_matchmaking
@@ -48,6 +49,7 @@ COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "sparse": lambda: CODECS["sparse"],
 }
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
+IDLE_GRACE = 10.0  # a step still running this long after its deadline means a stuck averager process
 STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file
 
 
@@ -117,15 +119,17 @@ class Averaging:
                 raise RoundAborted(reason)
         return False
 
-    def settle(self, timeout: float) -> bool:
-        """After a cancel, wait (up to ``timeout``) for the averager process to let go of the step. hivemind's
-        cancel can lose a race with a group being assembled, and the step then runs its all-reduce on our
-        buffers anyway (seen in its log: "Can't set_result to a future that is CANCELLED"); until it is over,
-        the buffers are not ours to write. Whether it is over."""
-        deadline = time.monotonic() + timeout
-        while self._control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
-            time.sleep(0.05)
+    @property
+    def finished(self) -> bool:
+        """Whether the averager process has let go of the step (done is not enough: a cancelled step is done
+        on our side at once, while hivemind may still run it)."""
         return self._control.stage == AveragingStage.FINISHED
+
+    def wait_finished(self, until: float) -> bool:
+        """Wait until the step is ``finished`` or ``time.monotonic()`` passes ``until``; whether it is."""
+        while not self.finished and time.monotonic() < until:
+            time.sleep(0.05)
+        return self.finished
 
     def wait(self) -> AllReduceOutcome:
         while not self.poll():
@@ -157,6 +161,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         **kwargs: Any,
     ):
         self._round_stats: dict[bytes, tuple] = {}
+        self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
         self._init_auditing(audit, audit_timeout)
@@ -237,10 +242,10 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         empty = (0.0, 0, 0, 0, None, (), 0.0, 0, ())
         stats = self._round_stats.pop(group_info.group_id, empty)
         dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes, repair_failures = stats
-        ours = gathered.get(self.peer_id)
-        if held is not None and isinstance(ours, dict) and isinstance(ours.get("epoch"), int):
+        epoch = group_epoch(gathered.values())
+        if held is not None and epoch is not None:
             try:  # the average as it came off the wire, for peers that replay the round later
-                await asyncio.get_event_loop().run_in_executor(None, self._keep_update, ours["epoch"], held)
+                await asyncio.get_event_loop().run_in_executor(None, self._keep_update, epoch, held)
             except OSError:
                 logger.debug("could not keep the round's update", exc_info=True)
         del held  # the round's buffers are all gone now (the host reads the average from the shared buffers)
@@ -279,10 +284,32 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         give up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled throughout,
         all-reduce included, since a peer told to stop must not wait for one.
         """
+        self.ensure_idle()  # a step still running would look for a group under the new key with its old data
         self.set_group_bits(group_bits, wait=False).result(timeout=30)
         control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
         deadline = time.monotonic() + hard_timeout
-        return Averaging(control, deadline, hard_timeout, on_stage, abort_if, leaving, abort_poll)
+        self._last_step = Averaging(control, deadline, hard_timeout, on_stage, abort_if, leaving, abort_poll)
+        return self._last_step
+
+    def ensure_idle(self) -> None:
+        """Wait until the last step started here is over in the averager process; ``HelperError`` if it still
+        runs ``IDLE_GRACE`` s after its own time was up.
+
+        A step given up on (the swarm moved on, a timeout) is cancelled, but hivemind's cancel can lose a race
+        and leave it running: it then takes part in a group anyway, on our buffers, and commits that group's
+        average into them ("Can't set_result to a future that is CANCELLED" in its log). Seen in CI: a joiner's
+        cancelled step of epoch 2 was still looking for a group when the joiner started its round of epoch 5;
+        the new key let it in with its stale gather, the two honest groupmates each skipped the round, and the
+        joiner's own step for epoch 5 found nobody. Until the step is over, the buffers are not ours to write
+        and the group key is not ours to change. hivemind ends every step by its deadline (matchmaking, then
+        its all-reduce), which our handle's ``deadline`` covers: past it, the process is stuck."""
+        step = self._last_step
+        if step is None or step.wait_finished(step.deadline + IDLE_GRACE):
+            return
+        raise HelperError(
+            f"The averager process did not end an averaging step {IDLE_GRACE:.0f} s after its time was up; it may "
+            f"be stuck or starved of CPU. The last round's checkpoint is kept: start the peer again."
+        )
 
     def average(self, **kwargs: Any) -> AllReduceOutcome:
         """``start_averaging`` and wait: raises on failure, never waits past ``hard_timeout``."""
@@ -299,6 +326,14 @@ def rebuild_torch_thread_pool() -> None:
     engine tests (the sender's part never left, and its groupmates dropped a third of the round). Rebuilt
     here, on one thread, before any part is touched (tests/test_averaging_fork.py)."""
     torch.set_num_threads(torch.get_num_threads())
+
+
+def group_epoch(gathered: Iterable[Any]) -> int | None:
+    """The epoch every member of a group gathered, or None: a group of mixed epochs is skipped by all its members
+    (``OuterRound.poll``), so its average is no round's and is never kept for replay."""
+    epochs = {data.get("epoch") if isinstance(data, dict) else None for data in gathered}
+    epoch = epochs.pop() if len(epochs) == 1 else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def epoch_group_bits(epoch: int, bits: int = 16) -> str:

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from swarm.peer import Peer
 
 logger = logging.getLogger(__name__)
-SETTLE_SECONDS = 5.0  # a cancelled averaging step is given this long to end before its buffers are written
 ERROR_FEEDBACK = ("fp4", "sparse")
 
 
@@ -176,10 +175,11 @@ class OuterRound:
             raise
         except RoundAborted as e:
             flight.aborted = e
-            if not e.leaving and not flight.attempt.settle(SETTLE_SECONDS):  # a leaving peer writes no buffer
-                logger.debug("the cancelled averaging step of epoch %d is still running", flight.epoch)
+            if not e.leaving:  # a leaving peer writes no buffer
+                peer.averager.ensure_idle()  # a cancelled step may still run: the buffers are not ours till it ends
         except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
             logger.debug("averaging attempt failed", exc_info=True)
+            peer.averager.ensure_idle()  # a step that timed out was cancelled: as above
             flight.fallback = short_reason(e)
             if not isinstance(e, EXPECTED_FAILURES):  # a bug is not "no group": say so, and what the log holds
                 flight.fallback = f"internal error ({type(e).__name__}: {short_reason(e)}; details in the log)"

@@ -1,10 +1,20 @@
 """``Averaging.poll`` against a fake step control: the "has the swarm moved on" check reads the DHT, and while
-it does the averager process may find a group and finish the all-reduce with us. Such a round is kept."""
+it does the averager process may find a group and finish the all-reduce with us. Such a round is kept. And a
+step that was given up on but that hivemind keeps running: nothing touches the buffers or the group key
+until it has ended."""
+
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 from hivemind.averaging.control import AveragingStage
 
-from swarm.averaging import Averaging, RoundAborted
+import swarm.averaging as averaging_module
+from swarm.averaging import Averaging, PseudoGradientAverager, RoundAborted, epoch_group_bits, group_epoch
+from swarm.errors import HelperError
+from swarm.flight import Flight
+from swarm.outer_round import OuterRound
 
 
 class FakeControl:
@@ -50,3 +60,87 @@ def test_a_group_found_while_the_check_read_the_dht_is_kept(finished):
     assert not control.cancelled
     control.stage, control.finished = AveragingStage.FINISHED, True
     assert step.poll() is True
+
+
+# ---- a cancelled step that hivemind keeps running ----------------------------------------------------------
+
+
+def host(last_step: Averaging | None):
+    """What ``PseudoGradientAverager``'s host side reads of itself, and a record of the calls made to the process."""
+    fake = SimpleNamespace(_last_step=last_step, calls=[])
+    fake.ensure_idle = lambda: PseudoGradientAverager.ensure_idle(fake)
+    fake.set_group_bits = lambda bits, wait: fake.calls.append(("bits", bits, last_step_stage(fake))) or done_future()
+    fake.step = lambda **kwargs: fake.calls.append(("step", kwargs["gather"])) or FakeControl()
+    return fake
+
+
+def last_step_stage(fake) -> AveragingStage | None:
+    return None if fake._last_step is None else fake._last_step._control.stage
+
+
+def done_future():
+    return SimpleNamespace(result=lambda timeout: None)
+
+
+def finish_later(control: FakeControl, seconds: float) -> threading.Thread:
+    def finish():
+        time.sleep(seconds)
+        control.stage = AveragingStage.FINISHED
+
+    thread = threading.Thread(target=finish, daemon=True)
+    thread.start()
+    return thread
+
+
+def start(fake, epoch: int) -> Averaging:
+    return PseudoGradientAverager.start_averaging(
+        fake, weight=1.0, gather=dict(epoch=epoch), group_bits=epoch_group_bits(epoch), timeout=15.0, hard_timeout=60.0
+    )
+
+
+def test_the_next_step_waits_for_a_cancelled_one_that_hivemind_keeps_running():
+    """As seen in CI: the step of epoch 2, cancelled when the swarm moved on, still ran when the round of epoch 5
+    began; the new group key let it into that round's group with its epoch-2 data. The key is changed, and the
+    new step started, only once the old one has ended in the averager process."""
+    old = FakeControl()
+    fake = host(averaging(old, abort_if=lambda: "moved on"))
+    fake._last_step._deadline = time.monotonic() + 60
+    with pytest.raises(RoundAborted):
+        fake._last_step.poll()
+    assert old.cancelled and old.stage == AveragingStage.LOOKING_FOR_GROUP  # cancelled, and still running
+    finish_later(old, 0.3)
+    start(fake, 5)
+    assert fake.calls[0] == ("bits", epoch_group_bits(5), AveragingStage.FINISHED), fake.calls
+    assert fake.calls[1] == ("step", dict(epoch=5))
+
+
+def test_a_step_that_outlives_its_deadline_ends_the_peer_with_a_clear_error(monkeypatch):
+    monkeypatch.setattr(averaging_module, "IDLE_GRACE", 0.2)
+    stuck = averaging(FakeControl(), abort_if=lambda: None)
+    stuck._deadline = time.monotonic()
+    fake = host(stuck)
+    with pytest.raises(HelperError, match="did not end an averaging step"):
+        start(fake, 3)
+    assert fake.calls == []  # nothing was changed in the averager process
+
+
+def test_an_aborted_round_is_over_only_once_its_step_has_ended():
+    """``OuterRound.poll``: the buffers are written after the round (a re-sync, a replay, the next
+    pseudo-gradient), so an aborted round waits for its step to end in the averager process first."""
+    control = FakeControl()
+    step = averaging(control, abort_if=lambda: "moved on")
+    step._deadline = time.monotonic() + 60
+    fake = host(step)
+    peer = SimpleNamespace(averager=fake)
+    rounds = OuterRound(peer)
+    flight = Flight(epoch=2, samples=4, seconds={}, wait_until=0.0, attempt=step)
+    finish_later(control, 0.3)
+    assert rounds.poll(flight) is True
+    assert flight.aborted is not None and control.stage == AveragingStage.FINISHED
+
+
+def test_only_a_group_all_at_one_epoch_keeps_its_average_for_replay():
+    assert group_epoch([dict(epoch=5), dict(epoch=5)]) == 5
+    assert group_epoch([dict(epoch=2), dict(epoch=5), dict(epoch=5)]) is None  # the stale step's group
+    assert group_epoch([dict(epoch=5), "garbage"]) is None
+    assert group_epoch([dict(epoch=True)]) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pprint import pformat
+
 from diloco_helpers import tiny_manifest
 from swarm_harness import wait_for
 
@@ -23,7 +25,11 @@ def assert_consistent(swarm, ranks, epoch: int) -> None:
     finals = [swarm.final(rank) for rank in ranks]
     assert [f["epoch"] for f in finals] == [epoch] * len(ranks)
     # on a mismatch, each peer's rounds and log tail: a rare CI failure here must be diagnosable from the log
-    detail = [(r, f["checksum"][:12], swarm.reports(r), swarm.log(r)[-1500:]) for r, f in zip(ranks, finals)]
+    # (as one string: pytest cuts a message that is not one to a line)
+    detail = "\n\n".join(
+        f"peer {r}: final {f['checksum'][:12]}\n{pformat(swarm.reports(r), width=160)}\n{swarm.log(r)[-3000:]}"
+        for r, f in zip(ranks, finals)
+    )
     assert len({f["checksum"] for f in finals}) == 1, detail
 
 
