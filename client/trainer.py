@@ -347,8 +347,8 @@ class Trainer:
             self.note("log", f"held-out loss at epoch {report.epoch}: {loss:.4f}")
 
     def _check_last_round(self) -> None:
-        """A run that ends (``--max-epochs``) after an overlapped round: its state is compared with its group's
-        before the peer leaves, as the next round would have done."""
+        """A run that ends (``--max-epochs``) after an overlapped round, or a round that found no group: its
+        state is compared with its group's (or the swarm's) before the peer leaves, as the next round would."""
         report = self.peer.check_last_round()
         if report is not None and report.resynced:
             self.note("resync", f"The last round's state was not its group's: re-synced (epoch {report.epoch}).")

@@ -36,7 +36,7 @@ from swarm.flight import EXPECTED_FAILURES, Flight
 from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
-from swarm.swarm_view import groupmates_published, mates_coming, swarm_moved_on
+from swarm.swarm_view import groupmates_published, mates_coming, mates_finishing, swarm_moved_on
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -287,17 +287,25 @@ class OuterRound:
             self._unchecked = (report, group)
         else:
             self.check_consistency(report, group)
+            if not averaged:  # checked against nobody: a peer that ends its run here checks again before leaving
+                self._unchecked = (report, group)
         return report
 
     def check_unchecked(self) -> RoundReport | None:
         """The consistency check an overlapped round left to the next round's begin, now: for a peer that ends
         its run after that round (``--max-epochs``), whose last state would otherwise never be compared with its
-        group's. The report of that round (``resynced`` set if it re-synced), or None if nothing was left."""
+        group's. A last round that ended without a group (local, skipped) is checked again too, against the
+        peers that were still finishing that round: in CI one peer's last round found no group while the other
+        two averaged, and it had checked before they published: it left on a state of its own (a CI run ended with
+        one peer's checksum apart, its log ending on "could not find a group"). The report of
+        that round (``resynced`` set if it re-synced), or None if nothing was left."""
         if self._unchecked is None:
             return None
         (report, group), self._unchecked = self._unchecked, None
-        if report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on since
+        if report.resynced or report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on
             return None
+        if not report.averaged:
+            group = (*group, *mates_finishing(self.peer.view(), self.peer.peer_id, report.epoch))
         self.check_consistency(report, group)
         return report
 

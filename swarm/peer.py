@@ -358,10 +358,11 @@ class Peer:
             self._finish_flight()
 
     def check_last_round(self) -> RoundReport | None:
-        """Before a peer that ends its run leaves: compare the last overlapped round's state with its group's
-        (waiting up to ``averaging.consistency_timeout`` for their checksums) and re-sync if the majority holds
-        another, so a finished run ends on the group's model. The round's report, or None when there was
-        nothing unchecked (a blocking round is checked as it finishes)."""
+        """Before a peer that ends its run leaves: compare the last round's state with its group's, or (a round
+        that found no group) with that of the peers still finishing it, waiting up to
+        ``averaging.consistency_timeout`` for their checksums, and re-sync if the majority holds another, so a
+        finished run ends on the swarm's model. The round's report, or None when there was nothing unchecked
+        (a blocking round that averaged was checked as it finished)."""
         return self.rounds.check_unchecked()
 
     def _finish_flight(self, waited: float = 0.0) -> None:

@@ -166,6 +166,13 @@ def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: 
     return len(busy) >= max(1, min_group_size - 1) and 2 * len(busy) > len(mates)
 
 
+def mates_finishing(view: SwarmView, me: str, epoch: int) -> tuple[str, ...]:
+    """The peers still matchmaking or averaging the round that took us to ``epoch``: when ours ended without
+    them (a local or skipped round), they may yet end it together, and theirs is then the swarm's state."""
+    busy = {PeerState.matchmaking.value, PeerState.averaging.value}
+    return tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch == epoch - 1 and p.state in busy)
+
+
 def groupmates_published(view: SwarmView, group: Sequence[str], me: str, epoch: int) -> bool:
     """Every groupmate still in the swarm has published its checksum for ``epoch`` (or moved past it); one that
     has left (its record gone, or saying it is leaving) is not waited for: it will publish nothing more."""

@@ -106,7 +106,7 @@ def main() -> int:
                 optimizer.state.clear()  # as the client does: the moments hold the NaNs
             reports.append(dict(report.__dict__, outcome=report.outcome.value))
             (args.out / "reports.json").write_text(json.dumps(reports))
-    last = peer.check_last_round()  # overlapped: the last round's state against the group's, as the client does
+    last = peer.check_last_round()  # the last round (overlapped, or without a group) against the swarm, as the client
     if last is not None and last.resynced:
         reports[-1] = dict(last.__dict__, outcome=last.outcome.value)
         (args.out / "reports.json").write_text(json.dumps(reports))

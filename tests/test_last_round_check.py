@@ -11,8 +11,9 @@ from test_swarm_view import A, B, C, record
 
 from swarm.outer_round import OuterRound
 from swarm.progress import PeerEntry
+from swarm.records import PeerState
 from swarm.rounds import RoundOutcome, RoundReport
-from swarm.swarm_view import build_view, resync_needed
+from swarm.swarm_view import build_view, mates_finishing, resync_needed
 
 MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
 
@@ -113,3 +114,35 @@ def test_the_next_round_waits_for_its_groupmates_checksums_before_its_late_check
     started = rounds_with_unchecked(peer, 5, MINE).begin()
     assert isinstance(started, RoundReport) and started.outcome == RoundOutcome.resynced, started
     assert len(peer.resyncs) == 1 and "disagreed" in peer.resyncs[0], peer.resyncs
+
+
+def local(epoch: int, checksum: str) -> RoundReport:
+    return RoundReport(epoch=epoch, averaged=False, group_size=1, outcome=RoundOutcome.local, checksum=checksum)
+
+
+def test_a_blocking_last_round_without_a_group_waits_for_the_peers_still_finishing_it():
+    """Our last round found no group and ended local while the two others were still averaging it: they publish
+    the state they agree on a moment later, and we re-sync to it before leaving instead of ending on our own."""
+    records = [
+        record(A, epoch=5, checksums=[(5, MINE)]),
+        record(B, epoch=4, state=PeerState.averaging),
+        record(C, epoch=4, state=PeerState.averaging),
+    ]
+    peer = FakePeer(records, epoch=5, checksum=MINE, overlap=False)
+    peer.late = (record(B, epoch=5, checksums=[(5, THEIRS)]), record(C, epoch=5, checksums=[(5, THEIRS)]))
+    peer.late_after = time.monotonic() + 0.4
+    rounds = OuterRound(peer)
+    rounds._unchecked = (local(5, MINE), (A,))  # as ``finish`` leaves a blocking round that found no group
+    report = rounds.check_unchecked()
+    assert report is not None and report.resynced and len(peer.resyncs) == 1, peer.resyncs
+
+
+def test_peers_training_or_at_other_epochs_are_not_finishing_our_round():
+    records = [
+        record(A, epoch=5, checksums=[(5, MINE)]),
+        record(B, epoch=4, state=PeerState.matchmaking),
+        record(C, epoch=4, state=PeerState.training),  # a whole round away: not waited for
+        record("d" * 8, epoch=3, state=PeerState.averaging),
+    ]
+    peer = FakePeer(records, epoch=5, checksum=MINE, overlap=False)
+    assert mates_finishing(peer.view(), A, 5) == (B,)
