@@ -34,7 +34,7 @@ from swarm.audit import MALFORMED
 from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.errors import HelperError
-from swarm.helpers import start_and_wait
+from swarm.helpers import check_alive, start_and_wait
 from swarm.manifest import Aggregation
 from swarm.pace import pace_matchmaking
 from swarm.transfer import FileTransfer
@@ -124,12 +124,6 @@ class Averaging:
         """Whether the averager process has let go of the step (done is not enough: a cancelled step is done
         on our side at once, while hivemind may still run it)."""
         return self._control.stage == AveragingStage.FINISHED
-
-    def wait_finished(self, until: float) -> bool:
-        """Wait until the step is ``finished`` or ``time.monotonic()`` passes ``until``; whether it is."""
-        while not self.finished and time.monotonic() < until:
-            time.sleep(0.05)
-        return self.finished
 
     def wait(self) -> AllReduceOutcome:
         while not self.poll():
@@ -302,9 +296,16 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         the new key let it in with its stale gather, the two honest groupmates each skipped the round, and the
         joiner's own step for epoch 5 found nobody. Until the step is over, the buffers are not ours to write
         and the group key is not ours to change. hivemind ends every step by its deadline (matchmaking, then
-        its all-reduce), which our handle's ``deadline`` covers: past it, the process is stuck."""
+        its all-reduce), which our handle's ``deadline`` covers: past it, the process is stuck. A process that
+        died meanwhile will never end it: that is said at once (``helpers.check_alive``)."""
         step = self._last_step
-        if step is None or step.wait_finished(step.deadline + IDLE_GRACE):
+        if step is None:
+            return
+        until = step.deadline + IDLE_GRACE
+        while not step.finished and time.monotonic() < until:
+            check_alive({"averager": self})
+            time.sleep(0.05)
+        if step.finished:
             return
         raise HelperError(
             f"The averager process did not end an averaging step {IDLE_GRACE:.0f} s after its time was up; it may "

@@ -287,24 +287,24 @@ class OuterRound:
             self._unchecked = (report, group)
         else:
             self.check_consistency(report, group)
-            if not averaged:  # checked against nobody: a peer that ends its run here checks again before leaving
+            if kind == RoundOutcome.local:  # checked against nobody: a peer that ends its run here checks again
                 self._unchecked = (report, group)
         return report
 
     def check_unchecked(self) -> RoundReport | None:
         """The consistency check an overlapped round left to the next round's begin, now: for a peer that ends
         its run after that round (``--max-epochs``), whose last state would otherwise never be compared with its
-        group's. A last round that ended without a group (local, skipped) is checked again too, against the
-        peers that were still finishing that round: in CI one peer's last round found no group while the other
-        two averaged, and it had checked before they published: it left on a state of its own (a CI run ended with
-        one peer's checksum apart, its log ending on "could not find a group"). The report of
-        that round (``resynced`` set if it re-synced), or None if nothing was left."""
+        group's. A last round that found no group (local) is checked again too, against the peers that were
+        still finishing that round: checked at once, against nobody, while the others were still averaging it,
+        it left on a state of its own (the likely story of a CI run that ended with one peer's checksum apart,
+        its log ending on "could not find a group"). The report of that round (``resynced`` set if it
+        re-synced), or None if nothing was left."""
         if self._unchecked is None:
             return None
         (report, group), self._unchecked = self._unchecked, None
         if report.resynced or report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on
             return None
-        if not report.averaged:
+        if report.outcome == RoundOutcome.local:
             group = (*group, *mates_finishing(self.peer.view(), self.peer.peer_id, report.epoch))
         self.check_consistency(report, group)
         return report

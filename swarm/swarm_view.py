@@ -168,7 +168,7 @@ def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: 
 
 def mates_finishing(view: SwarmView, me: str, epoch: int) -> tuple[str, ...]:
     """The peers still matchmaking or averaging the round that took us to ``epoch``: when ours ended without
-    them (a local or skipped round), they may yet end it together, and theirs is then the swarm's state."""
+    them (a local round), they may yet end it together, and theirs is then the swarm's state."""
     busy = {PeerState.matchmaking.value, PeerState.averaging.value}
     return tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch == epoch - 1 and p.state in busy)
 

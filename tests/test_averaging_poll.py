@@ -67,7 +67,7 @@ def test_a_group_found_while_the_check_read_the_dht_is_kept(finished):
 
 def host(last_step: Averaging | None):
     """What ``PseudoGradientAverager``'s host side reads of itself, and a record of the calls made to the process."""
-    fake = SimpleNamespace(_last_step=last_step, calls=[])
+    fake = SimpleNamespace(_last_step=last_step, calls=[], is_alive=lambda: True, exitcode=None)
     fake.ensure_idle = lambda: PseudoGradientAverager.ensure_idle(fake)
     fake.set_group_bits = lambda bits, wait: fake.calls.append(("bits", bits, last_step_stage(fake))) or done_future()
     fake.step = lambda **kwargs: fake.calls.append(("step", kwargs["gather"])) or FakeControl()
@@ -144,3 +144,14 @@ def test_only_a_group_all_at_one_epoch_keeps_its_average_for_replay():
     assert group_epoch([dict(epoch=2), dict(epoch=5), dict(epoch=5)]) is None  # the stale step's group
     assert group_epoch([dict(epoch=5), "garbage"]) is None
     assert group_epoch([dict(epoch=True)]) is None
+
+
+def test_an_averager_that_died_under_a_running_step_is_said_at_once():
+    """A dead process never ends its step: the wait for it stops at once, with the helper check's line."""
+    fake = host(averaging(FakeControl(), abort_if=lambda: None))
+    fake._last_step._deadline = time.monotonic() + 60
+    fake.is_alive, fake.exitcode = (lambda: False), -9
+    t0 = time.monotonic()
+    with pytest.raises(HelperError, match="averager process ended"):
+        start(fake, 3)
+    assert time.monotonic() - t0 < 30 and fake.calls == []  # not the step's 60 s
