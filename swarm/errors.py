@@ -40,4 +40,5 @@ class SecretError(SwarmError):
 
 
 class HelperError(SwarmError):
-    """A helper process (the DHT, the averager) died or hung before it was ready, or died later."""
+    """A helper process (the DHT, the averager) died or hung before it was ready, died later, or (the averager)
+    kept running an averaging step past every timeout."""
