@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
 from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
 
 from swarm import heap
 from swarm.access import RunSecret
@@ -81,6 +82,20 @@ class RoundAborted(RuntimeError):
         self.reason, self.leaving = reason, leaving
 
 
+def cancel_step(control) -> None:
+    """Cancel a hivemind step so that the averager process cannot miss it.
+
+    hivemind's ``StepControl.cancel`` first wakes the averager's watch (its cancel future, over a pipe) and only
+    then marks the step cancelled (in shared memory). An averager that wakes in between, as when the training
+    process is descheduled on a loaded machine, reads a step that is not cancelled, stops watching and goes on
+    with it: it keeps looking for a group (or retries its matchmaking), joins one under whatever group key is set
+    later, with the old round's gather, and fails at the end on "Can't set_result to a future that is CANCELLED".
+    Marked first, the step is seen cancelled by the time the averager wakes."""
+    if isinstance(control, StepControl):
+        MPFuture.cancel(control)  # the step's own state: a write to shared memory, seen by the averager at once
+    control.cancel()  # then hivemind's: cancels the trigger and wakes the averager
+
+
 class Averaging:
     """One averaging round under way in the averager process, watched from the training thread."""
 
@@ -104,10 +119,10 @@ class Averaging:
         if control.done():
             return True
         if self._leaving():
-            control.cancel()
+            cancel_step(control)
             raise RoundAborted("the peer is leaving", leaving=True)
         if time.monotonic() > self._deadline:
-            control.cancel()
+            cancel_step(control)
             raise TimeoutError(f"averaging did not finish in {self._hard_timeout:.0f} s")
         if self._stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > self._next_poll:
             self._next_poll = time.monotonic() + self._abort_poll
@@ -115,7 +130,7 @@ class Averaging:
             # the check reads the DHT, and meanwhile the averager may have found a group, even finished its
             # all-reduce with us (the groupmates' new epoch is what the check saw): that round is ours to keep
             if reason is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and not control.done():
-                control.cancel()
+                cancel_step(control)
                 raise RoundAborted(reason)
         return False
 
@@ -289,15 +304,17 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         """Wait until the last step started here is over in the averager process; ``HelperError`` if it still
         runs ``IDLE_GRACE`` s after its own time was up.
 
-        A step given up on (the swarm moved on, a timeout) is cancelled, but hivemind's cancel can lose a race
-        and leave it running: it then takes part in a group anyway, on our buffers, and commits that group's
-        average into them ("Can't set_result to a future that is CANCELLED" in its log). Seen in CI: a joiner's
-        cancelled step of epoch 2 was still looking for a group when the joiner started its round of epoch 5;
-        the new key let it in with its stale gather, the two honest groupmates each skipped the round, and the
-        joiner's own step for epoch 5 found nobody. Until the step is over, the buffers are not ours to write
-        and the group key is not ours to change. hivemind ends every step by its deadline (matchmaking, then
-        its all-reduce), which our handle's ``deadline`` covers: past it, the process is stuck. A process that
-        died meanwhile will never end it: that is said at once (``helpers.check_alive``)."""
+        A step given up on (the swarm moved on, a timeout) is cancelled, but the averager process ends it only
+        at its next look: an all-reduce it has begun runs to its end, and hivemind's own cancel could leave the
+        step looking for a group until its deadline (``cancel_step``). Such a step takes part in a group anyway,
+        on our buffers, and commits that group's average into them ("Can't set_result to a future that is
+        CANCELLED" in its log). Seen in CI: a joiner's cancelled step of epoch 2 was still looking for a group
+        when the joiner started its round of epoch 5; the new key let it in with its stale gather, the two
+        honest groupmates each skipped the round, and the joiner's own step for epoch 5 found nobody. Until the
+        step is over, the buffers are not ours to write and the group key is not ours to change. hivemind ends
+        every step by its deadline (matchmaking, then its all-reduce), which our handle's ``deadline`` covers:
+        past it, the process is stuck. A process that died meanwhile will never end it: that is said at once
+        (``helpers.check_alive``)."""
         step = self._last_step
         if step is None:
             return
