@@ -249,7 +249,8 @@ class Variant:
     outer_lr: float | None = None  # None: the preset's
     outer_momentum: float | None = None
     robust: bool = False  # the reducers' robust mean (the manifest's default aggregation), not the plain mean
-    stand_in: str = "own"  # eager: own (whole own pseudo-gradient), share (own/N), blend (+ (1-1/N) last average)
+    stand_in: str = "own"  # eager: own (whole own pseudo-gradient), share (own/N), blend (+ (1-1/N) last average),
+    # fit (a * own + b * last average, a and b each worker's least-squares fit of the averages it has seen so far)
     # eager: the stand-in from the pseudo-gradient as computed (raw, as the client does since 2026-11-25) or as sent
     # (after the codec's rounding and error feedback: what the runs before then measured)
     stand_in_source: str = "raw"
@@ -316,6 +317,43 @@ def stand_in_gradient(
     return [o.mul(share).add_(a, alpha=1.0 - share) for o, a in zip(own, last_average)]
 
 
+class AverageFit:
+    """One worker's least-squares guess of the coming average from what it knows when its round ends: its own
+    pseudo-gradient and the last round's average, ``average ~ a * own + b * last``. The normal equations are
+    summed over the rounds seen so far, each scaled by its average's squared norm and decayed by ``decay``
+    per round; until there is one to go by, the guess is one's own share (``a = 1/N``)."""
+
+    def __init__(self, group: int, decay: float = 0.8):
+        self.group, self.decay = group, decay
+        self.xx = torch.zeros(2, 2, dtype=torch.float64)
+        self.xa = torch.zeros(2, dtype=torch.float64)
+        self.seen = 0
+
+    def coefficients(self) -> tuple[float, float]:
+        if not self.seen:
+            return 1.0 / self.group, 0.0
+        a, b = torch.linalg.lstsq(self.xx, self.xa.unsqueeze(1)).solution.squeeze(1).tolist()
+        return a, b
+
+    def guess(self, own: list[torch.Tensor], last: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        a, b = self.coefficients()
+        if last is None:
+            return [o.mul(1.0 / self.group) for o in own]
+        return [o.mul(a).add_(x, alpha=b) for o, x in zip(own, last)]
+
+    def learn(self, own: list[torch.Tensor], last: list[torch.Tensor] | None, average: list[torch.Tensor]) -> None:
+        if last is None:
+            return
+        dot = lambda xs, ys: sum(float((x.double() * y.double()).sum()) for x, y in zip(xs, ys))  # noqa: E731
+        scale = dot(average, average) or 1.0
+        feats = (own, last)
+        xx = torch.tensor([[dot(u, v) for v in feats] for u in feats], dtype=torch.float64) / scale
+        xa = torch.tensor([dot(u, average) for u in feats], dtype=torch.float64) / scale
+        self.xx.mul_(self.decay).add_(xx)
+        self.xa.mul_(self.decay).add_(xa)
+        self.seen += 1
+
+
 def run_diloco(setup: Setup, variant: Variant) -> Curve:
     """M workers, H inner steps each per round, the swarm's OuterState for the outer Nesterov step."""
     h = variant.inner_steps
@@ -351,10 +389,15 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
     wire_bytes: list[float] = []
 
     displaced: list[list[list[torch.Tensor | None]]] = [[] for _ in models]  # per worker, steps from the stand-in
+    fits = [AverageFit(setup.workers) for _ in models]
+    features: list[tuple[list[torch.Tensor], list[torch.Tensor] | None]] = []  # fit: what each guess was made of
     beta1 = manifest.inner.betas[0]
 
     def land() -> None:
         averaged, stand_ins = pending
+        for fit, (own, last) in zip(fits, features):
+            fit.learn(own, last, averaged)
+        features.clear()
         moved = _tentative_step(outer, averaged)
         outer.step(averaged)
         with torch.no_grad():
@@ -400,10 +443,14 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         else:
             stand_ins = None
             if variant.mode == "eager":
-                guesses = [
-                    stand_in_gradient(delta, last_average, setup.workers, variant.stand_in)
-                    for delta in (raw or pseudo_gradients)
-                ]
+                if variant.stand_in == "fit":
+                    features[:] = [(delta, last_average) for delta in (raw or pseudo_gradients)]
+                    guesses = [fit.guess(own, last) for fit, (own, last) in zip(fits, features)]
+                else:
+                    guesses = [
+                        stand_in_gradient(delta, last_average, setup.workers, variant.stand_in)
+                        for delta in (raw or pseudo_gradients)
+                    ]
                 stand_ins = [_tentative_step(outer, guess) for guess in guesses]
             last_average = averaged
             for w, worker in enumerate(params):
@@ -525,7 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=DEFAULT_VARIANTS,
         help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager][,delay=D][,agg=robust]"
-        "[,lr=OUTER_LR][,momentum=M][,standin=own|share|blend][,standinfrom=raw|sent]",
+        "[,lr=OUTER_LR][,momentum=M][,standin=own|share|blend|fit][,standinfrom=raw|sent][,moments=keep|forget]",
     )
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
     p.add_argument("--eval-every", type=int, default=50, help="DDP-equivalent steps between held-out scores")
@@ -538,6 +585,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = ["h=2", "h=3", "h=3,wire=fp16", "h=3,wire=fp4,mode=delayed,delay=1", "h=3,mode=eager,delay=1"]
         args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share")  # the client's stand-in, from raw
         args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share,moments=forget")
+        args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=fit,moments=forget")  # the fitted guess
         args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
     args.variants = [Variant.parse(v) for v in args.variants]
     for v in args.variants:

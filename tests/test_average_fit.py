@@ -1,0 +1,39 @@
+"""The convergence benchmark's fitted stand-in (``standin=fit``): each worker's least-squares guess of the coming
+average from its own pseudo-gradient and the last average, learnt from the rounds it has seen."""
+
+import torch
+
+from benchmarks.convergence import AverageFit
+
+
+def vectors(seed: int, n: int = 3) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(50, generator=g), torch.randn(7, 3, generator=g)] for _ in range(n)]
+
+
+def test_with_nothing_learnt_the_guess_is_ones_own_share():
+    fit = AverageFit(group=4)
+    own, last = vectors(0, 2)
+    for guess in (fit.guess(own, None), fit.guess(own, last)):
+        assert all(torch.equal(g, o * 0.25) for g, o in zip(guess, own))
+
+
+def test_it_recovers_how_the_averages_were_made_and_guesses_by_it():
+    fit = AverageFit(group=4)
+    a, b = 0.3, 0.5
+    for seed in range(4):
+        own, last, noise = vectors(seed)
+        average = [a * o + b * x + 1e-3 * n for o, x, n in zip(own, last, noise)]
+        fit.learn(own, last, average)
+    got_a, got_b = fit.coefficients()
+    assert abs(got_a - a) < 1e-2 and abs(got_b - b) < 1e-2, (got_a, got_b)
+    own, last, _ = vectors(99)
+    guess = fit.guess(own, last)
+    assert all(torch.allclose(g, got_a * o + got_b * x) for g, o, x in zip(guess, own, last))
+
+
+def test_a_round_without_a_last_average_teaches_nothing():
+    fit = AverageFit(group=4)
+    own, average = vectors(1, 2)
+    fit.learn(own, None, average)
+    assert fit.coefficients() == (0.25, 0.0)
