@@ -30,6 +30,9 @@ SOURCES = {
     # the client's overlap landing 1 step late, with the inner optimizer's moments kept and forgotten (what the
     # client does now), over five seeds: benchmarks.seeds over one convergence run per seed and variant
     "seeds": "convergence-moments-seeds/seeds.json",
+    # the same five seeds on this project's own machine and corpus (the first were a lent machine's, Python 3.12's
+    # standard library), one torch thread each, with the fitted stand-in (standin=fit) beside the client's
+    "seeds_here": "convergence-fit-seeds/seeds.json",
     "wan": "wan-overlap/wan.json",
     "churn": "churn-overlap/churn.json",
 }
@@ -103,6 +106,24 @@ def gather(out: Path) -> dict:
             if entry is not None:
                 source = f"{SOURCES['seeds']} variants[{variant}] mean_end over {entry['seeds']} seeds"
                 put(key, entry["mean_end"], source)
+    here = _load(out, "seeds_here")
+    if here is not None:
+        forget = f"diloco-h10-fp4-{OVERLAP_MODE}1-share-forget"
+        for variant, key in (
+            (forget, "loss_ratio_overlap_4bit_1_step_late_mean_of_seeds_this_machine"),
+            (f"diloco-h10-fp4-{OVERLAP_MODE}1-fit-forget", "loss_ratio_overlap_4bit_1_step_late_fitted_mean_of_seeds"),
+        ):
+            entry = here["variants"].get(variant)
+            if entry is not None:
+                source = f"{SOURCES['seeds_here']} variants[{variant}] mean_end over {entry['seeds']} seeds"
+                put(key, entry["mean_end"], source)
+        runs = [
+            r["end"] for record in (seeds, here) if record is not None
+            for r in record["variants"].get(forget, {}).get("per_seed", {}).values()
+        ]  # fmt: skip
+        if runs and seeds is not None:
+            source = f"{SOURCES['seeds']} and {SOURCES['seeds_here']} variants[{forget}] per_seed end, {len(runs)} runs"
+            put("loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds", sum(runs) / len(runs), source)
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

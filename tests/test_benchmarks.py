@@ -303,10 +303,21 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     seeds = dict(
         variants={
             "diloco-h10-fp4-eager1-share": dict(mean_end=1.04, seeds=5),
-            "diloco-h10-fp4-eager1-share-forget": dict(mean_end=1.02, seeds=5),
+            "diloco-h10-fp4-eager1-share-forget": dict(
+                mean_end=1.02, seeds=2, per_seed={0: dict(end=1.0), 1: dict(end=1.04)}
+            ),
         }
     )
-    records = dict(wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, churn=churn, slowpeer=slow)
+    seeds_here = dict(
+        variants={
+            "diloco-h10-fp4-eager1-share-forget": dict(mean_end=1.01, seeds=1, per_seed={0: dict(end=1.01)}),
+            "diloco-h10-fp4-eager1-fit-forget": dict(mean_end=1.03, seeds=1, per_seed={0: dict(end=1.03)}),
+        }
+    )
+    records = dict(
+        wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
+        slowpeer=slow,
+    )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
         path.parent.mkdir(exist_ok=True)
@@ -333,6 +344,10 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert "loss_ratio_overlap_4bit_blend_vs_blocking_fp32" not in headline
     assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"] == 1.02  # the client's: forget
     assert headline["loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"] == 1.04
+    assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_seeds_this_machine"] == 1.01
+    assert headline["loss_ratio_overlap_4bit_1_step_late_fitted_mean_of_seeds"] == 1.03
+    # every run of the client's variant, both machines: (1.0 + 1.04 + 1.01) / 3, not the mean of the two means
+    assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds"] == pytest.approx(3.05 / 3)
     assert headline["joiner_10mbit_first_averaged_round_s"] == 44.0
     assert headline["slow_peer_share_of_rounds_averaged"] == 0.92
     assert set(headline["sources"]) == set(headline) - {"sources"}
