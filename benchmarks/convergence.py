@@ -585,7 +585,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = ["h=2", "h=3", "h=3,wire=fp16", "h=3,wire=fp4,mode=delayed,delay=1", "h=3,mode=eager,delay=1"]
         args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share")  # the client's stand-in, from raw
         args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=share,moments=forget")
-        args.variants.append("h=3,wire=fp4,mode=eager,delay=1,standin=fit,moments=forget")  # the fitted guess
         args.eval_sequences, args.eval_every, args.batch = 8, 3, 2
     args.variants = [Variant.parse(v) for v in args.variants]
     for v in args.variants:

@@ -77,8 +77,6 @@ def test_convergence_smoke(tmp_path: Path):
     # the stand-in steps' gradients taken out of AdamW's first moment when the average lands: not a no-op
     forget, keep = runs["diloco-h3-fp4-eager1-share-forget"], runs["diloco-h3-fp4-eager1-share"]
     assert forget["eval_loss"][0] == keep["eval_loss"][0] and forget["eval_loss"][1:] != keep["eval_loss"][1:]
-    fit = runs["diloco-h3-fp4-eager1-fit-forget"]  # the fitted guess of the average: another stand-in than share
-    assert fit["eval_loss"][0] == forget["eval_loss"][0] and fit["eval_loss"][1:] != forget["eval_loss"][1:]
     for run in runs.values():
         assert all(positive_finite(v) for v in run["eval_loss"])
         assert run["tokens"][0] == 0 and run["tokens"][-1] == record["sizes"]["tokens_per_run"]
