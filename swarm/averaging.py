@@ -91,7 +91,7 @@ def cancel_step(control) -> None:
     with it: it keeps looking for a group (or retries its matchmaking), joins one under whatever group key is set
     later, with the old round's gather, and fails at the end on "Can't set_result to a future that is CANCELLED".
     Marked first, the step is seen cancelled by the time the averager wakes."""
-    if isinstance(control, StepControl):
+    if isinstance(control, StepControl):  # not the tests' fakes of one
         MPFuture.cancel(control)  # the step's own state: a write to shared memory, seen by the averager at once
     control.cancel()  # then hivemind's: cancels the trigger and wakes the averager
 

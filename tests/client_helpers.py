@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,16 @@ def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | N
         env=dict(os.environ, **(env or {})),
         cwd=cwd,
     )
+
+
+def run_script(script: str, *args: str, cwd: Path, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run ``script`` in a fresh interpreter; what it printed last on a ``RESULT {json}`` line, and the process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT ")), proc
 
 
 SPAWNED: list[subprocess.Popen] = []  # killed after each test (conftest), whether it passed or not

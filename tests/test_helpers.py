@@ -6,14 +6,13 @@ kill or a fork-time deadlock leaves them."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from client_helpers import FAST, LOCAL, wait_for_line
+from client_helpers import FAST, LOCAL, run_script, wait_for_line
 
 SCRIPT = r"""
 import json, os, sys, time
@@ -55,12 +54,7 @@ os._exit(0)
 @pytest.mark.parametrize("fault", ["hang", "die"])
 def test_a_helper_that_hangs_or_dies_before_it_is_ready_ends_the_start_with_a_clear_error(what, fault, tmp_path):
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, what, fault], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result, proc = run_script(SCRIPT, what, fault, cwd=tmp_path, timeout=120)
     label = "DHT" if what == "dht" else "averager"
     assert result["error"] is not None, result
     if fault == "hang":

@@ -7,11 +7,9 @@ cancelled step of epoch 2 went on looking for a group and joined epoch 5's with 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
+from client_helpers import run_script
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
@@ -120,12 +118,7 @@ MATCHMAKING = 40.0  # the step's own time to find a group: a step the averager k
 
 def test_a_step_given_up_on_ends_in_the_averager_process_though_the_trainer_was_descheduled(tmp_path):
     script = SCRIPT.replace("MATCHMAKING", repr(MATCHMAKING))
-    proc = subprocess.run(
-        [sys.executable, "-c", script, "swarm"], capture_output=True, text=True, timeout=180, cwd=tmp_path
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result, _ = run_script(script, "swarm", cwd=tmp_path, timeout=180)
     assert result["aborted"] and result["finished"], result
     # hivemind's order leaves the step looking for a group until its matchmaking time is up (about 40 s here)
     assert result["seconds"] < MATCHMAKING / 2, result
