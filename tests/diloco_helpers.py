@@ -19,6 +19,7 @@ def tiny_manifest(
     compression: str = "none",
     inner_steps: int = 4,
     min_group_size: int = 2,
+    matchmaking_time: float = 2.0,
     matchmaking_timeout: float = 30.0,
     allreduce_timeout: float = 30.0,
     hidden: int = 32,
@@ -29,6 +30,7 @@ def tiny_manifest(
     replay_rounds: int = 4,
     aggregation: str = "centered-clip",
     stand_in: str = "own",
+    target_group_size: int = 8,
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -50,12 +52,12 @@ def tiny_manifest(
         outer=OuterOptimizerSpec(lr=0.7, momentum=0.9, nesterov=True),
         averaging=AveragingSpec(
             compression=compression,
-            matchmaking_time=2.0,
+            matchmaking_time=matchmaking_time,
             matchmaking_timeout=matchmaking_timeout,
             allreduce_timeout=allreduce_timeout,
             chunk_timeout=5.0,
             min_group_size=min_group_size,
-            target_group_size=8,
+            target_group_size=target_group_size,
             consistency_timeout=5.0,
             join_rounds_early=join_rounds_early,
             overlap=overlap,

@@ -19,8 +19,18 @@ def events_since_restart(swarm, rank: int, kind: str) -> list[dict]:
 
 
 def test_a_peer_killed_during_a_background_allreduce_leaves_the_survivors_consistent(make_swarm):
-    # a 20M-float ballast makes each all-reduce last long enough to be interrupted while the next round trains
-    manifest = tiny_manifest(compression="fp4", matchmaking_timeout=15.0, allreduce_timeout=15.0, overlap=True)
+    # a 20M-float ballast makes each all-reduce last long enough to be interrupted while the next round trains.
+    # A group of three forms as soon as all three are there; a window of 8 s (not 2) lets a victim that is a few
+    # seconds behind join: on a loaded machine it once came 1.6-2 s after the other two had paired, in every
+    # round (each time adopting their average, which kept it as far behind), and never averaged before 180 s
+    manifest = tiny_manifest(
+        compression="fp4",
+        matchmaking_time=8.0,
+        matchmaking_timeout=15.0,
+        allreduce_timeout=15.0,
+        overlap=True,
+        target_group_size=3,
+    )
     swarm = make_swarm(manifest)
     epochs = 5
     for rank in range(3):
