@@ -240,7 +240,8 @@ class Variant:
     """One DiLoCo configuration. ``mode``: ``blocking`` (the outer step at the round's end), ``delayed`` (the
     workers go on from the old global model; the average lands ``delay`` inner steps into the next round, and
     moves every worker by the same step), ``eager`` (each worker steps at once with its own pseudo-gradient as a
-    stand-in, corrected to the average when it lands; arXiv 2502.12996)."""
+    stand-in, corrected to the average when it lands; arXiv 2502.12996). A delay of H or more lands at the next
+    round's end, after its H steps: the latest a client's average lands (it waits for it there)."""
 
     inner_steps: int
     wire: str = "fp32"  # fp32, fp16, fp4 or sparse
@@ -459,10 +460,7 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
                     with torch.no_grad():
                         for p, s in zip(worker, stand_ins[w]):
                             p.add_(s)
-            pending = (averaged, stand_ins)
-            if variant.delay >= h:
-                land()  # lands at the next boundary: the same as blocking with the workers one round behind
-                pending = None
+            pending = (averaged, stand_ins)  # delay >= H: lands after the next round's H steps, at its end
         done = (r + 1) * h
         if done % setup.eval_every == 0 or r + 1 == rounds:
             scored = build_model(manifest)

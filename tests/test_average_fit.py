@@ -1,5 +1,6 @@
 """The convergence benchmark's fitted stand-in (``standin=fit``): each worker's least-squares guess of the coming
-average from its own pseudo-gradient and the last average, learnt from the rounds it has seen."""
+average from its own pseudo-gradient and the last average, learnt from the rounds it has seen; and when the
+simulator's overlapped average lands."""
 
 import torch
 
@@ -56,3 +57,22 @@ def test_in_the_simulator_the_fitted_stand_in_takes_over_from_share_once_it_has_
     assert fit.tokens == share.tokens and len(fit.eval_loss) == 3  # before, after round 3, after round 4
     assert fit.eval_loss[:2] == share.eval_loss[:2]
     assert fit.eval_loss[2] != share.eval_loss[2]
+
+
+def test_in_the_simulator_an_average_landing_a_whole_round_late_lands_at_the_next_rounds_end():
+    """delay = H: every step of the next round is taken from the stand-in, and the average lands at that round's
+    end (the latest a client's does). It once landed at once, which simulated blocking rounds instead."""
+    from benchmarks.convergence import Variant, prepare, run_diloco
+
+    setup = prepare("tiny", workers=2, steps=6, batch=2, eval_sequences=4, eval_every=6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = {
+            v: run_diloco(setup, Variant.parse(v)) for v in ("h=2", "h=2,mode=eager,delay=2", "h=2,mode=eager,delay=9")
+        }
+    finally:
+        torch.set_num_threads(threads)
+    blocking, late, later = (runs[v].eval_loss for v in runs)
+    assert late[0] == blocking[0] and late[-1] != blocking[-1]
+    assert later == late  # a delay past H lands where H's does
