@@ -33,6 +33,11 @@ SOURCES = {
     # the same five seeds on this project's own machine and corpus (the first were a lent machine's, Python 3.12's
     # standard library), one torch thread each, with the fitted stand-in (standin=fit) beside the client's
     "seeds_here": "convergence-fit-seeds/seeds.json",
+    # the client's overlap (share, forget) landing 2, 5 and 10 steps late (10: at the next round's end), and the fitted
+    # stand-in at 5, over the same five seeds here; the blocking FP32 runs are seeds_here's, copied in
+    "delays": "convergence-delay-seeds/seeds.json",
+    # benchmarks.walltime over that folder and the wan run: held-out loss at equal wall time on each link
+    "walltime": "convergence-delay-seeds/walltime.json",
     "wan": "wan-overlap/wan.json",
     "churn": "churn-overlap/churn.json",
 }
@@ -124,6 +129,26 @@ def gather(out: Path) -> dict:
         if runs and seeds is not None:
             source = f"{SOURCES['seeds']} and {SOURCES['seeds_here']} variants[{forget}] per_seed end, {len(runs)} runs"
             put("loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds", sum(runs) / len(runs), source)
+    delays = _load(out, "delays")
+    if delays is not None:
+        late = [(f"diloco-h10-fp4-{OVERLAP_MODE}{d}-share-forget", f"{d}_steps_late_mean_of_seeds") for d in (2, 5, 10)]
+        late.append((f"diloco-h10-fp4-{OVERLAP_MODE}5-fit-forget", "5_steps_late_fitted_mean_of_seeds"))
+        for variant, tail in late:
+            key = f"loss_ratio_overlap_4bit_{tail}"
+            entry = delays["variants"].get(variant)
+            if entry is not None:
+                source = f"{SOURCES['delays']} variants[{variant}] mean_end over {entry['seeds']} seeds"
+                put(key, entry["mean_end"], source)
+    walltime = _load(out, "walltime")
+    if walltime is not None:
+        variant = f"diloco-h10-fp4-{OVERLAP_MODE}10-share-forget"  # the wan run's averages landed 7-8 steps late
+        for link in walltime["runs"].get(variant, []):
+            label = {10.0: "10mbit", 100.0: "100mbit"}.get(link["rate_mbit"])
+            if label is not None:
+                source = (
+                    f"{SOURCES['walltime']} runs[{variant}] @ {link['rate_mbit']} Mbit/s, {len(link['per_seed'])} seeds"
+                )
+                put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}", link["mean_ratio"], source)
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

@@ -312,9 +312,23 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "diloco-h10-fp4-eager1-fit-forget": dict(mean_end=1.03, seeds=1, per_seed={0: dict(end=1.03)}),
         }
     )
+    delays = dict(
+        variants={
+            "diloco-h10-fp4-eager2-share-forget": dict(mean_end=1.02, seeds=5),
+            "diloco-h10-fp4-eager10-share-forget": dict(mean_end=1.2, seeds=5),
+            "diloco-h10-fp4-eager5-fit-forget": dict(mean_end=1.15, seeds=5),
+        }
+    )
+    link = lambda rate, ratio: dict(rate_mbit=rate, mean_ratio=ratio, per_seed={0: {}, 1: {}})  # noqa: E731
+    walltime = dict(
+        runs={
+            "diloco-h10-fp4-eager10-share-forget": [link(None, 0.99), link(100.0, 0.95), link(10.0, 0.8)],
+            "diloco-h10-fp4-eager5-share-forget": [link(10.0, 0.7)],
+        }
+    )
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
-        slowpeer=slow,
+        slowpeer=slow, delays=delays, walltime=walltime,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -343,6 +357,13 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"] == 1.02  # the client's: forget
     assert headline["loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"] == 1.04
     assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_seeds_this_machine"] == 1.01
+    assert headline["loss_ratio_overlap_4bit_2_steps_late_mean_of_seeds"] == 1.02
+    assert headline["loss_ratio_overlap_4bit_10_steps_late_mean_of_seeds"] == 1.2
+    assert "loss_ratio_overlap_4bit_5_steps_late_mean_of_seeds" not in headline  # not in the record: not made up
+    assert headline["loss_ratio_overlap_4bit_5_steps_late_fitted_mean_of_seeds"] == 1.15
+    # equal wall time: from the run landing 10 steps late, per limited link
+    assert headline["loss_ratio_overlap_4bit_vs_blocking_equal_time_10mbit"] == 0.8
+    assert headline["loss_ratio_overlap_4bit_vs_blocking_equal_time_100mbit"] == 0.95
     assert headline["loss_ratio_overlap_4bit_1_step_late_fitted_mean_of_seeds"] == 1.03
     # every run of the client's variant, both machines: (1.0 + 1.04 + 1.01) / 3, not the mean of the two means
     assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds"] == pytest.approx(3.05 / 3)
