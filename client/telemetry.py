@@ -114,6 +114,7 @@ class Telemetry:
                 bytes_received=report.bytes_received,
                 audit_bytes=report.audit_bytes,
                 repair_failures=list(report.repair_failures),
+                steps_late=report.steps_late,
                 wall_seconds=round(self.last_round_wall, 4),
             )
         )

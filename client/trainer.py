@@ -337,7 +337,12 @@ class Trainer:
             f"compute {s.get('compute', 0):.1f}s matchmaking {s.get('matchmaking', 0):.1f}s "
             f"all-reduce {s.get('allreduce', 0):.1f}s outer {s.get('outer', 0):.2f}s "
             f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
-            f"checksum {report.checksum[:10]}",
+            + (
+                f"landed {report.steps_late}/{self.manifest.inner_steps} steps late "
+                if report.steps_late is not None
+                else ""
+            )
+            + f"checksum {report.checksum[:10]}",
         )
         every = self.settings.eval_every
         if every and self.eval_set is not None and self.result.rounds % every == 0:

@@ -44,7 +44,7 @@ from swarm.outer_round import ERROR_FEEDBACK, OuterRound
 from swarm.presence import Presence
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
-from swarm.rounds import PeerEvent, PeerStats, RoundReport
+from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
 from swarm.state_store import SavedState, StateStore
 from swarm.state_sync import StateSync
 from swarm.swarm_view import (
@@ -56,6 +56,8 @@ from swarm.swarm_view import (
 logger = logging.getLogger(__name__)
 
 LEAVE_SECONDS = 10.0  # the most leave() spends telling others and stopping its processes
+# an overlapped round's outcomes that leave the steps taken meanwhile in place (a re-sync replaces them)
+_LANDED = (RoundOutcome.averaged, RoundOutcome.local, RoundOutcome.skipped, RoundOutcome.adopted)
 
 
 Listener = Callable[[PeerEvent, dict[str, Any]], None]
@@ -369,6 +371,8 @@ class Peer:
         flight, self.flight = self.flight, None
         report = self.rounds.finish(flight)
         report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
+        if self.rounds.overlapped and report.outcome in _LANDED:  # steps since it took off (a re-sync: none)
+            report.steps_late = self.inner_step
         self._reports.append(report)
 
     def resync_now(self, reason: str) -> bool:

@@ -56,6 +56,9 @@ class RoundReport:
     bytes_received: int = 0
     audit_bytes: int = 0  # checked reducers: parts downloaded to recompute a groupmate's average (seconds["audit"])
     repair_failures: tuple[dict, ...] = ()  # checked reducers: slices that came in part and stayed so (dropped)
+    # overlapped: the inner steps taken from the stand-in while the round was in flight (H when it landed at the next
+    # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
+    steps_late: int | None = None
 
 
 @dataclass

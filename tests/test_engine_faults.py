@@ -19,6 +19,12 @@ def assert_rounds_bounded(reports: list[dict], manifest) -> None:
     for report in reports:
         waited = report["seconds"].get("matchmaking", 0.0) + report["seconds"].get("allreduce", 0.0)
         assert waited <= limit, report
+        # how late an overlapped round landed, in inner steps: at most the next round's H (it is waited for there)
+        late = report["steps_late"]
+        if not manifest.averaging.overlap or report["outcome"] in ("resynced", "abandoned", "non-finite"):
+            assert late is None, report
+        else:
+            assert 0 <= late <= manifest.inner_steps, report
 
 
 def assert_consistent(swarm, ranks, epoch: int) -> None:
