@@ -53,8 +53,9 @@ def equal_time_ratio(overlapped: dict[int, float], blocking: dict[int, float], u
 
 
 def link_figures(wan: dict, overlapped_mode: str, blocking_mode: str) -> list[dict]:
-    """Per link of a wan run: both modes' utilization, and how many inner steps late the overlapped average landed
-    (its round's matchmaking and all-reduce, both in the background, over one inner step's compute time)."""
+    """Per link of a wan run: both modes' utilization, and how many inner steps late the overlapped average landed:
+    as the rounds reported it, or in older runs estimated as its matchmaking and all-reduce (both in the
+    background) over one inner step's compute time."""
     h = wan["sizes"]["inner_steps"]
     blocking = {f["rate_mbit"]: f for f in wan["figures"][blocking_mode]}
     out = []
@@ -62,11 +63,13 @@ def link_figures(wan: dict, overlapped_mode: str, blocking_mode: str) -> list[di
         b = blocking.get(f["rate_mbit"])
         if b is None:
             continue
-        s = f["seconds"]
-        step = s["compute"] / h
-        late = (s["matchmaking"] + s["allreduce"]) / step if step > 0 else float("inf")
+        late, measured = f.get("steps_late"), True  # from the rounds' reports, in runs since they carry it
+        if late is None:
+            s, measured = f["seconds"], False
+            step = s["compute"] / h
+            late = (s["matchmaking"] + s["allreduce"]) / step if step > 0 else float("inf")
         out.append(dict(rate_mbit=f["rate_mbit"], u_overlapped=f["utilization"], u_blocking=b["utilization"],
-                        steps_late=late))  # fmt: skip
+                        steps_late=late, steps_late_measured=measured))  # fmt: skip
     return out
 
 

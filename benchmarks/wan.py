@@ -135,6 +135,7 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
                     bytes_received=r.get("bytes_received"),
                     wire_tx_bytes=wire[0] if wire else None,
                     wire_rx_bytes=wire[1] if wire else None,
+                    steps_late=r.get("steps_late"),  # overlapped: inner steps taken while the round was in flight
                 )
             )
         out["peers"][p.index] = rows
@@ -200,6 +201,7 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         wire_rx_bytes=mean("wire_rx_bytes"),
         allreduce_goodput_mbit=mean("allreduce_goodput_mbit"),
         goodput_share_of_link=mean("goodput_share_of_link"),
+        steps_late=mean("steps_late"),
     )
 
 

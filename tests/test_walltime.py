@@ -45,6 +45,9 @@ def test_a_wan_run_gives_each_links_utilizations_and_how_late_the_average_landed
         (10.0, 0.96, 0.28),
     ]
     assert [x["steps_late"] for x in links] == [pytest.approx(5.0), pytest.approx(10.0)]  # 0.4 s per step
+    assert not any(x["steps_late_measured"] for x in links)
+    fast[0]["steps_late"] = 3.5  # as the rounds reported it: taken over the estimate
+    assert link_figures(record, "fp4-overlap", "fp16")[0]["steps_late"] == 3.5
 
 
 def test_each_seed_is_paired_with_its_own_blocking_run_and_the_seeds_averaged():
