@@ -25,6 +25,7 @@ import torch
 from client import checkpoint
 from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, load_tokenizer
 from client.hardware import Hardware, Precision, choose_precision
+from client.lag import LagWatch
 from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, count_parameters, model_config, parameter_shapes
 from client.moments import FlightMoments
@@ -93,6 +94,7 @@ class Trainer:
         ``on_connected`` runs once the averager process is forked: the place to start threads that use the DHT."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
         self.telemetry = telemetry or Telemetry(echo=log)
+        self.lag = LagWatch(manifest.inner_steps)  # overlapped rounds: one line if they land late enough to cost
         self.precision: Precision = choose_precision(hardware, manifest.mixed_precision == "bf16")
         self.result = TrainerResult()
         self.peer: Peer | None = None
@@ -329,6 +331,7 @@ class Trainer:
         self.result.epoch = report.epoch
         self.result.reports.append(report)
         self.telemetry.round(report)
+        self.lag.add(report.steps_late)
         s = report.seconds
         how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
         self.note(
@@ -344,6 +347,9 @@ class Trainer:
             )
             + f"checksum {report.checksum[:10]}",
         )
+        advice = self.lag.advice()
+        if advice is not None:
+            self.note("log", advice)
         every = self.settings.eval_every
         if every and self.eval_set is not None and self.result.rounds % every == 0:
             loss = evaluate(self.model, self.eval_set, self.hardware.device)  # the model is the round's outer state

@@ -1,0 +1,43 @@
+"""How late overlapped rounds land, and one plain line when it is late enough to cost loss.
+
+In an overlapped round the inner steps taken while the average is in flight start from a stand-in, not from the
+group's new model. What that costs grows steeply with how many there are: under ``tiny``'s plain averaging, H = 10,
+mean of five seeds, 0.5% of blocking FP32's held-out loss when the average lands 1 step late, 2.1% at 2 steps,
+12.9% at 5 (``docs/benchmarks.md``, section 6). The lag is the round's matchmaking (waiting for the last
+groupmate) and all-reduce, in inner steps; a run with longer rounds (a larger ``inner_steps``) makes the same lag
+a smaller share of the round. Only the run's creator can change that, so the peer says it once and goes on.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+WINDOW = 5  # rounds the median is taken over
+COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a half)
+
+
+class LagWatch:
+    """Feed it each round's ``steps_late`` (None for blocking rounds); ``advice`` returns the line once."""
+
+    def __init__(self, inner_steps: int):
+        self.inner_steps = inner_steps
+        self._late: deque[int] = deque(maxlen=WINDOW)
+        self._said = False
+
+    def add(self, steps_late: int | None) -> None:
+        if steps_late is not None:
+            self._late.append(steps_late)
+
+    def advice(self) -> str | None:
+        if self._said or len(self._late) < WINDOW:
+            return None
+        median = statistics.median(self._late)
+        if median < COSTLY_SHARE * self.inner_steps:
+            return None
+        self._said = True
+        return (
+            f"Overlapped averages land a median {median:g} of {self.inner_steps} inner steps into the next round: "
+            "at a quarter of a round or more the overlap costs held-out loss (13% at half a round in "
+            "docs/benchmarks.md, section 6). A run started with a larger inner_steps would hide the same lag cheaper."
+        )
