@@ -101,27 +101,26 @@ def gather(out: Path) -> dict:
             entry = stand_in["ratios"].get(f"{variant}/diloco-h10-fp32")
             if entry is not None:
                 put(key, entry["eval_loss_ratio"], f"{SOURCES['stand_in']} ratios[{variant}/diloco-h10-fp32]")
-    seeds = _load(out, "seeds")
-    if seeds is not None:
-        for variant, key in (
-            (f"diloco-h10-fp4-{OVERLAP_MODE}1-share", "loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"),
-            (f"diloco-h10-fp4-{OVERLAP_MODE}1-share-forget", "loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"),
-        ):
-            entry = seeds["variants"].get(variant)
+
+    def put_means(name: str, record: dict | None, pairs: list[tuple[str, str]]) -> None:
+        """Each (variant, key): the variant's mean end ratio over the seeds of a ``benchmarks.seeds`` record."""
+        for variant, key in pairs:
+            entry = record["variants"].get(variant) if record is not None else None
             if entry is not None:
-                source = f"{SOURCES['seeds']} variants[{variant}] mean_end over {entry['seeds']} seeds"
-                put(key, entry["mean_end"], source)
+                put(key, entry["mean_end"], f"{SOURCES[name]} variants[{variant}] mean_end over {entry['seeds']} seeds")
+
+    seeds = _load(out, "seeds")
+    put_means("seeds", seeds, [
+        (f"diloco-h10-fp4-{OVERLAP_MODE}1-share", "loss_ratio_overlap_4bit_1_step_late_moments_kept_mean_of_seeds"),
+        (f"diloco-h10-fp4-{OVERLAP_MODE}1-share-forget", "loss_ratio_overlap_4bit_1_step_late_mean_of_seeds"),
+    ])  # fmt: skip
     here = _load(out, "seeds_here")
     if here is not None:
         forget = f"diloco-h10-fp4-{OVERLAP_MODE}1-share-forget"
-        for variant, key in (
+        put_means("seeds_here", here, [
             (forget, "loss_ratio_overlap_4bit_1_step_late_mean_of_seeds_this_machine"),
             (f"diloco-h10-fp4-{OVERLAP_MODE}1-fit-forget", "loss_ratio_overlap_4bit_1_step_late_fitted_mean_of_seeds"),
-        ):
-            entry = here["variants"].get(variant)
-            if entry is not None:
-                source = f"{SOURCES['seeds_here']} variants[{variant}] mean_end over {entry['seeds']} seeds"
-                put(key, entry["mean_end"], source)
+        ])  # fmt: skip
         runs = [
             r["end"] for record in (seeds, here) if record is not None
             for r in record["variants"].get(forget, {}).get("per_seed", {}).values()
@@ -129,16 +128,12 @@ def gather(out: Path) -> dict:
         if runs and seeds is not None:
             source = f"{SOURCES['seeds']} and {SOURCES['seeds_here']} variants[{forget}] per_seed end, {len(runs)} runs"
             put("loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds", sum(runs) / len(runs), source)
-    delays = _load(out, "delays")
-    if delays is not None:
-        late = [(f"diloco-h10-fp4-{OVERLAP_MODE}{d}-share-forget", f"{d}_steps_late_mean_of_seeds") for d in (2, 5, 10)]
-        late.append((f"diloco-h10-fp4-{OVERLAP_MODE}5-fit-forget", "5_steps_late_fitted_mean_of_seeds"))
-        for variant, tail in late:
-            key = f"loss_ratio_overlap_4bit_{tail}"
-            entry = delays["variants"].get(variant)
-            if entry is not None:
-                source = f"{SOURCES['delays']} variants[{variant}] mean_end over {entry['seeds']} seeds"
-                put(key, entry["mean_end"], source)
+    late = [(f"{d}-share-forget", f"{d}_steps_late_mean_of_seeds") for d in (2, 5, 10)] + [
+        ("5-fit-forget", "5_steps_late_fitted_mean_of_seeds")
+    ]
+    put_means("delays", _load(out, "delays"), [
+        (f"diloco-h10-fp4-{OVERLAP_MODE}{v}", f"loss_ratio_overlap_4bit_{k}") for v, k in late
+    ])  # fmt: skip
     walltime = _load(out, "walltime")
     if walltime is not None:
         variant = f"diloco-h10-fp4-{OVERLAP_MODE}10-share-forget"  # the wan run's averages landed 7-8 steps late
