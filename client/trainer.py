@@ -331,7 +331,7 @@ class Trainer:
         self.result.epoch = report.epoch
         self.result.reports.append(report)
         self.telemetry.round(report)
-        self.lag.add(report.steps_late)
+        self.lag.add(report.steps_late if report.averaged else None)  # a local round's lag is its matchmaking timeout
         s = report.seconds
         how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
         self.note(
