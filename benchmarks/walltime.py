@@ -5,9 +5,9 @@ same hours on a given link.
 each mode spends computing (its utilization) on each link. A volunteer's swarm runs for hours, not tokens: in the
 time an overlapped run takes T tokens, a blocking run with utilization u_b (against u_o) takes T * u_b / u_o. This
 reads both curves there (linear between the curve's points) and gives the ratio of the overlapped run's loss to the
-blocking run's, per seed and link, and the mean over seeds. The wan run also gives how late the overlapped average
-landed, in inner steps (its background matchmaking and all-reduce over one inner step's time), to say which of the
-convergence runs' delays a link is nearest.
+blocking run's, per seed and link, and the mean over seeds. A wan run whose rounds report how late they landed
+(``steps_late``, since 2026-11-27) also gives that lag, in inner steps, to say which of the convergence runs' delays a
+link is nearest.
 
 ``python -m benchmarks.walltime --seeds FOLDER --wan WAN_JSON --overlapped NAME [NAME ...]`` (the folder as
 ``benchmarks.seeds`` reads it; each NAME an overlapped run in it, compared with blocking FP32 of its seed).
@@ -53,23 +53,16 @@ def equal_time_ratio(overlapped: dict[int, float], blocking: dict[int, float], u
 
 
 def link_figures(wan: dict, overlapped_mode: str, blocking_mode: str) -> list[dict]:
-    """Per link of a wan run: both modes' utilization, and how many inner steps late the overlapped average landed:
-    as the rounds reported it, or in older runs estimated as its matchmaking and all-reduce (both in the
-    background) over one inner step's compute time."""
-    h = wan["sizes"]["inner_steps"]
+    """Per link of a wan run: both modes' utilization, and how many inner steps late the overlapped average landed,
+    as the rounds reported it (None in older runs: estimated from their seconds it came out twice too high)."""
     blocking = {f["rate_mbit"]: f for f in wan["figures"][blocking_mode]}
     out = []
     for f in wan["figures"][overlapped_mode]:
         b = blocking.get(f["rate_mbit"])
         if b is None:
             continue
-        late, measured = f.get("steps_late"), True  # from the rounds' reports, in runs since they carry it
-        if late is None:
-            s, measured = f["seconds"], False
-            step = s["compute"] / h
-            late = (s["matchmaking"] + s["allreduce"]) / step if step > 0 else float("inf")
         out.append(dict(rate_mbit=f["rate_mbit"], u_overlapped=f["utilization"], u_blocking=b["utilization"],
-                        steps_late=late, steps_late_measured=measured))  # fmt: skip
+                        steps_late=f.get("steps_late")))  # fmt: skip
     return out
 
 

@@ -40,20 +40,25 @@ def test_a_round_without_a_last_average_teaches_nothing():
     assert fit.coefficients() == (0.25, 0.0)
 
 
+def simulate(steps: int, *variants: str) -> list:
+    """The convergence simulator's curves for ``variants`` (2 workers, a few steps), on one torch thread as the
+    benchmark's runs: with several, sums differ in their last bits between runs."""
+    from benchmarks.convergence import Variant, prepare, run_diloco
+
+    setup = prepare("tiny", workers=2, steps=steps, batch=2, eval_sequences=4, eval_every=6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [run_diloco(setup, Variant.parse(v)) for v in variants]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_in_the_simulator_the_fitted_stand_in_takes_over_from_share_once_it_has_learnt():
     """Round 1 has no last average and round 2's guess has nothing learnt yet (share's); the landing in round 3
     teaches the fit, so round 4 steps from another stand-in: the runs part there, and only there."""
-    from benchmarks.convergence import Variant, prepare, run_diloco
-
-    setup = prepare("tiny", workers=2, steps=8, batch=2, eval_sequences=4, eval_every=6)
     variant = "h=2,wire=fp4,mode=eager,delay=1,standin={},moments=forget"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the benchmark's runs: with several, sums differ in their last bits between runs
-    try:
-        share = run_diloco(setup, Variant.parse(variant.format("share")))
-        fit = run_diloco(setup, Variant.parse(variant.format("fit")))
-    finally:
-        torch.set_num_threads(threads)
+    share, fit = simulate(8, variant.format("share"), variant.format("fit"))
     assert fit.tokens == share.tokens and len(fit.eval_loss) == 3  # before, after round 3, after round 4
     assert fit.eval_loss[:2] == share.eval_loss[:2]
     assert fit.eval_loss[2] != share.eval_loss[2]
@@ -62,17 +67,7 @@ def test_in_the_simulator_the_fitted_stand_in_takes_over_from_share_once_it_has_
 def test_in_the_simulator_an_average_landing_a_whole_round_late_lands_at_the_next_rounds_end():
     """delay = H: every step of the next round is taken from the stand-in, and the average lands at that round's
     end (the latest a client's does). It once landed at once, which simulated blocking rounds instead."""
-    from benchmarks.convergence import Variant, prepare, run_diloco
-
-    setup = prepare("tiny", workers=2, steps=6, batch=2, eval_sequences=4, eval_every=6)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        runs = {
-            v: run_diloco(setup, Variant.parse(v)) for v in ("h=2", "h=2,mode=eager,delay=2", "h=2,mode=eager,delay=9")
-        }
-    finally:
-        torch.set_num_threads(threads)
-    blocking, late, later = (runs[v].eval_loss for v in runs)
+    runs = simulate(6, "h=2", "h=2,mode=eager,delay=2", "h=2,mode=eager,delay=9")
+    blocking, late, later = (run.eval_loss for run in runs)
     assert late[0] == blocking[0] and late[-1] != blocking[-1]
     assert later == late  # a delay past H lands where H's does
