@@ -36,6 +36,7 @@ from swarm.auditing import Auditing
 from swarm.codecs import CODECS
 from swarm.errors import HelperError
 from swarm.helpers import check_alive, start_and_wait
+from swarm.hivemind_locks import free_stuck_locks
 from swarm.manifest import Aggregation
 from swarm.pace import pace_matchmaking
 from swarm.transfer import FileTransfer
@@ -174,6 +175,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
         self._init_auditing(audit, audit_timeout)
+        free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
             self.schema_hash = secret.schema_hash(self.schema_hash)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from swarm.access import RunSecret, SecretAuthorizer
 from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
 from swarm.helpers import start_and_wait
+from swarm.hivemind_locks import free_stuck_locks
 from swarm.identity import adopt_identity, temporary_identity
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
@@ -231,6 +232,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     if fresh_key:  # hivemind would start a second daemon to ask the swarm whether a brand-new key is taken
         kwargs["check_if_identity_free"] = False
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
+    free_stuck_locks()  # one a dead helper kept would hang this DHT at its first future
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")

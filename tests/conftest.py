@@ -1,4 +1,5 @@
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client_helpers import SPAWNED, kill_spawned  # noqa: E402
 from swarm_harness import WorkerSwarm  # noqa: E402
+
+from swarm import hivemind_locks  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,6 +24,17 @@ def _no_peer_outlives_its_test():
     before = len(SPAWNED)
     yield
     kill_spawned(keep=before)
+
+
+@pytest.fixture(autouse=True)
+def _hiveminds_locks_are_free():
+    """Tests that start hivemind's helpers in this process (some without ``start_dht``) fork them from here: locks
+    an earlier test's helper left taken hung the next two such tests of a CI worker for 120 s each. Replaced, and
+    said, so that a run shows how often it happens."""
+    stuck = hivemind_locks.free_stuck_locks()
+    if stuck:
+        warnings.warn(f"hivemind locks left taken by a dead helper, replaced: {', '.join(stuck)}", stacklevel=1)
+    yield
 
 
 @pytest.fixture

@@ -6,6 +6,9 @@ kill or a fork-time deadlock leaves them."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +16,9 @@ import time
 import psutil
 import pytest
 from client_helpers import FAST, LOCAL, run_script, wait_for_line
+
+from swarm import hivemind_locks
+from swarm.network import NetworkConfig, start_dht
 
 SCRIPT = r"""
 import json, os, sys, time
@@ -94,3 +100,27 @@ def test_an_averager_that_dies_mid_run_ends_the_peer_with_one_line_and_keeps_the
     assert err.startswith("error: The averager process ended (exit code -9) while the peer was training"), err
     assert "Traceback" not in err + log.read_text()
     assert list((workdir / "runs").glob("*/checkpoints/state-*.safetensors")), "the checkpoint was lost"
+
+
+def _die_holding_hiveminds_locks() -> None:
+    """A helper killed inside hivemind's locked sections (as an OOM kill, or hivemind's own terminate, can land)."""
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
+        lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_helper_that_died_holding_hiveminds_locks_does_not_hang_the_next_start():
+    """It did: every later DHT forked from the same process hung at its first future (two CI tests, 120 s each)."""
+    holder = multiprocessing.get_context("fork").Process(target=_die_holding_hiveminds_locks)
+    holder.start()
+    holder.join(60)
+    assert holder.exitcode == -signal.SIGKILL
+    assert {"MPFuture._update_lock", "SharedBytes._lock"} <= set(hivemind_locks.stuck_locks(wait=0.2))
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))  # frees them first, then starts at once
+    try:
+        assert dht.peer_id is not None
+        assert hivemind_locks.stuck_locks(wait=0.2) == []
+    finally:
+        dht.shutdown()

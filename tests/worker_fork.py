@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from swarm import hivemind_locks
+
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["worker_warmup"])
 _TESTS = str(Path(__file__).resolve().parent)
@@ -78,17 +80,15 @@ def _run(argv: list[str], log: str) -> None:
 def own_hivemind_locks() -> None:
     """Give this worker hivemind's process-wide locks of its own, as a fresh interpreter has.
 
-    hivemind makes them with ``mp.Lock()`` when it is imported: the futures' update and shared-byte locks and
-    the async executor's lock. Imported in the fork server, they were one set of semaphores shared by every worker
-    of a pytest process and the DHT and averager processes they fork. A test that SIGKILLs a worker (or a worker
-    killed at teardown) while one of its processes held one left it locked for good, and every later worker then
-    hung at its first future: the last CI lost the overlap tests' peers that way, one not finishing and the next
-    three not starting, with empty logs."""
-    from hivemind.utils.asyncio import _AsyncContextWrapper
+    Imported in the fork server, they were one set of semaphores shared by every worker of a pytest process and the
+    DHT and averager processes they fork (``hivemind_locks``). A test that SIGKILLs a worker (or a worker killed at
+    teardown) while one of its processes held one left it locked for good, and every later worker then hung at its
+    first future: the last CI lost the overlap tests' peers that way, one not finishing and the next three not
+    starting, with empty logs."""
     from hivemind.utils.mpfuture import MPFuture
 
-    MPFuture.reset_backend()  # new MPFuture._initialization_lock, _update_lock and SharedBytes._lock
-    _AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
+    MPFuture.reset_backend()  # a new futures backend (its pipe and thread) for this process
+    hivemind_locks.replace_locks()
 
 
 class ForkedWorker:
