@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from client.priority import DEFAULT_NICE, MAX_NICE
 from client.signals import STOP
 from swarm.errors import LeaveRequested, SwarmError
 
@@ -42,6 +43,7 @@ ENV_VARS = {
     "log_json": "SWARM_LOG_JSON",
     "max_age": "SWARM_HEALTH_MAX_AGE",
     "secret_file": "SWARM_SECRET_FILE",
+    "nice": "SWARM_NICE",
 }
 
 
@@ -63,6 +65,13 @@ def _whole(text: str, minimum: int, what: str) -> int:
         raise argparse.ArgumentTypeError(f"must be {what}") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"must be {what}")
+    return value
+
+
+def _nice(text: str) -> int:
+    value = _whole(text, 0, f"a whole number from 0 to {MAX_NICE}")
+    if value > MAX_NICE:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {MAX_NICE}")
     return value
 
 
@@ -158,6 +167,14 @@ def _add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) 
         type=_micro_batch,
         default=_micro_batch(_env("micro_batch", "auto")),
         help="samples per forward pass: auto or N [SWARM_MICRO_BATCH]",
+    )
+    p.add_argument(
+        "--nice",
+        type=_nice,
+        default=_nice(_env("nice", str(DEFAULT_NICE))),
+        help=f"CPU priority of the training, 0 (as started) to {MAX_NICE} (lowest); the averaging beside it keeps "
+        f"the priority it started with, so a background average is not kept waiting. Default: {DEFAULT_NICE} "
+        "[SWARM_NICE]",
     )
     p.add_argument(
         "--max-epochs",

@@ -131,6 +131,7 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
             max_epochs=args.max_epochs,
             eval_sequences=held_out_sequences(args),
             eval_every=args.eval_every,
+            nice=args.nice,
         )
         run_id = manifest.run_id
         # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager

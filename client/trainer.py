@@ -30,6 +30,7 @@ from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, count_parameters, model_config, parameter_shapes
 from client.moments import FlightMoments
 from client.peer_events import describe
+from client.priority import lower_priority
 from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate
 from client.telemetry import Telemetry
@@ -51,6 +52,7 @@ class TrainerSettings:
     max_epochs: int | None = None  # leave after this many outer rounds
     eval_sequences: int = 0  # >0: report held-out loss at start and end
     eval_every: int = 0  # >0 (with eval_sequences): also after every this many rounds
+    nice: int = 0  # >0: the training's CPU priority once the helpers are forked (client.priority)
     log_every: float = LOG_EVERY_SECONDS
 
 
@@ -185,6 +187,7 @@ class Trainer:
             self.peer.request_stop()
         try:
             self.peer.connect(parameter_shapes(m))  # before the model exists: the averager forks small
+            lower_priority(self.settings.nice)  # after the helpers forked: they keep theirs
             self._on_connected()
             self._prepare()
             found = checkpoint.find(self.ckpt_dir, m.run_id, parameter_shapes(m), warn=lambda t: self.note("log", t))

@@ -64,6 +64,7 @@ ENV_VALUES = {
     "no_dashboard": ("yes", True),
     "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),
     "secret_file": ("/run/secrets/swarm", "/run/secrets/swarm"),
+    "nice": ("0", 0),
 }
 
 

@@ -10,6 +10,7 @@ taken fails with one clear line.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -37,6 +38,16 @@ def listening_ports(pid: int) -> set[int]:
                 if conn.status == psutil.CONN_LISTEN:
                     ports.add(conn.laddr.port)
     return ports
+
+
+def priorities(pid: int) -> tuple[set[int], set[int]]:
+    """The niceness of every thread of the peer's own process, and of every thread of the processes under it
+    (its DHT, its averager, their p2pd)."""
+    own = {os.getpriority(os.PRIO_PROCESS, t.id) for t in psutil.Process(pid).threads()}
+    helpers = {
+        os.getpriority(os.PRIO_PROCESS, t.id) for c in psutil.Process(pid).children(recursive=True) for t in c.threads()
+    }
+    return own, helpers
 
 
 def wait_for_rounds(log: Path, proc: subprocess.Popen, group: int, count: int, timeout: float = 240) -> None:
@@ -95,6 +106,9 @@ def test_peers_with_default_ports_pick_free_ports_and_average_together_through_a
         assert len(set(moved)) == 3 and DEFAULT_PORT not in moved, moved
         ports = [listening_ports(proc.pid) for proc in procs]
         assert [len(p) for p in ports] == [1, 1, 1] and {p for s in ports for p in s} == set(moved), (ports, moved)
+        base = os.getpriority(os.PRIO_PROCESS, 0)  # the peers started at this test's priority
+        for proc in procs:  # the training yields the CPU to its averaging (client.priority), on a user's defaults
+            assert priorities(proc.pid) == ({max(base, 10)}, {base}), priorities(proc.pid)
 
         procs[2].send_signal(signal.SIGKILL)  # a volunteer vanishes; a newcomer takes the default port again
         procs[2].wait(timeout=10)
