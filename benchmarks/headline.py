@@ -39,8 +39,38 @@ SOURCES = {
     # benchmarks.walltime over that folder and the wan run: held-out loss at equal wall time on each link
     "walltime": "convergence-delay-seeds/walltime.json",
     "wan": "wan-overlap/wan.json",
+    # the client's default since --nice (training at nice 10), with --nice 0 beside it in the same run, and
+    # benchmarks.walltime over convergence-delay-seeds with that run's utilizations
+    "nice": "wan-nice/wan.json",
+    "nice_walltime": "wan-nice/walltime.json",
     "churn": "churn-overlap/churn.json",
 }
+
+
+DELAYS = (1, 2, 5, 10)  # the lags convergence-delay-seeds simulated, in inner steps of H = 10
+LINKS = {None: "unlimited", 100.0: "100mbit", 10.0: "10mbit"}
+
+
+def put_lag(put, wan: dict | None, walltime: dict | None) -> None:
+    """How late the overlapped averages landed in the wan run with the training reniced (and at --nice 0 beside it),
+    and the loss at equal wall time there, read at the simulated lag nearest at or above the measured mean."""
+    if wan is None:
+        return
+    for mode, suffix in (("fp4-overlap", ""), ("fp4-overlap-nice0", "_nice0")):
+        for phase in wan["figures"].get(mode, []):
+            label = LINKS.get(phase["rate_mbit"])
+            if label is not None and phase.get("steps_late") is not None:
+                put(f"overlap_steps_late_{label}{suffix}", phase["steps_late"], f"{SOURCES['nice']} figures[{mode}]")
+    for phase in wan["figures"].get("fp4-overlap", []) if walltime is not None else []:
+        label, lag = LINKS.get(phase["rate_mbit"]), phase.get("steps_late")
+        if label is None or lag is None:
+            continue
+        variant = f"diloco-h10-fp4-{OVERLAP_MODE}{next((d for d in DELAYS if d >= lag), DELAYS[-1])}-share-forget"
+        link = next((x for x in walltime["runs"].get(variant, []) if x["rate_mbit"] == phase["rate_mbit"]), None)
+        if link is not None:
+            seeds = len(link["per_seed"])
+            source = f"{SOURCES['nice_walltime']} runs[{variant}] @ {label}, lag {lag:.2f}, {seeds} seeds"
+            put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}_measured_lag", link["mean_ratio"], source)
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -145,6 +175,7 @@ def gather(out: Path) -> dict:
                     f"{SOURCES['walltime']} runs[{variant}] @ {link['rate_mbit']} Mbit/s, {len(link['per_seed'])} seeds"
                 )
                 put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}", link["mean_ratio"], source)
+    put_lag(put, _load(out, "nice"), _load(out, "nice_walltime"))
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

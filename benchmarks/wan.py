@@ -48,8 +48,10 @@ MODES = {  # name: (averaging.compression, averaging.overlap)
     "fp16": ("fp16", False),
     "fp16-overlap": ("fp16", True),
     "fp4-overlap": ("fp4", True),
+    "fp4-overlap-nice0": ("fp4", True),  # the training at the priority it started with: client.priority's baseline
     "sparse-overlap": ("sparse", True),
 }
+CLI_FLAGS = {"fp4-overlap-nice0": ["--nice", "0"]}  # per mode, for every peer
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "fp4": 0.5 + 1 / 1024, "sparse": None}  # sparse: what the data says
 PARTS = ("compute", "matchmaking", "allreduce", "outer", "consistency", "waited")
 
@@ -89,10 +91,13 @@ def wait_until(condition, timeout: float, peers: list[PeerProcess], what: str) -
 def run_swarm(args: argparse.Namespace, lab: Lab, wire: str, workdir: Path) -> list[dict]:
     """One swarm through every rate phase; returns the phases with their rounds."""
     lab.set_rate(None)
-    peers = [spawn_peer(lab, 0, workdir, overrides(args, wire), threads=args.threads)]
+    flags = CLI_FLAGS.get(wire, [])
+    peers = [spawn_peer(lab, 0, workdir, overrides(args, wire), extra=flags, threads=args.threads)]
     try:
         join = wait_for_join_info(peers[0])
-        peers += [spawn_peer(lab, i, workdir, join=join, threads=args.threads) for i in range(1, args.peers)]
+        peers += [
+            spawn_peer(lab, i, workdir, join=join, extra=flags, threads=args.threads) for i in range(1, args.peers)
+        ]
         wait_until(lambda: all(p.rounds() for p in peers), args.phase_timeout, peers, "every peer's first round")
         sampler = CounterSampler(lab)
         sampler.start()

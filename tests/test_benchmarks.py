@@ -326,9 +326,23 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "diloco-h10-fp4-eager5-share-forget": [link(10.0, 0.7)],
         }
     )
+    late = lambda rate, lag: dict(rate_mbit=rate, steps_late=lag)  # noqa: E731
+    nice = dict(
+        figures={
+            "fp4-overlap": [late(None, 1.0), late(100.0, 2.0), late(10.0, 4.5)],
+            "fp4-overlap-nice0": [late(100.0, 3.5), late(10.0, None)],
+        }
+    )
+    nice_walltime = dict(
+        runs={
+            "diloco-h10-fp4-eager1-share-forget": [link(None, 0.9)],
+            "diloco-h10-fp4-eager2-share-forget": [link(None, 0.91), link(100.0, 0.92)],
+            "diloco-h10-fp4-eager5-share-forget": [link(100.0, 0.99)],
+        }
+    )
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
-        slowpeer=slow, delays=delays, walltime=walltime,
+        slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -367,6 +381,12 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["loss_ratio_overlap_4bit_1_step_late_fitted_mean_of_seeds"] == 1.03
     # every run of the client's variant, both machines: (1.0 + 1.04 + 1.01) / 3, not the mean of the two means
     assert headline["loss_ratio_overlap_4bit_1_step_late_mean_of_all_seeds"] == pytest.approx(3.05 / 3)
+    assert headline["overlap_steps_late_100mbit"] == 2.0 and headline["overlap_steps_late_100mbit_nice0"] == 3.5
+    assert "overlap_steps_late_10mbit_nice0" not in headline  # not reported: not made up
+    # equal wall time at the measured lag: the simulated lag at or above it (1.0 -> 1, 2.0 -> 2, 4.5 -> 5: not run)
+    assert headline["loss_ratio_overlap_4bit_vs_blocking_equal_time_unlimited_measured_lag"] == 0.9
+    assert headline["loss_ratio_overlap_4bit_vs_blocking_equal_time_100mbit_measured_lag"] == 0.92
+    assert "loss_ratio_overlap_4bit_vs_blocking_equal_time_10mbit_measured_lag" not in headline
     assert headline["joiner_10mbit_first_averaged_round_s"] == 44.0
     assert headline["slow_peer_share_of_rounds_averaged"] == 0.92
     assert set(headline["sources"]) == set(headline) - {"sources"}
