@@ -3,10 +3,11 @@
 Overlapped rounds average in the background while the trainer takes its next inner steps. The averager,
 the DHT and ``p2pd`` are separate processes; at the same priority as a trainer that keeps every core busy,
 they queued for the CPU behind it. On this project's 2-core host (four ``tiny`` peers, the wan benchmark)
-an average then landed 4-7 inner steps after it took off, and the convergence benchmark prices each step
-of lag (docs/benchmarks.md). With the trainer at nice 10 and its helpers left where they were, it landed
-2-3 steps after, with the compute as busy. Volunteer clients (BOINC, Folding@home) run their work at low
-priority for the other reason: the machine stays its owner's.
+an average then landed 3.8-3.9 inner steps of 10 after it took off on fast links, and the convergence
+benchmark prices each step of lag (docs/benchmarks.md, section 6). With the trainer at nice 10 and its helpers
+left where they were, it landed 1.8-1.9 steps after in the same run (4.6 against 5.1 at 10 Mbit/s), with the
+compute as busy. Volunteer clients (BOINC, Folding@home) run their work at low priority for the other
+reason: the machine stays its owner's.
 
 Linux keeps a niceness per thread: every thread the trainer has is lowered, and the threads and processes
 it starts later inherit it. The helpers, forked before this is called, keep theirs.
