@@ -192,7 +192,7 @@ def sample_value(action) -> tuple[str, object]:
         return "1", True
     if action.nargs in ("+", "*"):
         return f"{PEER},{PEER}", [PEER, PEER]
-    if action.type is int or getattr(action.type, "__name__", "") in ("_micro_batch", "_port", "_count"):
+    if action.type is int or getattr(action.type, "__name__", "") in ("_micro_batch", "_port", "_count", "_nice"):
         return "7", 7
     if action.type is float:
         return "7.5", 7.5
