@@ -7,7 +7,6 @@ kill or a fork-time deadlock leaves them."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 import psutil
 import pytest
 from client_helpers import FAST, LOCAL, run_script, wait_for_line
+from worker_fork import die_holding_hivemind_locks
 
 from swarm import hivemind_locks
 from swarm.network import NetworkConfig, start_dht
@@ -102,18 +102,9 @@ def test_an_averager_that_dies_mid_run_ends_the_peer_with_one_line_and_keeps_the
     assert list((workdir / "runs").glob("*/checkpoints/state-*.safetensors")), "the checkpoint was lost"
 
 
-def _die_holding_hiveminds_locks() -> None:
-    """A helper killed inside hivemind's locked sections (as an OOM kill, or hivemind's own terminate, can land)."""
-    from hivemind.utils.mpfuture import MPFuture, SharedBytes
-
-    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
-        lock.acquire()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_a_helper_that_died_holding_hiveminds_locks_does_not_hang_the_next_start():
     """It did: every later DHT forked from the same process hung at its first future (two CI tests, 120 s each)."""
-    holder = multiprocessing.get_context("fork").Process(target=_die_holding_hiveminds_locks)
+    holder = multiprocessing.get_context("fork").Process(target=die_holding_hivemind_locks)
     holder.start()
     holder.join(60)
     assert holder.exitcode == -signal.SIGKILL

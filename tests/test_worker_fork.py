@@ -3,7 +3,6 @@ reports its end as subprocess.Popen would, since the engine tests read exit code
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 
@@ -39,19 +38,10 @@ def test_a_waiting_worker_times_out_like_popen_and_dies_of_sigkill(tmp_path):
     assert worker.wait(10) == -signal.SIGKILL
 
 
-def _die_holding_hivemind_locks() -> None:
-    """A forked process killed inside hivemind's locked sections (as a SIGKILL mid-all-reduce can land)."""
-    from hivemind.utils.mpfuture import MPFuture, SharedBytes
-
-    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
-        lock.acquire()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_a_worker_killed_inside_hiveminds_locks_does_not_hang_the_next_one(tmp_path):
     # the locks the server imported with hivemind, taken for good by a process that died holding them
     worker_fork._ensure_server()  # the warm server, as ForkedWorker starts it (a cold one imports nothing)
-    holder = worker_fork._CONTEXT.Process(target=_die_holding_hivemind_locks)
+    holder = worker_fork._CONTEXT.Process(target=worker_fork.die_holding_hivemind_locks)
     holder.start()
     holder.join(60)
     assert holder.exitcode == -signal.SIGKILL

@@ -91,6 +91,16 @@ def own_hivemind_locks() -> None:
     hivemind_locks.replace_locks()
 
 
+def die_holding_hivemind_locks() -> None:
+    """A forked process killed inside hivemind's locked sections (as a SIGKILL mid-all-reduce, an OOM kill or
+    hivemind's own terminate can land)."""
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    for lock in (MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock):
+        lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class ForkedWorker:
     """The parts of ``subprocess.Popen`` the harness and the tests use, for a worker from the fork server."""
 
