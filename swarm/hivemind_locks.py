@@ -3,21 +3,87 @@
 hivemind makes them with ``mp.Lock()`` when it is imported: the futures' update and shared-byte locks, the
 futures' backend lock and the async executor's lock. They are semaphores shared with every process forked
 afterwards, so a DHT or averager process SIGKILLed (or terminated by hivemind's own ``shutdown`` after its grace
-period) inside one leaves it locked, and every later helper forked from the same process hangs at its first
-future: ``start_dht`` then said "The DHT process was not ready after 120 s" (a CI worker's in-process tests, after
-an earlier test's helper died; a program that restarts a peer in the same process after a crash would meet it
-too). ``start_dht`` and the averager free them before making their helper.
+period) inside one leaves it locked:
+
+- every later helper forked from the same process hung at its first future: ``start_dht`` then said "The DHT
+  process was not ready after 120 s" (a CI worker's in-process tests, after an earlier test's helper died);
+- the peer itself and its surviving helpers hung at their next future (the training process makes one for every
+  DHT read and averager call), in an acquire with no timeout that not even SIGTERM gets out of.
+
+Two defences. ``install`` puts a ``ReclaimableLock`` in each lock's place, before the first helper is forked, so
+that the peer and every helper forked after it share it: a holder that has not let go after ``STUCK_AFTER``
+seconds is taken to have died inside it, and the lock is replaced in the process that waited, with one warning
+line. ``free_stuck_locks`` checks all four before a helper is made, with a shorter wait, so a new helper starts
+on fresh locks at once.
 
 Replacing a lock is safe only because a dead holder keeps it for ever: a live process still using the old one can
-never take it again, so it never writes to the pipe the new lock guards.
+never take it again, so it never writes to the pipe the new lock guards. A live holder keeps one for
+milliseconds (a pipe write, a 16-byte shared-memory allocation, the first future of a process), so a false
+reclaim needs a process descheduled inside one for ``STUCK_AFTER`` seconds.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
+from typing import Any
 
 logger = logging.getLogger(__name__)
+
+STUCK_AFTER = 20.0  # seconds a holder may keep one of these locks before it is taken to have died inside it
+
+
+class ReclaimableLock:
+    """A process-shared lock (``multiprocessing.Lock``) that a dead process may be holding.
+
+    An acquire with no timeout of its own waits ``STUCK_AFTER`` seconds, then replaces the lock in this process
+    (and the processes forked from it afterwards) and takes the new one. An acquire with its own timeout, or none
+    at all, behaves as the plain lock's. Each acquire is released on the lock it took, even after a replacement."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = multiprocessing.Lock()
+        self._taken = threading.local()  # per thread, the locks this thread holds, innermost last
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        lock = self._lock
+        if not block or timeout is not None:
+            taken = lock.acquire(block, timeout) if block else lock.acquire(False)
+        else:
+            taken = lock.acquire(timeout=STUCK_AFTER)
+            if not taken:
+                lock = self._reclaim(lock)
+                taken = lock.acquire()
+        if taken:
+            self._stack().append(lock)
+        return taken
+
+    def release(self) -> None:
+        stack = self._stack()
+        (stack.pop() if stack else self._lock).release()
+
+    def __enter__(self) -> ReclaimableLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def _stack(self) -> list:
+        if not hasattr(self._taken, "locks"):
+            self._taken.locks = []
+        return self._taken.locks
+
+    def _reclaim(self, stuck: Any) -> Any:
+        if self._lock is stuck:  # not already replaced by another thread of this process
+            self._lock = multiprocessing.Lock()
+            logger.warning(
+                "hivemind's %s was held for %.0f s, by a process that must have died inside it; replaced it",
+                self.name,
+                STUCK_AFTER,
+            )
+        return self._lock
 
 
 def _holders() -> list[tuple[type, str]]:
@@ -32,26 +98,40 @@ def _holders() -> list[tuple[type, str]]:
     ]
 
 
+def _names() -> list[tuple[type, str, str]]:
+    return [(owner, name, f"{owner.__name__}.{name}") for owner, name in _holders()]
+
+
 def stuck_locks(wait: float = 2.0) -> list[str]:
     """The names of the locks nobody released within ``wait`` seconds (a live holder keeps one for milliseconds)."""
     stuck = []
-    for owner, name in _holders():
+    for owner, name, full_name in _names():
         lock = getattr(owner, name)
         if lock.acquire(timeout=wait):
             lock.release()
         else:
-            stuck.append(f"{owner.__name__}.{name}")
+            stuck.append(full_name)
     return stuck
 
 
 def replace_locks() -> None:
-    """Fresh locks for the helpers forked from now on (the ones already running keep theirs)."""
-    for owner, name in _holders():
-        setattr(owner, name, multiprocessing.Lock())
+    """Fresh locks for this process and the helpers forked from now on (the ones already running keep theirs)."""
+    for owner, name, full_name in _names():
+        setattr(owner, name, ReclaimableLock(full_name))
+
+
+def install() -> None:
+    """Reclaimable locks in place of hivemind's plain ones, unless they are there already. Call it before this
+    process forks its first helper: a thread inside one of the old locks at that moment would not exclude a
+    thread entering the new one."""
+    if not all(isinstance(getattr(owner, name), ReclaimableLock) for owner, name in _holders()):
+        replace_locks()
 
 
 def free_stuck_locks(wait: float = 2.0) -> list[str]:
-    """Replace the locks if any is stuck, saying so; the names of the stuck ones."""
+    """Install the reclaimable locks, and replace them all if any is stuck, saying so; the names of the stuck
+    ones."""
+    install()
     stuck = stuck_locks(wait)
     if stuck:
         replace_locks()

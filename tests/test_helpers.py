@@ -6,10 +6,12 @@ kill or a fork-time deadlock leaves them."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -115,3 +117,52 @@ def test_a_helper_that_died_holding_hiveminds_locks_does_not_hang_the_next_start
         assert hivemind_locks.stuck_locks(wait=0.2) == []
     finally:
         dht.shutdown()
+
+
+def test_a_helper_that_dies_holding_hiveminds_locks_mid_run_does_not_hang_the_peer(monkeypatch, caplog):
+    """It would have hung for ever: the training process makes a future for every DHT read and averager call, and
+    took the futures' shared-bytes lock with no timeout; the DHT process sends each result under the update lock."""
+    monkeypatch.setattr(hivemind_locks, "STUCK_AFTER", 2.0)  # the DHT process, forked next, inherits it
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    try:
+        holder = multiprocessing.get_context("fork").Process(target=die_holding_hivemind_locks)
+        holder.start()
+        holder.join(60)
+        assert holder.exitcode == -signal.SIGKILL
+        assert {"MPFuture._update_lock", "SharedBytes._lock"} <= set(hivemind_locks.stuck_locks(wait=0.2))
+        found: dict = {}
+        reader = threading.Thread(target=lambda: found.update(value=dht.get("no-such-key", latest=True)), daemon=True)
+        with caplog.at_level(logging.WARNING, logger="swarm.hivemind_locks"):
+            reader.start()
+            reader.join(60)
+        assert not reader.is_alive(), "the peer's DHT read hung on a lock its dead helper held"
+        assert found == {"value": None}  # read through the DHT process, whose reply went out under the update lock
+        assert "SharedBytes._lock was held for 2 s, by a process that must have died inside it" in caplog.text
+    finally:
+        dht.shutdown()
+        hivemind_locks.free_stuck_locks(wait=0.2)  # the ones this process never needed again
+
+
+def test_a_reclaimable_lock_is_replaced_only_when_its_holder_never_lets_go(monkeypatch):
+    monkeypatch.setattr(hivemind_locks, "STUCK_AFTER", 0.3)
+    lock = hivemind_locks.ReclaimableLock("test lock")
+    with lock:  # taken and let go: nothing replaced
+        pass
+    first = lock._lock
+    taken = threading.Event()
+    holder = threading.Thread(target=lambda: (lock.acquire(), taken.set()), daemon=True)  # never releases
+    holder.start()
+    assert taken.wait(10)
+    assert lock.acquire(timeout=0.1) is False  # a caller's own timeout is honoured: no reclaim
+    assert lock.acquire(block=False) is False
+    assert lock._lock is first
+    started = time.monotonic()
+    with lock:  # waits STUCK_AFTER, then takes a fresh lock
+        assert lock._lock is not first
+        assert time.monotonic() - started >= 0.3
+        inner = threading.Thread(target=lambda: taken.clear() if lock.acquire(timeout=0.1) else None)
+        inner.start()
+        inner.join(10)
+        assert taken.is_set(), "the fresh lock did not exclude another thread while held"
+    assert lock.acquire(timeout=0.1) is True  # released on the lock it took
+    lock.release()
