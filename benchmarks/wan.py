@@ -53,7 +53,7 @@ MODES = {  # name: (averaging.compression, averaging.overlap)
 }
 CLI_FLAGS = {"fp4-overlap-nice0": ["--nice", "0"]}  # per mode, for every peer
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "fp4": 0.5 + 1 / 1024, "sparse": None}  # sparse: what the data says
-PARTS = ("compute", "matchmaking", "allreduce", "outer", "consistency", "waited")
+PARTS = ("compute", "matchmaking", "allreduce", "landing", "outer", "consistency", "waited")
 
 
 def butterfly_bytes(numel: int, group_size: int, bytes_per_value: int) -> float:
@@ -131,6 +131,7 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
             rows.append(
                 dict(
                     epoch=r["epoch"],
+                    time=r["time"],  # wall clock when the round was reported (one clock for all peers of the lab)
                     averaged=r["averaged"],
                     group_size=r["group_size"],
                     fallback_reason=r.get("fallback_reason"),
@@ -303,6 +304,7 @@ def report(record: dict, out: Path) -> None:
                     s["compute"],
                     s["matchmaking"],
                     s["allreduce"],
+                    s["landing"],
                     s["outer"],
                     s["other"],
                     (ph["payload_sent_bytes"] or 0) / 1e6,
@@ -322,6 +324,7 @@ def report(record: dict, out: Path) -> None:
             "compute",
             "match.",
             "all-red.",
+            "landing",
             "outer",
             "other",
             "payload MB",

@@ -73,6 +73,11 @@ class AllReduceOutcome:
     # checked reducers: slices that came in part and could not be fetched again whole (so were dropped); each a dict
     # of peer and failure (auditing.RepairFailure's value)
     repair_failures: tuple[dict, ...] = ()
+    # when (``time.monotonic``, one clock for every process of the machine) the averager process began the
+    # all-reduce with its group and had the average in the buffers: what an overlapped round's host, which looks
+    # once per inner step, cannot time itself
+    allreduce_started: float | None = None
+    allreduce_finished: float | None = None
 
 
 class RoundAborted(RuntimeError):
@@ -249,6 +254,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         )
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
+        started = time.monotonic()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         empty = (0.0, 0, 0, 0, None, (), 0.0, 0, ())
         stats = self._round_stats.pop(group_info.group_id, empty)
@@ -272,6 +278,8 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
             audit_seconds=audit_seconds,
             audit_bytes=audit_bytes,
             repair_failures=repair_failures,
+            allreduce_started=started,
+            allreduce_finished=time.monotonic(),
         )
 
     # ---- averaging (the host's side) -------------------------------------------------------------

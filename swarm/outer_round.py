@@ -203,9 +203,12 @@ class OuterRound:
         peer = self.peer
         seconds = flight.seconds
         t1 = time.monotonic()
-        t_allreduce = flight.stage_times.get("RUNNING_ALLREDUCE", t1)
+        t_allreduce, t_ready = flight.stage_times.get("RUNNING_ALLREDUCE", t1), t1
+        if flight.outcome is not None and flight.outcome.allreduce_started is not None:  # timed where it ran
+            t_allreduce, t_ready = flight.outcome.allreduce_started, flight.outcome.allreduce_finished
         seconds["matchmaking"] = t_allreduce - flight.attempt_started
-        seconds["allreduce"] = t1 - t_allreduce
+        seconds["allreduce"] = t_ready - t_allreduce
+        seconds["landing"] = t1 - t_ready  # the average ready, until the host took it (overlapped: next step's end)
         seconds["audit"] = flight.outcome.audit_seconds if flight.outcome is not None else 0.0  # within all-reduce
         if flight.aborted is not None:
             if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
