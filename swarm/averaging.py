@@ -37,7 +37,7 @@ from swarm.codecs import CODECS
 from swarm.errors import HelperError
 from swarm.helpers import check_alive, start_and_wait
 from swarm.hivemind_locks import free_stuck_locks
-from swarm.manifest import Aggregation
+from swarm.manifest import Aggregation, AveragingSpec
 from swarm.pace import pace_matchmaking
 from swarm.transfer import FileTransfer
 
@@ -50,6 +50,28 @@ COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
     "fp4": lambda: CODECS["fp4"],
     "sparse": lambda: CODECS["sparse"],
 }
+
+
+def averager_options(avg: AveragingSpec) -> dict[str, Any]:
+    """What the manifest's averaging section asks of ``PseudoGradientAverager`` (and hivemind's averager under it)."""
+    return dict(
+        keep_updates=avg.replay_rounds,
+        aggregation=avg.aggregation,
+        audit=avg.checked_reducers,
+        audit_timeout=avg.allreduce_timeout / 2,  # the other half re-checks accusations
+        target_group_size=avg.target_group_size,
+        min_group_size=avg.min_group_size,
+        min_matchmaking_time=avg.matchmaking_time,
+        request_timeout=min(3.0, avg.matchmaking_time / 2),
+        allreduce_timeout=avg.allreduce_timeout * (2 if avg.checked_reducers else 1),
+        next_chunk_timeout=avg.chunk_timeout,
+        compression=COMPRESSIONS[avg.compression](),
+        allow_state_sharing=False,  # until the peer has a state to offer (``Checkpoints.announce``)
+        declare_state_period=10,
+        shutdown_timeout=3,
+    )
+
+
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
 IDLE_GRACE = 10.0  # a step still running this long after its deadline means a stuck averager process
 STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file

@@ -253,7 +253,7 @@ class OuterRound:
                 _add(peer.params, flight.stand_in, -1.0)
                 flight.stand_in = None
             peer.outer.checksum()
-            peer.save_state()
+            peer.checkpoints.save()
         if flight.fallback is None and len(group) > 1:
             self._last_average = (peer.outer.epoch, len(group))
         seconds["outer"] = time.monotonic() - t1
@@ -283,7 +283,7 @@ class OuterRound:
         )
         if not self.overlapped:
             peer.begin_round()
-        peer.announce_state()
+        peer.checkpoints.announce()
         peer.set_state(PeerState.training, publish=True)
         peer.emit(PeerEvent.round, dict(report=report))
         if self.overlapped:
@@ -357,7 +357,7 @@ class OuterRound:
             samples=flight.samples,
             seconds=flight.seconds,
         )
-        peer.announce_state()
+        peer.checkpoints.announce()
         peer.set_state(PeerState.training, publish=True)
         peer.emit(PeerEvent.round, dict(report=report))
         return report

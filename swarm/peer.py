@@ -31,8 +31,9 @@ import torch
 from hivemind.utils import get_dht_time
 
 from swarm.access import check_access
-from swarm.averaging import COMPRESSIONS, PseudoGradientAverager
+from swarm.averaging import PseudoGradientAverager, averager_options
 from swarm.bans import BanList, Guard
+from swarm.checkpoints import Checkpoints
 from swarm.errors import LeaveRequested
 from swarm.flight import Flight
 from swarm.helpers import check_alive
@@ -45,7 +46,7 @@ from swarm.presence import Presence
 from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
 from swarm.records import PeerState, run_prefix, run_validator
 from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
-from swarm.state_store import SavedState, StateStore
+from swarm.state_store import StateStore
 from swarm.state_sync import StateSync
 from swarm.swarm_view import (
     SwarmView,
@@ -96,7 +97,8 @@ class Peer:
         self._network, self._dht, self._owns_dht = network, dht, dht is None
         self._owns_state_dir = not state_dir  # a temporary one goes when the peer leaves
         self.state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix=f"swarm-{self.run_id}-"))
-        self._state_extra, self._shield = state_extra, shield
+        self._shield = shield
+        self.checkpoints = Checkpoints(self, state_extra)
         self.name, self.device = name, device
         self._listener = listener or (lambda kind, data: None)
         self._progress_interval, self._progress_ttl = progress_interval, progress_ttl
@@ -162,7 +164,6 @@ class Peer:
         secret = getattr(self.dht, "run_secret", None)
         check_access(self.run_id, self.manifest.access, secret)
         self.dht.add_validators([run_validator(self.run_id)])
-        avg = self.manifest.averaging
         self._buffers = [torch.zeros(tuple(shape)) for shape in shapes]
         handler = signal.getsignal(signal.SIGINT)
         self.averager = PseudoGradientAverager(
@@ -170,24 +171,11 @@ class Peer:
             self.dht,
             run_id=self.run_id,
             update_dir=self.state_dir,
-            keep_updates=avg.replay_rounds,
-            aggregation=avg.aggregation,
-            audit=avg.checked_reducers,
-            audit_timeout=avg.allreduce_timeout / 2,
             secret=secret,
             start=True,
             prefix=run_prefix(self.run_id),
-            target_group_size=avg.target_group_size,
-            min_group_size=avg.min_group_size,
-            min_matchmaking_time=avg.matchmaking_time,
-            request_timeout=min(3.0, avg.matchmaking_time / 2),
-            allreduce_timeout=avg.allreduce_timeout * (2 if avg.checked_reducers else 1),
-            next_chunk_timeout=avg.chunk_timeout,
-            compression=COMPRESSIONS[avg.compression](),
-            allow_state_sharing=False,
             client_mode=self.dht.client_mode,
-            declare_state_period=10,
-            shutdown_timeout=3,
+            **averager_options(self.manifest.averaging),
         )
         signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
         # only now the presence thread: a fork while another thread is inside a DHT call can leave the child
@@ -226,15 +214,13 @@ class Peer:
         self.outer = OuterState(self.params, self.manifest.outer)
         if self.manifest.averaging.compression in ERROR_FEEDBACK:
             self.outer.keep_residual()
-        self.store = StateStore(
-            self.state_dir, self.run_id, on_saved=self._on_state_saved, on_failed=self._on_save_failed
-        )
+        self.store = self.checkpoints.open_store()
         self._started = True
         resumed = False
         if resume is not None:
             resumed = self.sync.load_file(resume)
         self.sync.catch_up(resumed=resumed)
-        self.announce_state()  # catching up left the state in a file: ours, or the download
+        self.checkpoints.announce()  # catching up left the state in a file: ours, or the download
         self._set_state(PeerState.training, publish=True)
         self.round_started = time.monotonic()
 
@@ -408,35 +394,6 @@ class Peer:
         self.round_samples = 0
         self.compute_seconds = 0.0
         self.round_started = time.monotonic()
-
-    def save_state(self) -> None:
-        """Write the current outer state to a new state file, in the background."""
-        self.averager.note_epoch(self.outer.epoch)
-        self.store.save_async(self.outer, self.state_extra())
-
-    def state_extra(self) -> dict[str, Any]:
-        """The loop's own extras for the state file being made (its data position, say); never sent to others."""
-        try:
-            return dict(self._state_extra())
-        except Exception:
-            logger.debug("state_extra failed", exc_info=True)
-            return {}
-
-    def announce_state(self) -> None:
-        """Publish our checksum for the current epoch and offer our state (its file) to others."""
-        self.presence.add_checksum(self.outer.epoch, self.outer.checksum())
-        self.presence.update(epoch=self.outer.epoch, inner_step=self.inner_step, publish_now=True)
-        if not self.client_mode:
-            self.averager.allow_state_sharing = True
-
-    def _on_state_saved(self, saved: SavedState) -> None:
-        """On the state writer's thread: serve the new file, and tell the loop (checkpoint bytes and time)."""
-        self.averager.serve_state_file(saved.path, saved.epoch)
-        details = dict(path=str(saved.path), epoch=saved.epoch, bytes=saved.bytes, seconds=saved.seconds)
-        self._emit(PeerEvent.state_saved, details)
-
-    def _on_save_failed(self, reason: str) -> None:
-        self._emit(PeerEvent.state_save_failed, dict(reason=reason))
 
     def set_state(self, state: PeerState, publish: bool = False) -> None:
         self._set_state(state, publish)

@@ -85,7 +85,7 @@ class StateSync:
             reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
             peer.emit(PeerEvent.initialized, dict(epoch=peer.epoch, reason=reason))
             if not resumed:
-                peer.save_state()
+                peer.checkpoints.save()
             return
         agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
         if resumed and agreed is not None and agreed.epoch == peer.epoch and agreed.agrees(peer.outer.checksum()):
@@ -129,7 +129,7 @@ class StateSync:
             peer.last_round_local = False
         peer.outer.write_to(peer.params)  # whatever happened, the model restarts from the global copy
         peer.begin_round()
-        peer.announce_state()
+        peer.checkpoints.announce()
         peer.set_state(PeerState.training, publish=True)
         return ok
 
@@ -139,7 +139,7 @@ class StateSync:
         """Fetch the state held by most peers at the global epoch from one of them, verified by its hash."""
         peer = self.peer
         avg = peer.manifest.averaging
-        # nobody should copy a state we are replacing; _announce_state offers ours again afterwards
+        # nobody should copy a state we are replacing; checkpoints.announce offers ours again afterwards
         peer.averager.allow_state_sharing = False
         if self._replay():
             return True
@@ -215,7 +215,7 @@ class StateSync:
             peer.outer.reset_residual()
             if shift is None:
                 peer.outer.write_to(peer.params)
-            peer.save_state()
+            peer.checkpoints.save()
         peer.emit(PeerEvent.replayed, dict(epoch=start, target=target, kept_steps=shift is not None))
         return True
 
@@ -319,6 +319,6 @@ class StateSync:
             peer.outer.load_file(destination, header)
             peer.outer.write_to(peer.params)
             peer.averager.note_epoch(header.epoch)
-            peer.store.adopt(destination, header, peer.state_extra())
+            peer.store.adopt(destination, header, peer.checkpoints.extra())
         peer.emit(PeerEvent.state_loaded, dict(donor=donor, epoch=header.epoch, checksum=header.checksum))
         return True

@@ -58,3 +58,18 @@ def test_an_averaging_attempt_is_bounded_by_its_timeouts_and_the_audits_double_t
     assert spec.checked_reducers and spec.attempt_limit == 15.0 + 2 * 20.0 + 10
     unchecked = AveragingSpec(matchmaking_timeout=15.0, allreduce_timeout=20.0, checked_reducers=False)
     assert unchecked.attempt_limit == 15.0 + 20.0 + 10
+
+
+def test_the_averagers_options_follow_the_manifest():
+    from swarm.averaging import averager_options
+    from swarm.codecs import CODECS
+
+    checked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=10.0, compression="fp4"))
+    # the audits get half the all-reduce's time, and re-checking accusations the other half: on top of it
+    assert checked["allreduce_timeout"] == 80.0 and checked["audit_timeout"] == 20.0 and checked["audit"] is True
+    assert checked["request_timeout"] == 3.0  # a join request never waits longer, however long the window
+    assert checked["compression"] is CODECS["fp4"]
+    assert checked["allow_state_sharing"] is False  # nothing to offer before the first state is announced
+    unchecked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=2.0, checked_reducers=False))
+    assert unchecked["allreduce_timeout"] == 40.0 and unchecked["audit"] is False
+    assert unchecked["request_timeout"] == 1.0
