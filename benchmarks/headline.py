@@ -44,6 +44,8 @@ SOURCES = {
     "nice": "wan-nice/wan.json",
     "nice_walltime": "wan-nice/walltime.json",
     "churn": "churn-overlap/churn.json",
+    # each mode with the reducers' audits on (the default) and off, side by side in one run: what checking costs
+    "audit_cost": "wan-audit-cost/wan.json",
 }
 
 
@@ -71,6 +73,30 @@ def put_lag(put, wan: dict | None, walltime: dict | None) -> None:
             seeds = len(link["per_seed"])
             source = f"{SOURCES['nice_walltime']} runs[{variant}] @ {label}, lag {lag:.2f}, {seeds} seeds"
             put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}_measured_lag", link["mean_ratio"], source)
+
+
+def put_audit_cost(put, wan: dict | None) -> None:
+    """What the checked reducers' audits cost on each link: utilization with them over without them (both modes),
+    and for blocking FP16 their share of the all-reduce's seconds and the bytes on the wire with them over without."""
+    if wan is None:
+        return
+    source = SOURCES["audit_cost"]
+    for rate, label in LINKS.items():
+        for mode, key in (("fp16", "blocking_fp16"), ("fp4-overlap", "overlap")):
+            checked, unchecked = _phase(wan, mode, rate), _phase(wan, f"{mode}-unchecked", rate)
+            if checked is None or unchecked is None:
+                continue
+            where = f"{source} figures[{mode}] / figures[{mode}-unchecked] @ {label}"
+            put(
+                f"utilization_ratio_checked_vs_unchecked_{label}_{key}",
+                checked["utilization"] / unchecked["utilization"],
+                where,
+            )
+            if mode == "fp16":
+                share = checked["audit_seconds"] / checked["seconds"]["allreduce"]
+                put(f"audit_share_of_allreduce_{label}_{key}", share, f"{source} figures[{mode}] @ {label}")
+                wire = checked["wire_tx_bytes"] / unchecked["wire_tx_bytes"]
+                put(f"wire_tx_ratio_checked_vs_unchecked_{label}_{key}", wire, where)
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -176,6 +202,7 @@ def gather(out: Path) -> dict:
                 )
                 put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}", link["mean_ratio"], source)
     put_lag(put, _load(out, "nice"), _load(out, "nice_walltime"))
+    put_audit_cost(put, _load(out, "audit_cost"))
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

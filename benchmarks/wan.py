@@ -50,8 +50,11 @@ MODES = {  # name: (averaging.compression, averaging.overlap)
     "fp4-overlap": ("fp4", True),
     "fp4-overlap-nice0": ("fp4", True),  # the training at the priority it started with: client.priority's baseline
     "sparse-overlap": ("sparse", True),
+    "fp16-unchecked": ("fp16", False),  # without the audits of reducers: what checking them costs on each link
+    "fp4-overlap-unchecked": ("fp4", True),
 }
 CLI_FLAGS = {"fp4-overlap-nice0": ["--nice", "0"]}  # per mode, for every peer
+SETTINGS = {mode: ["averaging.checked_reducers=false"] for mode in MODES if mode.endswith("-unchecked")}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "fp4": 0.5 + 1 / 1024, "sparse": None}  # sparse: what the data says
 PARTS = ("compute", "matchmaking", "allreduce", "landing", "outer", "consistency", "waited")
 
@@ -69,6 +72,7 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
         f"averaging.overlap={'true' if overlap else 'false'}",
         f"averaging.target_group_size={args.peers}",
         f"averaging.matchmaking_time={args.matchmaking_time}",
+        *SETTINGS.get(mode, []),
     ]
 
 
@@ -137,6 +141,7 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
                     fallback_reason=r.get("fallback_reason"),
                     wall_seconds=r["wall_seconds"],
                     seconds={k: r["seconds"].get(k, 0.0) for k in PARTS},
+                    audit_seconds=r["seconds"].get("audit", 0.0),  # within the all-reduce: checking the reducers
                     bytes_sent=r.get("bytes_sent"),
                     bytes_received=r.get("bytes_received"),
                     wire_tx_bytes=wire[0] if wire else None,
@@ -208,6 +213,7 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         allreduce_goodput_mbit=mean("allreduce_goodput_mbit"),
         goodput_share_of_link=mean("goodput_share_of_link"),
         steps_late=mean("steps_late"),
+        audit_seconds=mean("audit_seconds"),
     )
 
 

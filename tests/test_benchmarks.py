@@ -342,9 +342,22 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "diloco-h10-fp4-eager5-share-forget": [link(100.0, 0.99)],
         }
     )
+
+    def checked(rate, util, audit=0.0, allreduce=1.0, wire=1.0):
+        return dict(rate_mbit=rate, utilization=util, audit_seconds=audit, seconds=dict(allreduce=allreduce),
+                    wire_tx_bytes=wire)  # fmt: skip
+
+    audit_cost = dict(
+        figures={
+            "fp16": [checked(10.0, 0.35, audit=3.0, allreduce=7.5, wire=7.0), checked(None, 0.6)],
+            "fp16-unchecked": [checked(10.0, 0.5, wire=5.0)],
+            "fp4-overlap": [checked(10.0, 0.9), checked(100.0, 0.93)],
+            "fp4-overlap-unchecked": [checked(10.0, 0.95)],
+        }
+    )
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
-        slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime,
+        slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime, audit_cost=audit_cost,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -356,6 +369,13 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     headline = json.loads((tmp_path / "headline.json").read_text())
     assert headline["loss_ratio_overlap_4bit_robust_vs_blocking_fp32"] == 1.02
+    # the audits' cost: each mode against itself without them, in the same run; only where both were measured
+    assert headline["utilization_ratio_checked_vs_unchecked_10mbit_blocking_fp16"] == pytest.approx(0.7)
+    assert headline["utilization_ratio_checked_vs_unchecked_10mbit_overlap"] == pytest.approx(0.9 / 0.95)
+    assert headline["audit_share_of_allreduce_10mbit_blocking_fp16"] == pytest.approx(0.4)
+    assert headline["wire_tx_ratio_checked_vs_unchecked_10mbit_blocking_fp16"] == pytest.approx(1.4)
+    assert "utilization_ratio_checked_vs_unchecked_unlimited_blocking_fp16" not in headline
+    assert "utilization_ratio_checked_vs_unchecked_100mbit_overlap" not in headline
     assert headline["loss_ratio_paper_outer_vs_preset_outer"] == 1.2  # against the preset's settings, not its own
     assert "loss_ratio_overlap_sparse_robust_vs_blocking_fp32" not in headline
     assert headline["utilization_10mbit_overlap"] == 0.97 and headline["utilization_10mbit_blocking_fp16"] == 0.4
