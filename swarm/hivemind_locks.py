@@ -16,10 +16,12 @@ seconds is taken to have died inside it, and the lock is replaced in the process
 line. ``free_stuck_locks`` checks all four before a helper is made, with a shorter wait, so a new helper starts
 on fresh locks at once.
 
-Replacing a lock is safe only because a dead holder keeps it for ever: a live process still using the old one can
-never take it again, so it never writes to the pipe the new lock guards. A live holder keeps one for
-milliseconds (a pipe write, a 16-byte shared-memory allocation, the first future of a process), so a false
-reclaim needs a process descheduled inside one for ``STUCK_AFTER`` seconds.
+A dead holder keeps its lock for ever, so every live process that needs it ends up replacing it. Each
+``ReclaimableLock`` is made with a few spare semaphores, before any helper is forked, so every process holds the
+same spares in the same order: each one that reclaims moves to the same next one, and the processes still
+exclude one another (two helpers writing one pipe at once would interleave their messages). A live holder keeps
+one of these locks for milliseconds (a pipe write, a 16-byte shared-memory allocation, the first future of a
+process), so a false reclaim needs a process descheduled inside one for ``STUCK_AFTER`` seconds.
 """
 
 from __future__ import annotations
@@ -32,18 +34,21 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 STUCK_AFTER = 20.0  # seconds a holder may keep one of these locks before it is taken to have died inside it
+SPARES = 3  # replacements shared by every process forked after the lock was made; then each process's own
 
 
 class ReclaimableLock:
     """A process-shared lock (``multiprocessing.Lock``) that a dead process may be holding.
 
     An acquire with no timeout of its own waits ``STUCK_AFTER`` seconds, then replaces the lock in this process
-    (and the processes forked from it afterwards) and takes the new one. An acquire with its own timeout, or none
-    at all, behaves as the plain lock's. Each acquire is released on the lock it took, even after a replacement."""
+    (and the processes forked from it afterwards) with the next spare, which every process that reclaims moves to,
+    and takes it. An acquire with its own timeout, or none at all, behaves as the plain lock's. Each acquire is
+    released on the lock it took, even after a replacement."""
 
     def __init__(self, name: str):
         self.name = name
         self._lock = multiprocessing.Lock()
+        self._spares = [multiprocessing.Lock() for _ in range(SPARES)]
         self._taken = threading.local()  # per thread, the locks this thread holds, innermost last
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
@@ -77,7 +82,7 @@ class ReclaimableLock:
 
     def _reclaim(self, stuck: Any) -> Any:
         if self._lock is stuck:  # not already replaced by another thread of this process
-            self._lock = multiprocessing.Lock()
+            self._lock = self._spares.pop(0) if self._spares else multiprocessing.Lock()
             logger.warning(
                 "hivemind's %s was held for %.0f s, by a process that must have died inside it; replaced it",
                 self.name,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import subprocess
 import sys
@@ -166,3 +167,32 @@ def test_a_reclaimable_lock_is_replaced_only_when_its_holder_never_lets_go(monke
         assert taken.is_set(), "the fresh lock did not exclude another thread while held"
     assert lock.acquire(timeout=0.1) is True  # released on the lock it took
     lock.release()
+
+
+def test_processes_that_reclaim_a_lock_still_exclude_one_another(monkeypatch):
+    """Each process that finds the lock held by a dead one replaces it: with the same spare, made before they were
+    forked, or two helpers would write one pipe at once."""
+    monkeypatch.setattr(hivemind_locks, "STUCK_AFTER", 1.0)
+    lock = hivemind_locks.ReclaimableLock("test lock")
+    fork = multiprocessing.get_context("fork")
+    dead = fork.Process(target=lambda: (lock.acquire(), os.kill(os.getpid(), signal.SIGKILL)))
+    dead.start()
+    dead.join(30)
+    assert dead.exitcode == -signal.SIGKILL
+    go, got = fork.Event(), fork.Value("d", 0.0)
+
+    def other() -> None:  # forked before anyone reclaimed
+        assert go.wait(30)
+        with lock:  # 1 s on the dead one's lock, then the spare, which this test's process holds
+            got.value = time.monotonic()
+
+    child = fork.Process(target=other)
+    child.start()
+    lock.acquire()  # reclaims after 1 s
+    go.set()
+    time.sleep(1.5)  # the child reclaims after 1 s and then waits on the spare
+    released = time.monotonic()
+    lock.release()
+    child.join(30)
+    assert child.exitcode == 0
+    assert got.value >= released, "the child took its own lock while this process held the spare"
