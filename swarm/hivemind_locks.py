@@ -13,8 +13,8 @@ period) inside one leaves it locked:
 Two defences. ``install`` puts a ``ReclaimableLock`` in each lock's place, before the first helper is forked, so
 that the peer and every helper forked after it share it: a holder that has not let go after ``STUCK_AFTER``
 seconds is taken to have died inside it, and the lock is replaced in the process that waited, with one warning
-line. ``free_stuck_locks`` checks all four before a helper is made, with a shorter wait, so a new helper starts
-on fresh locks at once.
+line. ``free_stuck_locks`` checks all four before a helper is made, with a shorter wait, and reclaims a stuck one
+at once, so the new helper starts on free locks.
 
 A dead holder keeps its lock for ever, so every live process that needs it ends up replacing it. Each
 ``ReclaimableLock`` is made with a few spare semaphores, before any helper is forked, so every process holds the
@@ -58,7 +58,7 @@ class ReclaimableLock:
         else:
             taken = lock.acquire(timeout=STUCK_AFTER)
             if not taken:
-                lock = self._reclaim(lock)
+                lock = self.reclaim(lock, STUCK_AFTER)
                 taken = lock.acquire()
         if taken:
             self._stack().append(lock)
@@ -80,14 +80,20 @@ class ReclaimableLock:
             self._taken.locks = []
         return self._taken.locks
 
-    def _reclaim(self, stuck: Any) -> Any:
-        if self._lock is stuck:  # not already replaced by another thread of this process
+    def reclaim(self, stuck: Any, waited: float) -> Any:
+        """Move on from ``stuck`` (the semaphore nobody let go of for ``waited`` seconds) to the next spare, unless
+        another thread of this process already did; the semaphore now in use."""
+        if self._lock is stuck:
             self._lock = self._spares.pop(0) if self._spares else multiprocessing.Lock()
             logger.warning(
                 "hivemind's %s was held for %.0f s, by a process that must have died inside it; replaced it",
                 self.name,
-                STUCK_AFTER,
+                waited,
             )
+        return self._lock
+
+    @property
+    def current(self) -> Any:
         return self._lock
 
 
@@ -134,12 +140,17 @@ def install() -> None:
 
 
 def free_stuck_locks(wait: float = 2.0) -> list[str]:
-    """Install the reclaimable locks, and replace them all if any is stuck, saying so; the names of the stuck
-    ones."""
+    """Install the reclaimable locks, and reclaim each one nobody let go of within ``wait`` seconds (one warning
+    line each), so the helper about to be forked starts on free ones: the same spares the helpers already running
+    move to when they meet the stuck lock. The names of the stuck ones."""
     install()
-    stuck = stuck_locks(wait)
-    if stuck:
-        replace_locks()
-        logger.warning("hivemind's process-wide locks were left taken by a helper process that died; replaced them")
-        logger.debug("stuck: %s", ", ".join(stuck))
+    stuck = []
+    for owner, name, full_name in _names():
+        lock = getattr(owner, name)
+        current = lock.current
+        if lock.acquire(timeout=wait):
+            lock.release()
+        else:
+            lock.reclaim(current, wait)
+            stuck.append(full_name)
     return stuck

@@ -29,11 +29,11 @@ def _no_peer_outlives_its_test():
 @pytest.fixture(autouse=True)
 def _hiveminds_locks_are_free():
     """Tests that start hivemind's helpers in this process (some without ``start_dht``) fork them from here: locks
-    an earlier test's helper left taken hung the next two such tests of a CI worker for 120 s each. Replaced, and
+    an earlier test's helper left taken hung the next two such tests of a CI worker for 120 s each. Reclaimed, and
     said, so that a run shows how often it happens."""
     stuck = hivemind_locks.free_stuck_locks()
     if stuck:
-        warnings.warn(f"hivemind locks left taken by a dead helper, replaced: {', '.join(stuck)}", stacklevel=1)
+        warnings.warn(f"hivemind locks left taken by a dead helper, reclaimed: {', '.join(stuck)}", stacklevel=1)
     yield
 
 

@@ -149,17 +149,17 @@ def test_a_reclaimable_lock_is_replaced_only_when_its_holder_never_lets_go(monke
     lock = hivemind_locks.ReclaimableLock("test lock")
     with lock:  # taken and let go: nothing replaced
         pass
-    first = lock._lock
+    first = lock.current
     taken = threading.Event()
     holder = threading.Thread(target=lambda: (lock.acquire(), taken.set()), daemon=True)  # never releases
     holder.start()
     assert taken.wait(10)
     assert lock.acquire(timeout=0.1) is False  # a caller's own timeout is honoured: no reclaim
     assert lock.acquire(block=False) is False
-    assert lock._lock is first
+    assert lock.current is first
     started = time.monotonic()
     with lock:  # waits STUCK_AFTER, then takes a fresh lock
-        assert lock._lock is not first
+        assert lock.current is not first
         assert time.monotonic() - started >= 0.3
         inner = threading.Thread(target=lambda: taken.clear() if lock.acquire(timeout=0.1) else None)
         inner.start()
