@@ -94,6 +94,11 @@ def pyplot():
     return plt
 
 
+def rate_label(rate_mbit: float | None, unit: str = "") -> str:
+    """A link's rate for a table: "unlimited", or the number (with ``unit`` after it)."""
+    return "unlimited" if rate_mbit is None else f"{rate_mbit:g}{unit}"
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     from rich.console import Console
     from rich.table import Table

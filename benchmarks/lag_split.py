@@ -20,7 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.common import print_table
+from benchmarks.common import print_table, rate_label
 
 NAME = "lag_split"
 PARTS = ("waiting", "protocol", "allreduce", "landing")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(
                 (
                     mode,
-                    "unlimited" if ph["rate_mbit"] is None else f"{ph['rate_mbit']:g}",
+                    rate_label(ph["rate_mbit"]),
                     result["rounds"],
                     *("-" if s[k] is None else f"{s[k]:.2f}" for k in PARTS),
                     "-" if result["steps_late"] is None else f"{result['steps_late']:.2f}",

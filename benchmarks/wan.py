@@ -33,6 +33,7 @@ from benchmarks.common import (
     machine_info,
     print_table,
     pyplot,
+    rate_label,
     save_figure,
     scratch_dir,
     write_json,
@@ -109,7 +110,7 @@ def run_swarm(args: argparse.Namespace, lab: Lab, wire: str, workdir: Path) -> l
         for rate in [None, *args.rates]:
             lab.set_rate(rate)
             start = time.time()
-            print(f"  {wire}: links {'unlimited' if rate is None else f'{rate} Mbit/s'}", flush=True)
+            print(f"  {wire}: links {rate_label(rate, ' Mbit/s')}", flush=True)
 
             def enough(start: float = start) -> bool:
                 return all(len([r for r in p.rounds() if round_start(r) >= start]) >= args.rounds for p in peers)
@@ -250,9 +251,7 @@ def plot(figures: dict[str, list[dict]], out: Path) -> Path | None:
     utilization = []
     for wire, phases in figures.items():
         for ph in phases:
-            labels.append(
-                f"{wire}\n{'unlimited' if ph['rate_mbit'] is None else format(ph['rate_mbit'], 'g') + ' Mb/s'}"
-            )
+            labels.append(f"{wire}\n{rate_label(ph['rate_mbit'], ' Mb/s')}")
             for k in stacks:
                 stacks[k].append(ph["seconds"][k] or 0.0)
             utilization.append(ph["utilization"] or 0.0)
@@ -303,7 +302,7 @@ def report(record: dict, out: Path) -> None:
             rows.append(
                 (
                     wire,
-                    "unlimited" if ph["rate_mbit"] is None else f"{ph['rate_mbit']:g}",
+                    rate_label(ph["rate_mbit"]),
                     ph["rounds"],
                     "-" if ph["utilization"] is None else f"{ph['utilization'] * 100:.1f}%",
                     ph["round_seconds"],
