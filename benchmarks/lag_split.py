@@ -8,6 +8,10 @@ wall clock for all peers of the lab). So each peer's hand-over time is known, an
 - **waiting**: from this peer's hand-over to the last groupmate's (the peers are out of phase);
 - **protocol**: from the last groupmate's hand-over to the all-reduce's start (DHT reads, join requests).
 
+Each epoch is taken to be one group (the wan benchmark's ``target_group_size`` is its number of peers). The time
+between a round's outer step and its report (publishing the new state, milliseconds) is not subtracted: it shifts
+every peer's hand-over alike, and the waiting is a difference between them.
+
 ``python -m benchmarks.lag_split WAN_JSON`` prints the mean of each part per mode and link, with the mean lag in
 inner steps, and writes ``lag_split.json`` beside the wan run's file. Runs before 2026-11-27 (no ``landing``, no
 ``time`` per round, the all-reduce timed by the host) cannot be split.

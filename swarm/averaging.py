@@ -96,8 +96,8 @@ class AllReduceOutcome:
     # of peer and failure (auditing.RepairFailure's value)
     repair_failures: tuple[dict, ...] = ()
     # when (``time.monotonic``, one clock for every process of the machine) the averager process began the
-    # all-reduce with its group and had the average in the buffers: what an overlapped round's host, which looks
-    # once per inner step, cannot time itself
+    # all-reduce with its group, and when it was done (the average in the buffers, audited, and kept for replay):
+    # what an overlapped round's host, which looks once per inner step, cannot time itself
     allreduce_started: float | None = None
     allreduce_finished: float | None = None
 
