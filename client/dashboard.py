@@ -185,8 +185,9 @@ def _round_line(tel: Telemetry) -> str:
     s = r.seconds
     how = f"group of {r.group_size}" if r.averaged else f"local ({r.fallback_reason})"
     return (
-        f"{how}: matchmaking {s.get('matchmaking', 0):.1f} s, all-reduce {s.get('allreduce', 0):.1f} s, "
-        f"outer {s.get('outer', 0):.2f} s"
+        f"{how}: matchmaking {s.get('matchmaking', 0):.1f} s, all-reduce {s.get('allreduce', 0):.1f} s"
+        + (f" (audits {s['audit']:.1f} s)" if s.get("audit", 0) > 0 else "")
+        + f", outer {s.get('outer', 0):.2f} s"
     )
 
 

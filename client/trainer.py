@@ -337,11 +337,12 @@ class Trainer:
         self.lag.add(report.steps_late if report.averaged else None)  # a local round's lag is its matchmaking timeout
         s = report.seconds
         how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
+        audits = f"(audits {s['audit']:.1f}s) " if s.get("audit", 0) > 0 else ""  # checked reducers, within it
         self.note(
             "round" if report.averaged else "fallback",
             f"round -> epoch {report.epoch}: {how}{', re-synced' if report.resynced else ''}; "
             f"compute {s.get('compute', 0):.1f}s matchmaking {s.get('matchmaking', 0):.1f}s "
-            f"all-reduce {s.get('allreduce', 0):.1f}s outer {s.get('outer', 0):.2f}s "
+            f"all-reduce {s.get('allreduce', 0):.1f}s {audits}outer {s.get('outer', 0):.2f}s "
             f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
             + (
                 f"landed {report.steps_late}/{self.manifest.inner_steps} steps late "

@@ -195,10 +195,12 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
     round_lines = [line for line in text.splitlines() if line.startswith("round -> epoch")]
     assert round_lines, text[-2000:]
     timing = re.compile(
-        r"compute (\d+\.\d)s matchmaking (\d+\.\d)s all-reduce (\d+\.\d)s outer (\d+\.\d\d)s "
-        r"sent (\d+\.\d\d)MB received (\d+\.\d\d)MB checksum [0-9a-f]{10}"
+        r"compute (\d+\.\d)s matchmaking (\d+\.\d)s all-reduce (\d+\.\d)s (\(audits \d+\.\ds\) )?"
+        r"outer (\d+\.\d\d)s sent (\d+\.\d\d)MB received (\d+\.\d\d)MB checksum [0-9a-f]{10}"
     )
     assert all(timing.search(line) for line in round_lines), round_lines
+    # reducers are checked by default: a round averaged with others says what its audits took
+    assert all("(audits " in line for line in round_lines if "averaged with" in line), round_lines
     assert re.search(r"^swarm: \d+ peers alive, global epoch \d+", text, re.M), text[-2000:]
     records = [json.loads(line) for line in (swarm.root / "peer1.jsonl").read_text().splitlines()]
     kinds = {r["type"] for r in records}
