@@ -63,7 +63,7 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
         min_group_size=avg.min_group_size,
         min_matchmaking_time=avg.matchmaking_time,
         request_timeout=min(3.0, avg.matchmaking_time / 2),
-        allreduce_timeout=avg.allreduce_timeout * (2 if avg.checked_reducers else 1),
+        allreduce_timeout=avg.allreduce_limit,  # the host's attempt_limit is built on the same bound
         next_chunk_timeout=avg.chunk_timeout,
         compression=COMPRESSIONS[avg.compression](),
         allow_state_sharing=False,  # until the peer has a state to offer (``Checkpoints.announce``)

@@ -113,16 +113,17 @@ def _names() -> list[tuple[type, str, str]]:
     return [(owner, name, f"{owner.__name__}.{name}") for owner, name in _holders()]
 
 
+def _free_within(lock: Any, wait: float) -> bool:
+    """Whether someone let go of ``lock`` within ``wait`` seconds (a live holder keeps one for milliseconds)."""
+    if lock.acquire(timeout=wait):
+        lock.release()
+        return True
+    return False
+
+
 def stuck_locks(wait: float = 2.0) -> list[str]:
-    """The names of the locks nobody released within ``wait`` seconds (a live holder keeps one for milliseconds)."""
-    stuck = []
-    for owner, name, full_name in _names():
-        lock = getattr(owner, name)
-        if lock.acquire(timeout=wait):
-            lock.release()
-        else:
-            stuck.append(full_name)
-    return stuck
+    """The names of the locks nobody released within ``wait`` seconds."""
+    return [full_name for owner, name, full_name in _names() if not _free_within(getattr(owner, name), wait)]
 
 
 def replace_locks() -> None:
@@ -148,9 +149,7 @@ def free_stuck_locks(wait: float = 2.0) -> list[str]:
     for owner, name, full_name in _names():
         lock = getattr(owner, name)
         current = lock.current
-        if lock.acquire(timeout=wait):
-            lock.release()
-        else:
+        if not _free_within(lock, wait):
             lock.reclaim(current, wait)
             stuck.append(full_name)
     return stuck

@@ -137,10 +137,16 @@ class AveragingSpec(_Frozen):
     join_rounds_early: bool = True
 
     @property
+    def allreduce_limit(self) -> float:
+        """The longest a formed group's all-reduce may last in the averager: with checked reducers, the audits
+        may take as long again."""
+        return self.allreduce_timeout * (2 if self.checked_reducers else 1)
+
+    @property
     def attempt_limit(self) -> float:
-        """The longest one averaging attempt may last: matchmaking, the all-reduce, the audits (as long again)
-        and 10 s for the averager's own bookkeeping; after it the attempt is abandoned."""
-        return self.matchmaking_timeout + self.allreduce_timeout * (2 if self.checked_reducers else 1) + 10
+        """The longest one averaging attempt may last: matchmaking, the all-reduce with its audits, and 10 s for
+        the averager's own bookkeeping; after it the attempt is abandoned."""
+        return self.matchmaking_timeout + self.allreduce_limit + 10
 
     @model_validator(mode="after")
     def _times_fit(self) -> AveragingSpec:

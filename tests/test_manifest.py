@@ -67,6 +67,8 @@ def test_the_averagers_options_follow_the_manifest():
     checked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=10.0, compression="fp4"))
     # the audits get half the all-reduce's time, and re-checking accusations the other half: on top of it
     assert checked["allreduce_timeout"] == 80.0 and checked["audit_timeout"] == 20.0 and checked["audit"] is True
+    # the same bound the host's attempt_limit adds up, so the host never gives up before the averager does
+    assert checked["allreduce_timeout"] == AveragingSpec(allreduce_timeout=40.0).allreduce_limit
     assert checked["request_timeout"] == 3.0  # a join request never waits longer, however long the window
     assert checked["compression"] is CODECS["fp4"]
     assert checked["allow_state_sharing"] is False  # nothing to offer before the first state is announced
