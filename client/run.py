@@ -122,8 +122,14 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
             print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
         maddrs = [a for a in visible_maddrs(dht)]
         if creating:
-            print(f"Run {manifest.run_id} ({manifest.name}) created. Others join with:", flush=True)
-        print(join_command_line(maddrs[:1] or maddrs, manifest.run_id), flush=True)
+            print(f"Run {manifest.run_id} ({manifest.name}) created.", flush=True)
+        join_line = join_command_line(maddrs[:1] or maddrs, manifest.run_id)
+
+        def ready() -> None:
+            # only once this peer has its state and has published it: a peer that joined sooner found no state
+            # here, started the run afresh, and this one downloaded from it
+            print(f"Others join with:\n{join_line}", flush=True)
+
         settings = TrainerSettings(
             workdir=workdir,
             name=args.name,
@@ -136,7 +142,14 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
         run_id = manifest.run_id
         # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
         trainer = Trainer(
-            manifest, dht, hardware, settings, log=say, telemetry=telemetry, on_connected=lambda: watch.start()
+            manifest,
+            dht,
+            hardware,
+            settings,
+            log=say,
+            telemetry=telemetry,
+            on_connected=lambda: watch.start(),
+            on_ready=ready,
         )
         tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
         watch = SwarmWatch(

@@ -91,9 +91,11 @@ class Trainer:
         telemetry: Telemetry | None = None,
         stopper: Stopper = STOP,
         on_connected: Callable[[], object] = lambda: None,
+        on_ready: Callable[[], object] = lambda: None,
     ):
         """``log`` prints the per-window step lines; events go to ``telemetry`` (dashboard, --log-json, echo).
-        ``on_connected`` runs once the averager process is forked: the place to start threads that use the DHT."""
+        ``on_connected`` runs once the averager process is forked: the place to start threads that use the DHT.
+        ``on_ready`` runs once the peer has caught up and published its state: others may join through it now."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
         self.telemetry = telemetry or Telemetry(echo=log)
         self.lag = LagWatch(manifest.inner_steps)  # overlapped rounds: one line if they land late enough to cost
@@ -103,6 +105,7 @@ class Trainer:
         self.parameters = 0
         self.stop = stopper
         self._on_connected = on_connected
+        self._on_ready = on_ready
         self.batches: Prefetcher | None = None
         self.eval_set: list[torch.Tensor] | None = None  # the held-out sequences, once read
         self.ckpt_dir = checkpoint.checkpoint_dir(settings.workdir, manifest.run_id)
@@ -204,6 +207,7 @@ class Trainer:
                 f"Peer {self.peer.peer_id} on {self.hardware.label}, {self.precision.label}, "
                 f"{self.parameters / 1e6:.1f}M parameters, micro-batch {self.micro_batch}, epoch {self.peer.epoch}.",
             )
+            self._on_ready()  # caught up and published (peer.start): others may join through this peer now
             if self.eval_set is not None:
                 self.result.eval_loss_start = evaluate(self.model, self.eval_set, self.hardware.device)
                 self.note("log", f"held-out loss at start: {self.result.eval_loss_start:.4f}")

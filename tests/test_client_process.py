@@ -90,12 +90,16 @@ def test_corrupt_checkpoint_falls_back_to_peers_and_sigterm_leaves_cleanly(tmp_p
     # from the peers: the whole state, or (the fresh model is epoch 0's, which the swarm's checksums still
     # name) the few rounds since, replayed
     fetched = r"state of epoch \d+ loaded from|caught up to epoch \d+ by replaying \d+ rounds"
-    assert re.search(fetched, restarted.stdout), restarted.stdout
+    got = re.search(fetched, restarted.stdout)
+    assert got, restarted.stdout
+    # the line others join with comes once this peer has caught up: a joiner that came sooner found no state
+    assert got.start() < restarted.stdout.index("Others join with:\nswarm-client join"), restarted.stdout
 
     a.send_signal(signal.SIGTERM)
     assert a.wait(timeout=20) == 0, a_log.read_text()[-3000:]
     text = a_log.read_text()
     assert "SIGTERM received" in text and "Checkpoint written" in text
+    assert text.index("Run ") < text.index("Peer Qm") < text.index("Others join with:"), text[:3000]
     assert list((tmp_path / "a" / "runs" / run_id / "checkpoints").glob("state-*.safetensors"))
 
 
