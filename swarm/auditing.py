@@ -7,12 +7,10 @@ accusation itself, and drops the slice of a reducer it caught (read as zeros, as
 vanished reducer's). Every fetch and every wait is bounded: the audits and the verdicts by
 ``audit_timeout``, and re-checks of accusations by another ``audit_timeout`` after that.
 
-Banned peers (ours, and the host's: see ``swarm.bans``) are refused as followers and as
-leaders in matchmaking, as groupmates, and as requesters of state, updates and audit
-data.
+A reducer caught here is banned: ``swarm.refusals`` refuses it from then on.
 
 This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the
-coroutines run in the averager process; ``set_bans`` is called from the host.
+coroutines run in the averager process.
 """
 
 from __future__ import annotations
@@ -83,60 +81,12 @@ class AuditRound:
 
 
 class Auditing:
-    """Checked reducers and bans, in the averager process."""
+    """Checked reducers, in the averager process."""
 
     def _init_auditing(self, audit: bool, audit_timeout: float) -> None:
         self._audit_enabled, self._audit_timeout = audit, audit_timeout
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
-        self._banned: set[str] = set()
         self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
-
-    # ---- bans -------------------------------------------------------------------------------------
-
-    def set_bans(self, peers: typing.Iterable[str]) -> None:
-        """(host) Refuse these peers from now on, in addition to those the averager caught itself."""
-        self._outer_pipe.send(("_set_bans", [], dict(peers=sorted(peers))))
-
-    async def _set_bans(self, peers: list[str]) -> None:
-        self._banned.update(peers)
-
-    def _is_banned(self, peer: PeerID) -> bool:
-        return peer.to_base58() in self._banned
-
-    @property
-    def _matchmaking(self):
-        try:
-            return self.__dict__["_swarm_matchmaking"]
-        except KeyError:
-            raise AttributeError("_matchmaking") from None
-
-    @_matchmaking.setter
-    def _matchmaking(self, matchmaking) -> None:  # hivemind sets it in the averager process: never follow a banned
-        request = matchmaking._request_join_group  # leader, whatever the DHT lists
-
-        async def unless_banned(leader: PeerID):
-            return None if self._is_banned(leader) else await request(leader)
-
-        matchmaking._request_join_group = unless_banned
-        self.__dict__["_swarm_matchmaking"] = matchmaking
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if self._is_banned(context.remote_id):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_join_group(request, context):
-            yield message
-
-    def _check_group(self, members: list[str], group_id: bytes) -> None:
-        banned = [m for m in members if m in self._banned]
-        if banned:  # a leader that has not heard of the ban yet: this group is not ours
-            error = AllreduceException(f"the group holds a banned peer ({banned[0][-8:]})")
-            running = self._running_groups.get(group_id)
-            if running is not None and not running.done():
-                running.set_exception(error)  # groupmates' streams to us end now, not at their timeout
-            raise error
 
     # ---- serving auditors -------------------------------------------------------------------------
 

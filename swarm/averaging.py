@@ -39,6 +39,7 @@ from swarm.helpers import check_alive, start_and_wait
 from swarm.hivemind_locks import free_stuck_locks
 from swarm.manifest import Aggregation, AveragingSpec
 from swarm.pace import pace_matchmaking
+from swarm.refusals import Refusals
 from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)
@@ -177,10 +178,10 @@ class Averaging:
         return AllReduceOutcome(**self._control.result())
 
 
-class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
-    """A DecentralizedAverager over pseudo-gradient buffers that checks its reducers and refuses banned peers
-    (``auditing.Auditing``), and serves and fetches files (``transfer.FileTransfer``): state files, and the
-    rounds' averages kept in ``update_dir`` for replay."""
+class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAverager):
+    """A DecentralizedAverager over pseudo-gradient buffers that checks its reducers (``auditing.Auditing``),
+    refuses banned peers (``refusals.Refusals``), and serves and fetches files (``transfer.FileTransfer``): state
+    files, and the rounds' averages kept in ``update_dir`` for replay."""
 
     def __init__(
         self,
@@ -202,6 +203,7 @@ class PseudoGradientAverager(Auditing, FileTransfer, DecentralizedAverager):
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
         self._init_auditing(audit, audit_timeout)
+        self._init_refusals()
         free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
