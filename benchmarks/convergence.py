@@ -45,7 +45,7 @@ from benchmarks.common import (
 from client.data import SequenceStream, eval_batches, load_tokenizer, shard_order
 from client.model import build_model, count_parameters
 from client.presets import build_manifest
-from client.trainer import lr_at
+from client.step import lr_at
 from swarm import RunManifest, codecs
 from swarm.manifest import Aggregation
 from swarm.outer import OuterState

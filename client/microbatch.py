@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from client.hardware import Hardware, Precision
+from swarm import RunManifest, SwarmError
 
 SAFETY = 0.9  # use 90% of the largest micro-batch that fit
 # activations of one CPU micro-batch: a CPU's matrix kernels are already efficient at a few sequences, while
@@ -113,3 +114,24 @@ def cached_or_search(cache: Path, key: str, compute: Callable[[], int]) -> int:
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(known, indent=1, sort_keys=True))
     return value
+
+
+def auto_micro_batch(
+    model: torch.nn.Module, hardware: Hardware, precision: Precision, manifest: RunManifest, config, cache: Path
+) -> int:
+    """The micro-batch for this device and run: searched on a GPU, estimated on a CPU, remembered in ``cache``."""
+    key = f"{hardware.name}|{manifest.run_id}|{manifest.seq_len}"
+    limit = manifest.samples_per_step
+
+    def compute() -> int:
+        if hardware.kind == "cuda":
+            found = search(gpu_trial(model, hardware, precision, manifest.seq_len, config.vocab_size), limit)
+            if found == 0:
+                raise SwarmError(
+                    "This GPU runs out of memory even with one sample per micro-batch. Use a "
+                    "bigger GPU, a smaller model, or a shorter seq_len."
+                )
+            return found
+        return cpu_estimate(hardware, config, manifest.seq_len, limit)
+
+    return cached_or_search(cache, key, compute)

@@ -14,7 +14,7 @@ import torch
 
 from client.hardware import Hardware, Precision
 from client.microbatch import is_out_of_memory
-from swarm import SwarmError
+from swarm import RunManifest, SwarmError
 
 
 @dataclass
@@ -94,3 +94,12 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: str) -
             losses.append(float(model(input_ids=x, labels=x).loss))
     model.train()
     return sum(losses) / len(losses)
+
+
+def lr_at(manifest: RunManifest, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio of the peak."""
+    spec = manifest.inner
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.total_steps - spec.warmup_steps))
+    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))

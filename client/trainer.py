@@ -26,13 +26,14 @@ from client import checkpoint
 from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, load_tokenizer
 from client.hardware import Hardware, Precision, choose_precision
 from client.lag import LagWatch
-from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
+from client.microbatch import auto_micro_batch
 from client.model import build_model, count_parameters, model_config, parameter_shapes
 from client.moments import FlightMoments
 from client.peer_events import describe
 from client.priority import lower_priority
+from client.round_line import round_line
 from client.signals import STOP, Stopper
-from client.step import InnerStep, evaluate
+from client.step import InnerStep, evaluate, lr_at
 from client.telemetry import Telemetry
 from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
 
@@ -69,15 +70,6 @@ class TrainerResult:
     checksum: str = ""
     reports: list[RoundReport] = field(default_factory=list)
     first_moment_corrections: int = 0  # overlapped rounds whose landing took the stand-in steps out of exp_avg
-
-
-def lr_at(manifest: RunManifest, step: int) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio of the peak."""
-    spec = manifest.inner
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.total_steps - spec.warmup_steps))
-    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Trainer:
@@ -140,27 +132,11 @@ class Trainer:
             )
         self.model = build_model(m).to(self.hardware.device)
         self.parameters = count_parameters(self.model)
-        self.micro_batch = s.micro_batch or self._auto_micro_batch(config)
+        self.micro_batch = s.micro_batch or auto_micro_batch(
+            self.model, self.hardware, self.precision, m, config, s.workdir / "microbatch.json"
+        )
         self.telemetry.micro_batch = self.micro_batch
         (self.ckpt_dir.parent / "manifest.json").write_text(m.canonical_json())
-
-    def _auto_micro_batch(self, config) -> int:
-        key = f"{self.hardware.name}|{self.manifest.run_id}|{self.manifest.seq_len}"
-        limit = self.manifest.samples_per_step
-
-        def compute() -> int:
-            if self.hardware.kind == "cuda":
-                trial = gpu_trial(self.model, self.hardware, self.precision, self.manifest.seq_len, config.vocab_size)
-                found = search(trial, limit)
-                if found == 0:
-                    raise SwarmError(
-                        "This GPU runs out of memory even with one sample per micro-batch. Use a "
-                        "bigger GPU, a smaller model, or a shorter seq_len."
-                    )
-                return found
-            return cpu_estimate(self.hardware, config, self.manifest.seq_len, limit)
-
-        return cached_or_search(self.settings.workdir / "microbatch.json", key, compute)
 
     def _state_extra(self) -> dict[str, Any]:
         """What this peer keeps beside each state file: where it is in the data, and its gradient scaler."""
@@ -339,22 +315,7 @@ class Trainer:
         self.result.reports.append(report)
         self.telemetry.round(report)
         self.lag.add(report.steps_late if report.averaged else None)  # a local round's lag is its matchmaking timeout
-        s = report.seconds
-        how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
-        audits = f"(audits {s['audit']:.1f}s) " if s.get("audit", 0) > 0 else ""  # checked reducers, within it
-        self.note(
-            "round" if report.averaged else "fallback",
-            f"round -> epoch {report.epoch}: {how}{', re-synced' if report.resynced else ''}; "
-            f"compute {s.get('compute', 0):.1f}s matchmaking {s.get('matchmaking', 0):.1f}s "
-            f"all-reduce {s.get('allreduce', 0):.1f}s {audits}outer {s.get('outer', 0):.2f}s "
-            f"sent {report.bytes_sent / 1e6:.2f}MB received {report.bytes_received / 1e6:.2f}MB "
-            + (
-                f"landed {report.steps_late}/{self.manifest.inner_steps} steps late "
-                if report.steps_late is not None
-                else ""
-            )
-            + f"checksum {report.checksum[:10]}",
-        )
+        self.note(*round_line(report, self.manifest.inner_steps))
         advice = self.lag.advice()
         if advice is not None:
             self.note("log", advice)

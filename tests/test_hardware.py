@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from client.hardware import choose_precision, detect
-from client.microbatch import cached_or_search, cpu_estimate, gpu_trial, search
+from client.microbatch import auto_micro_batch, cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, model_config
 from client.presets import build_manifest
 from swarm import SwarmError
@@ -109,3 +109,20 @@ def test_cpu_path_estimates_from_free_memory_and_caches(tmp_path):
     assert cached_or_search(cache, "cpu|tiny|128", lambda: calls.append(1) or 999) == found
     assert cached_or_search(cache, "cpu|tiny|64", lambda: calls.append(1) or 3) == 3
     assert len(calls) == 2
+
+
+def test_a_card_with_no_room_for_one_sample_gets_one_line_and_a_fitting_one_is_searched_once(tmp_path):
+    """The client's choice on a CUDA card (faked: the kind says cuda, the trials run on the CPU, a ceiling OOMs)."""
+    manifest = build_manifest("tiny", overrides=["seq_len=16"])
+    cpu = detect("cpu")
+    card = cpu.__class__(**{**cpu.__dict__, "kind": "cuda", "name": "Fake GPU"})
+    config, precision = model_config(manifest), choose_precision(cpu, False)
+    full = MemoryCeiling(build_model(manifest), 0)
+    with pytest.raises(SwarmError, match="runs out of memory even with one sample per micro-batch"):
+        auto_micro_batch(full, card, precision, manifest, config, tmp_path / "full.json")
+    assert not (tmp_path / "full.json").exists()  # nothing remembered: a freed card is searched again
+    roomy = MemoryCeiling(build_model(manifest), 5)
+    assert auto_micro_batch(roomy, card, precision, manifest, config, tmp_path / "mb.json") == 4  # 5 x 0.9
+    probes = len(roomy.calls)
+    assert auto_micro_batch(roomy, card, precision, manifest, config, tmp_path / "mb.json") == 4
+    assert len(roomy.calls) == probes  # remembered for this card and run: no second search
