@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from client.cli import held_out_sequences
 from client.logs import setup_logging
+from client.options import held_out_sequences
 from client.signals import STOP
 from swarm import NetworkConfig, RunSecret, SwarmError
 

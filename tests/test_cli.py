@@ -11,7 +11,8 @@ import pytest
 from client_helpers import LOCAL, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 
-from client.cli import ENV_VARS, EVAL_SEQUENCES_DEFAULT, build_parser, held_out_sequences
+from client.cli import build_parser
+from client.options import ENV_VARS, EVAL_SEQUENCES_DEFAULT, held_out_sequences
 from swarm import NetworkConfig, publish_manifest, start_dht, visible_maddrs
 
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMgLAsHqV95yhKK1Chk3q2GRsUsfnukFcEN4U5RqpfDt5"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from client_helpers import FAST
 
-from client.cli import ENV_VARS, build_parser
+from client.cli import build_parser
+from client.options import ENV_VARS
 from swarm.network import DEFAULT_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
