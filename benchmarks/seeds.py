@@ -36,9 +36,11 @@ def load_runs(folder: Path) -> dict[int, dict[str, dict[int, float]]]:
 
 
 def reference_name(name: str) -> str | None:
-    """The blocking FP32 run a DiLoCo variant is compared with: the same H."""
+    """The blocking FP32 run a DiLoCo variant is compared with: the same H, and the same outer settings if the
+    variant names its own (``-outer0.7m0.9``: outer lr 0.7, Nesterov momentum 0.9)."""
     match = re.match(r"diloco-h(\d+)-", name)
-    return f"diloco-h{match[1]}-fp32" if match else None
+    outer = re.search(r"-outer[0-9.]+m[0-9.]+", name)
+    return f"diloco-h{match[1]}-fp32{outer[0] if outer else ''}" if match else None
 
 
 def ratios(curve: dict[int, float], ref: dict[int, float]) -> dict[str, float] | None:

@@ -423,13 +423,15 @@ def test_seeds_pairs_each_run_with_blocking_fp32_of_its_seed(tmp_path: Path):
         record = dict(runs=[dict(name=n, tokens=tokens, eval_loss=v) for n, v in runs.items()])
         (tmp_path / name).write_text(json.dumps(record))
 
-    write("s0-a.json", {"diloco-h10-fp32": [5.0, 4.0, 3.0, 2.0, 2.0]})
-    write("s0-b.json", {"diloco-h10-fp4-eager1-share": [5.0, 4.0, 3.3, 2.2, 2.1]})
+    write("s0-a.json", {"diloco-h10-fp32": [5.0, 4.0, 3.0, 2.0, 2.0], "diloco-h10-fp32-outer0.7m0.9": [5.0] * 5})
+    nesterov = "diloco-h10-fp4-eager1-outer0.7m0.9-share-forget"  # paired with blocking under its own outer settings
+    write("s0-b.json", {"diloco-h10-fp4-eager1-share": [5.0, 4.0, 3.3, 2.2, 2.1], nesterov: [5.0] * 4 + [5.5]})
     write("s1-all.json", {"diloco-h10-fp32": [5.0, 4.0, 3.0, 2.0, 1.0], "diloco-h10-fp4-eager1-share": [5] * 4 + [1.2]})
     write("s2-b.json", {"diloco-h10-fp4-eager1-share": [5.0, 4.0, 3.0, 2.0, 9.0]})  # no reference: left out
     write("notes.json", {"diloco-h10-fp32": [1.0] * 5})  # not a seed's file
     summary = summarize(load_runs(tmp_path))
-    assert set(summary) == {"diloco-h10-fp4-eager1-share"}
+    assert set(summary) == {"diloco-h10-fp4-eager1-share", nesterov}
+    assert summary[nesterov]["per_seed"][0]["end"] == pytest.approx(1.1) and summary[nesterov]["seeds"] == 1
     entry = summary["diloco-h10-fp4-eager1-share"]
     assert entry["seeds"] == 2 and set(entry["per_seed"]) == {0, 1}
     assert entry["per_seed"][0]["end"] == pytest.approx(1.05)
