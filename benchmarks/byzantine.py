@@ -27,7 +27,9 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   also given over this one (``ratio_to_absent``);
 - ``.../...+unchecked``: the same without checked reducers
   (``averaging.checked_reducers=false``): with ``honest/centered-clip`` it gives what the
-  audits cost per round, in seconds and in bytes downloaded.
+  audits cost per round, in seconds and in bytes downloaded;
+- ``.../...+sampledN``: audits of a random sample of N parts of each slice
+  (``averaging.audit_parts=N``, 2 if N is left out) instead of every part.
 
 A loss that is not finite (the swarm diverged) is recorded as null and shown as
 "diverged". Run: ``python -m benchmarks.byzantine``.
@@ -70,6 +72,7 @@ BANNED_OR_ABSENT = ("reducer", "hide", "nonfinite", "absent")
 LIAR_GRACE = 5.0
 REPO = Path(__file__).resolve().parent.parent
 MATCHMAKING_TIME = 10.0
+SAMPLED_PARTS = 2  # "+sampled": parts of each slice an audit checks
 # a scenario whose liar never sat in a full group tested nothing: it is run again, at most this many times in all
 ATTEMPTS = 3
 _JOIN = re.compile(r"swarm-client join --initial-peers (?P<maddrs>.+) --run (?P<run>[0-9a-f]{16})")
@@ -113,9 +116,11 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     workdir = root / scenario.replace("/", "-").replace("#", "-").replace("+", "-")
     workdir = workdir.with_name(f"{workdir.name}-attempt{attempt}") if attempt > 1 else workdir
     workdir.mkdir(parents=True)
+    audit_parts = int(variant.removeprefix("sampled") or SAMPLED_PARTS) if variant.startswith("sampled") else 0
     sets = [
         f"averaging.aggregation={aggregation}",
         f"averaging.checked_reducers={'false' if variant == 'unchecked' else 'true'}",
+        f"averaging.audit_parts={audit_parts}",
         f"averaging.min_group_size={args.peers - 1 if attack in BANNED_OR_ABSENT else args.peers}",
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         # a round closes as soon as every peer is in, and a leader waits longer for a late one: on a loaded machine
@@ -203,6 +208,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         attack=attack,
         aggregation=aggregation,
         checked_reducers=variant != "unchecked",
+        audit_parts=audit_parts,  # 0: every part
         liar=liar,
         # whether an honest peer ever averaged in a group of every peer, the liar in it (None: no liar)
         liar_met=any(n == args.peers for h in honest for n in h["group_sizes"]) if liar else None,
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.inner_steps, args.eval_sequences = 2, 3, 4  # caught within 2 rounds: the goal
         args.scenarios = ",".join(
             ["honest/mean", *(f"{a}/centered-clip" for a in ("reducer", "hide", "nonfinite", "cut"))]
+            + ["reducer/centered-clip+sampled"]  # the audits of a sample of each slice's parts catch it too
         )
     clock = Stopwatch()
     scenarios = args.scenarios.split(",")

@@ -46,6 +46,8 @@ SOURCES = {
     "churn": "churn-overlap/churn.json",
     # each mode with the reducers' audits on (the default) and off, side by side in one run: what checking costs
     "audit_cost": "wan-audit-cost/wan.json",
+    # audits of every part, of a sample of each slice's parts (averaging.audit_parts) and none, in one run
+    "audit_sampled": "wan-audit-sampled/wan.json",
 }
 
 
@@ -97,6 +99,31 @@ def put_audit_cost(put, wan: dict | None) -> None:
                 put(f"audit_share_of_allreduce_{label}_{key}", share, f"{source} figures[{mode}] @ {label}")
                 wire = checked["wire_tx_bytes"] / unchecked["wire_tx_bytes"]
                 put(f"wire_tx_ratio_checked_vs_unchecked_{label}_{key}", wire, where)
+
+
+def put_sampled_audits(put, wan: dict | None) -> None:
+    """What auditing a sample of each slice's parts saves: its audit downloads over those of audits of every part,
+    and each mode's utilization over the same mode's without audits, per link."""
+    if wan is None:
+        return
+    source = SOURCES["audit_sampled"]
+    for rate, label in LINKS.items():
+        for mode, key in (("fp16", "blocking_fp16"), ("fp4-overlap", "overlap")):
+            whole, sampled = _phase(wan, mode, rate), _phase(wan, f"{mode}-sampled", rate)
+            unchecked = _phase(wan, f"{mode}-unchecked", rate)
+            if whole is None or sampled is None:
+                continue
+            where = f"{source} figures[{mode}-sampled] / figures[{mode}] @ {label}"
+            if whole.get("audit_bytes"):
+                put(
+                    f"audit_bytes_ratio_sampled_vs_all_{label}_{key}",
+                    sampled["audit_bytes"] / whole["audit_bytes"],
+                    where,
+                )
+            if unchecked is not None:
+                where = f"{source} figures[{mode}-sampled] / figures[{mode}-unchecked] @ {label}"
+                ratio = sampled["utilization"] / unchecked["utilization"]
+                put(f"utilization_ratio_sampled_vs_unchecked_{label}_{key}", ratio, where)
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -203,6 +230,7 @@ def gather(out: Path) -> dict:
                 put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}", link["mean_ratio"], source)
     put_lag(put, _load(out, "nice"), _load(out, "nice_walltime"))
     put_audit_cost(put, _load(out, "audit_cost"))
+    put_sampled_audits(put, _load(out, "audit_sampled"))
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

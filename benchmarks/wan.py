@@ -53,9 +53,13 @@ MODES = {  # name: (averaging.compression, averaging.overlap)
     "sparse-overlap": ("sparse", True),
     "fp16-unchecked": ("fp16", False),  # without the audits of reducers: what checking them costs on each link
     "fp4-overlap-unchecked": ("fp4", True),
+    "fp16-sampled": ("fp16", False),  # audits of a random sample of each slice's parts (averaging.audit_parts)
+    "fp4-overlap-sampled": ("fp4", True),
 }
 CLI_FLAGS = {"fp4-overlap-nice0": ["--nice", "0"]}  # per mode, for every peer
+SAMPLED_PARTS = 2  # of the 10-13 parts of each slice of tiny's, among 4 peers
 SETTINGS = {mode: ["averaging.checked_reducers=false"] for mode in MODES if mode.endswith("-unchecked")}
+SETTINGS |= {mode: [f"averaging.audit_parts={SAMPLED_PARTS}"] for mode in MODES if mode.endswith("-sampled")}
 BYTES_PER_VALUE = {"none": 4, "fp16": 2, "fp4": 0.5 + 1 / 1024, "sparse": None}  # sparse: what the data says
 PARTS = ("compute", "matchmaking", "allreduce", "landing", "outer", "consistency", "waited")
 
@@ -143,6 +147,7 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
                     wall_seconds=r["wall_seconds"],
                     seconds={k: r["seconds"].get(k, 0.0) for k in PARTS},
                     audit_seconds=r["seconds"].get("audit", 0.0),  # within the all-reduce: checking the reducers
+                    audit_bytes=r.get("audit_bytes", 0),  # parts those audits downloaded
                     bytes_sent=r.get("bytes_sent"),
                     bytes_received=r.get("bytes_received"),
                     wire_tx_bytes=wire[0] if wire else None,
@@ -215,6 +220,7 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         goodput_share_of_link=mean("goodput_share_of_link"),
         steps_late=mean("steps_late"),
         audit_seconds=mean("audit_seconds"),
+        audit_bytes=mean("audit_bytes"),
     )
 
 

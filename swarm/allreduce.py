@@ -20,7 +20,6 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm.audit import update_digest
+from swarm.audit import part_digest
 from swarm.codecs import CODECS
 from swarm.manifest import Aggregation
 from swarm.robust import RefusedPart, RobustPartReducer
@@ -162,10 +161,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0
         # for checked reducers (swarm.audit): the exact parts sent to each reducer, by its index in the group, and
-        # as a reducer, a running digest of each sender's parts, their count, and each sender's weight
+        # as a reducer, the digest of each part each sender sent us, and each sender's weight
         self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
-        self.input_digests = [hashlib.sha256() for _ in self.sender_peer_ids]
-        self.input_counts = [0 for _ in self.sender_peer_ids]
+        self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
@@ -175,8 +173,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._awaiting_reducer: dict[PeerID, asyncio.Task] = {}
 
     def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
-        update_digest(self.input_digests[sender_index], part)
-        self.input_counts[sender_index] += 1
+        self.input_digests[sender_index].append(part_digest(part))
         self.input_weights[sender_index] = float(weight)
 
     async def _record_sent(

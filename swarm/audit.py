@@ -7,13 +7,16 @@ checksum check cannot see (everyone holds the same wrong bits). Here, every roun
 1. every sender records the exact bytes it sent each reducer; a reducer's own slice goes
    through the run's codec too, so its contribution is bytes like everyone else's;
 2. each reducer signs a **receipt** with its identity key: the digest of every sender's
-   parts as it received them, their weights, and the digest of the average it sent back;
+   parts as it received them, their weights, and the digest of the average it sent back
+   (each a digest of the parts' own digests, so that one part can be checked alone);
 3. for every reducer one other groupmate, chosen from the group id, is its **auditor**:
-   it fetches the receipt and the senders' parts, checks the parts against the receipt's
-   digests and the output digest against what it received, recomputes the robust mean
-   and compares it with the average everyone got (``judge``);
+   it fetches the receipt with the per-part digests under it and the senders' parts (all
+   of them, or a sample of ``averaging.audit_parts`` parts it draws after the receipt is
+   signed), checks the parts against the digests and the output digest against what it
+   received, recomputes the robust mean and compares it with the average everyone got
+   (``judge``);
 4. a failed audit is sent to the whole group; each groupmate then audits that reducer
-   itself and, if it agrees, drops the slice from this round (it is read as zeros, as
+   itself (the accuser's sample included) and, if it agrees, drops the slice from this round (it is read as zeros, as
    when a reducer vanishes), bans the reducer and publishes a signed accusation (the
    reducer's own signed receipt inside). A false accusation fails every groupmate's own
    audit, and bans its author instead.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +50,7 @@ from swarm.manifest import Aggregation
 from swarm.robust import RefusedPart, check_part, robust_mean
 
 logger = logging.getLogger(__name__)
-RECEIPT_VERSION = 1
+RECEIPT_VERSION = 2  # 2: digests of the parts' digests (1: of the parts' bytes in one run)
 MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
 
 
@@ -70,19 +74,35 @@ FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every
 MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
 
 
-def update_digest(h, part: runtime_pb2.Tensor) -> None:
-    """Feed one serialized part (its codec, dtype, shape and bytes) into a running SHA-256."""
+def part_digest(part: runtime_pb2.Tensor) -> bytes:
+    """SHA-256 of one serialized part: its codec, dtype, shape and bytes."""
     header = MSGPackSerializer.dumps([int(part.compression), part.dtype, list(part.size), len(part.buffer)])
-    h.update(len(header).to_bytes(4, "little") + header)
+    h = hashlib.sha256(len(header).to_bytes(4, "little") + header)
     h.update(part.buffer)
+    return h.digest()
+
+
+def digest_of(digests: Iterable[bytes]) -> bytes:
+    """SHA-256 over per-part digests, in order: what a receipt signs for a list of parts."""
+    h = hashlib.sha256()
+    for digest in digests:
+        h.update(digest)
+    return h.digest()
 
 
 def digest_parts(parts: Iterable[runtime_pb2.Tensor]) -> bytes:
-    """SHA-256 over serialized parts, in order."""
-    h = hashlib.sha256()
-    for part in parts:
-        update_digest(h, part)
-    return h.digest()
+    """The digest a receipt signs for these parts, in order (``digest_of`` their ``part_digest``s)."""
+    return digest_of(part_digest(part) for part in parts)
+
+
+def sample_parts(count: int, size: int, also: Iterable[int] = ()) -> list[int]:
+    """The parts of a slice of ``count`` an auditor checks: all if ``size`` is 0 or not below ``count``, else
+    ``size`` drawn at random here (after the reducer signed: it cannot know them), plus ``also`` (an accuser's
+    sample, so a re-check sees what the accuser saw), sorted."""
+    if size == 0 or size >= count:
+        return list(range(count))
+    drawn = set(random.SystemRandom().sample(range(count), size))
+    return sorted(drawn | {i for i in also if isinstance(i, int) and 0 <= i < count})
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,29 @@ def close_enough(sent: torch.Tensor, exact: torch.Tensor, requantized: torch.Ten
     return float((sent - exact).abs().max()) <= 2 * own_error + 1e-6 * scale
 
 
+def served_as_signed(
+    receipt: Receipt, sender: str, parts: Sequence[runtime_pb2.Tensor] | None, indices: Sequence[int], count: int,
+    listed: Sequence[bytes] | None,
+) -> bool:  # fmt: skip
+    """Whether ``parts`` are ``sender``'s parts ``indices`` (of ``count``) as the reducer signed for them: all of
+    them against the receipt's digest, or a sample against the per-part digests ``listed`` under it."""
+    digest = receipt.inputs[receipt.senders.index(sender)]
+    if parts is None or len(parts) != len(indices):
+        return False
+    if len(indices) == count:
+        return digest_parts(parts) == digest
+    if not _listed_as_signed(receipt, sender, listed, count):
+        return False
+    return all(part_digest(part) == listed[i] for part, i in zip(parts, indices))
+
+
+def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | None, count: int) -> bool:
+    """Whether ``listed`` are ``count`` per-part digests whose digest the receipt signs for ``sender``."""
+    digest = receipt.inputs[receipt.senders.index(sender)]
+    valid = isinstance(listed, list | tuple) and len(listed) == count and all(isinstance(d, bytes) for d in listed)
+    return valid and digest_of(listed) == digest
+
+
 def judge(
     receipt: Receipt,
     received_output: Sequence[runtime_pb2.Tensor],
@@ -180,16 +223,27 @@ def judge(
     numels: Sequence[int],
     aggregation: Aggregation,
     encode,
+    indices: Sequence[int] | None = None,
+    listed: dict[str, Sequence[bytes]] | None = None,
 ) -> Verdict:
-    """Audit one reducer: ``received_output`` is its average as this peer received it, ``served`` each
-    sender's parts for it as fetched (this peer's own included), ``encode`` the run's codec for an average."""
+    """Audit one reducer: ``received_output`` is its average as this peer received it (every part), ``numels``
+    each part's size, ``encode`` the run's codec for an average. ``served`` is each sender's parts for it as
+    fetched (this peer's own included): all of them, or the parts ``indices`` only, a sample checked against the
+    per-part digests the reducer ``listed`` for each sender under its receipt."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
+    if len(received_output) != len(numels):
+        return Verdict.wrong_average  # another count of parts than it was sent
     if any(not digest for digest in receipt.inputs):
         return Verdict.inconclusive  # a sender dropped mid-way: not checked (rare; the reducer saw it too)
-    for sender, digest in zip(receipt.senders, receipt.inputs):
+    indices = range(len(numels)) if indices is None else indices
+    if len(indices) < len(numels) and not all(
+        _listed_as_signed(receipt, sender, (listed or {}).get(sender), len(numels)) for sender in receipt.senders
+    ):
+        return Verdict.withheld  # the reducer signed its receipt but lists other digests under it: uncheckable
+    for sender in receipt.senders:
         parts = served.get(sender)
-        if parts is None or digest_parts(parts) != digest:
+        if not served_as_signed(receipt, sender, parts, indices, len(numels), (listed or {}).get(sender)):
             logger.debug(
                 "%s's parts for %s: %s",
                 sender,
@@ -197,12 +251,12 @@ def judge(
                 "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
             )
             return Verdict.withheld if sender == receipt.reducer else Verdict.inconclusive
-    exact = recompute([served[s] for s in receipt.senders], receipt.weights, numels, aggregation)
-    if exact is None or len(received_output) != len(numels):
+    exact = recompute([served[s] for s in receipt.senders], receipt.weights, [numels[i] for i in indices], aggregation)
+    if exact is None:
         return Verdict.wrong_average
-    for part, value in zip(received_output, exact):
+    for i, value in zip(indices, exact):
         try:
-            sent = _decode(part)
+            sent = _decode(received_output[i])
         except Exception:
             return Verdict.wrong_average
         if not close_enough(sent, value, _decode(encode(value))):

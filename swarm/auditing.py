@@ -36,9 +36,12 @@ from swarm.audit import (
     Receipt,
     Verdict,
     auditor_of,
+    digest_of,
     digest_parts,
     judge,
     open_receipt,
+    sample_parts,
+    served_as_signed,
 )
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
+MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
@@ -69,9 +73,11 @@ class AuditRound:
     members: list[str]
     runner: ExactAllReduceRunner
     receipt: bytes | None = None  # ours, signed, once our own all-reduce is complete
+    listed: list[list[bytes]] = field(default_factory=list)  # ours: each sender's per-part digests, receipt order
     outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
     own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
+    accused: dict[str, list[int]] = field(default_factory=dict)  # reducer -> the parts its accuser checked
     news: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False  # our receipt is final (or there will be none)
     fetched_bytes: int = 0  # parts downloaded by our audits: their cost in traffic
@@ -83,8 +89,9 @@ class AuditRound:
 class Auditing:
     """Checked reducers, in the averager process."""
 
-    def _init_auditing(self, audit: bool, audit_timeout: float) -> None:
+    def _init_auditing(self, audit: bool, audit_timeout: float, audit_parts: int = 0) -> None:
         self._audit_enabled, self._audit_timeout = audit, audit_timeout
+        self._audit_parts = audit_parts  # parts of each reducer's slice an audit checks (0: all)
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
         self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
 
@@ -113,20 +120,25 @@ class Auditing:
         record = self._audit_rounds.get(fields["group_id"])
         if record is None or context.remote_id.to_base58() not in record.members:
             return
-        if fields.get("what") == "receipt":
+        if fields.get("what") == "receipt":  # with the per-part digests under it, for audits of a sample
             deadline = time.monotonic() + self._audit_timeout
             while not record.done and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if record.receipt is not None:
-                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(receipt=record.receipt)))
+                reply = dict(receipt=record.receipt, listed=record.listed)
+                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
         elif fields.get("what") == "output":  # our own slice's average again, as we signed it in the receipt
             deadline = time.monotonic() + self._audit_timeout
             while not record.done and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             for part in record.own_output or ():
                 yield averaging_pb2.DownloadData(tensor_part=part)
-        elif fields.get("what") == "parts":
+        elif fields.get("what") == "parts":  # all of them, or those ``indices`` (an audit of a sample)
             parts = record.sent_to(str(fields.get("reducer")))
+            indices = fields.get("indices")
+            if parts is not None and indices is not None:
+                valid = isinstance(indices, list) and all(isinstance(i, int) and 0 <= i < len(parts) for i in indices)
+                parts = [parts[i] for i in indices] if valid else None
             logger.debug(
                 "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts), fields.get("reducer"),
                 record.done,
@@ -149,6 +161,9 @@ class Auditing:
                 verdict = None
             if verdict is not None and auditor_of(record.members, record.runner.group_id, reducer) == sender:
                 record.verdicts[reducer] = verdict
+                parts = fields.get("parts")
+                if isinstance(parts, list) and len(parts) <= MAX_ACCUSED_PARTS:  # checked against the slice later
+                    record.accused[reducer] = [i for i in parts if isinstance(i, int)]
                 record.news.set()
         return averaging_pb2.DownloadData()
 
@@ -161,19 +176,30 @@ class Auditing:
             fields["token"] = self._secret.transfer_token(self._p2p.peer_id.to_bytes(), target.to_bytes())
         return await stub.rpc_audit_fetch(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
 
-    async def _fetch_receipt(self, record: AuditRound, reducer: str) -> tuple[Receipt | None, bytes | None]:
+    async def _fetch_receipt(self, record: AuditRound, reducer: str) -> tuple[Receipt | None, bytes | None, dict]:
+        """``reducer``'s signed receipt, its blob, and the per-part digests it lists under it, by sender (checked
+        against the receipt by ``audit.judge`` where a sample needs them)."""
         stream = await self._request(reducer, dict(group_id=record.runner.group_id, what="receipt"))
         async for message in stream:
-            blob = self.serializer.loads(message.metadata).get("receipt")
+            reply = self.serializer.loads(message.metadata)
+            blob = reply.get("receipt") if isinstance(reply, dict) else None
             receipt = open_receipt(blob) if isinstance(blob, bytes) else None
             ok = receipt is not None and receipt.group_id == record.runner.group_id and receipt.reducer == reducer
             if ok and set(receipt.senders) <= set(record.members):
-                return receipt, blob
+                listed = reply.get("listed")
+                usable = isinstance(listed, list) and len(listed) == len(receipt.senders)
+                listed = dict(zip(receipt.senders, listed)) if usable else {}
+                return receipt, blob, {s: d for s, d in listed.items() if isinstance(d, list)}
             break
-        return None, None
+        return None, None, {}
 
-    async def _fetch_parts(self, record: AuditRound, sender: str, reducer: str, limit: int, what="parts") -> list:
-        stream = await self._request(sender, dict(group_id=record.runner.group_id, what=what, reducer=reducer))
+    async def _fetch_parts(
+        self, record: AuditRound, sender: str, reducer: str, limit: int, what="parts", indices=None
+    ) -> list:
+        fields = dict(group_id=record.runner.group_id, what=what, reducer=reducer)
+        if indices is not None:
+            fields["indices"] = list(indices)
+        stream = await self._request(sender, fields)
         parts, total = [], 0
         async for message in stream:
             total += len(message.tensor_part.buffer)
@@ -183,53 +209,63 @@ class Auditing:
             parts.append(message.tensor_part)
         return parts
 
-    async def _audit_one(self, record: AuditRound, reducer: str, deadline: float) -> tuple[Verdict, bytes | None]:
-        """Fetch the receipt and every other sender's parts for ``reducer``, and judge; fetches end by ``deadline``."""
+    async def _audit_one(
+        self, record: AuditRound, reducer: str, deadline: float, also: typing.Sequence[int] = ()
+    ) -> tuple[Verdict, bytes | None, list[int]]:
+        """Fetch the receipt and every other sender's parts for ``reducer`` (all, or a sample drawn now, with the
+        parts ``also``), and judge; fetches end by ``deadline``. Returns the verdict, the receipt's blob and the
+        parts of the sample it checked (none when it checked every part)."""
         me = self.peer_id.to_base58()
         ours = record.sent_to(reducer)
         if ours is None:
-            return Verdict.inconclusive, None
+            return Verdict.inconclusive, None, []
         try:
-            receipt, blob = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+            receipt, blob, listed = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
         except Exception:
             logger.debug("no receipt from %s", reducer, exc_info=True)
-            receipt = blob = None
+            receipt, blob, listed = None, None, {}
         if receipt is None:
             logger.debug("audited %s: no valid receipt", reducer)
-            return Verdict.unanswered, None
+            return Verdict.unanswered, None, []
+        count = len(ours)  # parts in its slice
+        checked = sample_parts(count, self._audit_parts, also)
+        whole = len(checked) == count
+        ours = ours if whole else [ours[i] for i in checked]
+        indices = None if whole else checked  # None: the sender's every part, as when the audit checks them all
         limit = 4 * sum(len(p.buffer) for p in ours) + (1 << 16)
         others = [s for s in receipt.senders if s != me]
+        fetch = lambda sender: self._fetch_parts(record, sender, reducer, limit, indices=indices)  # noqa: E731
         fetched = await asyncio.gather(
-            *(asyncio.wait_for(self._fetch_parts(record, s, reducer, limit), _left(deadline)) for s in others),
-            return_exceptions=True,
+            *(asyncio.wait_for(fetch(s), _left(deadline)) for s in others), return_exceptions=True
         )
         if reducer in others:  # its own parts decide "withheld", which drops its slice: a fetch cut short (a
             i = others.index(reducer)  # stream error on a loaded host) is tried once more before that is said
-            mine = receipt.inputs[receipt.senders.index(reducer)]
-            if isinstance(fetched[i], BaseException) or digest_parts(fetched[i]) != mine:
+            parts = None if isinstance(fetched[i], BaseException) else fetched[i]
+            if not served_as_signed(receipt, reducer, parts, checked, count, listed.get(reducer)):
                 logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
-                retry = self._fetch_parts(record, reducer, reducer, limit)
-                fetched[i] = (await asyncio.gather(asyncio.wait_for(retry, _left(deadline)), return_exceptions=True))[0]
+                again = asyncio.wait_for(fetch(reducer), _left(deadline))
+                fetched[i] = (await asyncio.gather(again, return_exceptions=True))[0]
         served = {me: ours}
         for sender, parts in zip(others, fetched):
             if isinstance(parts, BaseException):
                 logger.debug("no audit parts from %s: %r", sender, parts)
             else:
                 served[sender] = parts
-        numels = [math.prod(p.size) for p in ours]
+        numels = [math.prod(p.size) for p in record.sent_to(reducer)]  # every part's, as we sent them
         compression = record.runner.tensor_part_container.compression.compression_type
 
         def check() -> Verdict:
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
-                lambda values: encode_average(values, compression),
+                lambda values: encode_average(values, compression), indices=checked, listed=listed,
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
         logger.debug(
-            "audited %s: %s (parts from %d of %d senders)", reducer, verdict, len(served), len(receipt.senders)
-        )
-        return verdict, blob
+            "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
+            len(receipt.senders), len(checked), len(numels),
+        )  # fmt: skip
+        return verdict, blob, indices or []
 
     async def _repair_slice(self, record: AuditRound, reducer: str, deadline: float) -> list[HeldPart] | RepairFailure:
         """``reducer``'s whole average, fetched again from it when our copy came in part (its stream to us was
@@ -239,7 +275,7 @@ class Auditing:
         have = record.outputs[reducer]
         numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
         try:
-            receipt, _ = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+            receipt, _, _ = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
             if receipt is None:
                 logger.debug("no receipt from %s to repair its slice with", reducer)
                 return RepairFailure.no_receipt
@@ -289,9 +325,15 @@ class Auditing:
             self._unanswered[reducer] = strikes
         return strikes
 
-    async def _tell_group(self, record: AuditRound, reducer: str, verdict: Verdict, deadline: float) -> None:
+    async def _tell_group(
+        self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float
+    ) -> None:
+        """Our verdict on ``reducer`` to every groupmate; an accusation names the parts we checked, so that each
+        groupmate's own check of it includes them."""
         me = self.peer_id.to_base58()
         fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
+        if verdict in GUILTY or verdict in UNCHECKABLE:
+            fields["parts"] = checked[:MAX_ACCUSED_PARTS]
 
         async def tell(peer: str) -> None:
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
@@ -321,7 +363,8 @@ class Auditing:
         if me in reducers:
             senders = [p.to_base58() for p in runner.sender_peer_ids]
             full = len(runner.parts_for_local_averaging)
-            inputs = [h.digest() if n == full else b"" for h, n in zip(runner.input_digests, runner.input_counts)]
+            record.listed = [d if len(d) == full else [] for d in runner.input_digests]
+            inputs = [digest_of(d) if d else b"" for d in record.listed]
             receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
                               digest_parts(record.outputs[me]))  # fmt: skip
             record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
@@ -332,14 +375,14 @@ class Auditing:
         deadline = time.monotonic() + self._audit_timeout
         mine = [r for r in reducers if auditor_of(members, runner.group_id, r) == me]
         results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
-        await asyncio.gather(*(self._tell_group(record, r, v, deadline) for r, (v, _) in zip(mine, results)))
+        await asyncio.gather(*(self._tell_group(record, r, v, c, deadline) for r, (v, _, c) in zip(mine, results)))
         # (peer, verdict, receipt, drop its slice, ban it): our own audits first. A reducer that did not answer
         # our audit is usually one that vanished: nothing is dropped on that alone (the group must agree), but one
         # that is still around and leaves UNANSWERED_STRIKES audits of ours in a row unanswered is banned
         found = []
         # A reducer that withheld its own parts cannot be checked: its slice is dropped, but that alone is no
         # proof (an honest one was once seen serving other bytes, cause unknown), so it is a strike, as unanswered
-        for reducer, (verdict, blob) in zip(mine, results):
+        for reducer, (verdict, blob, _) in zip(mine, results):
             strikes = self._strike(reducer, verdict)
             blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
             drop = verdict in GUILTY or verdict in UNCHECKABLE
@@ -360,7 +403,7 @@ class Auditing:
             heard = record.verdicts.get(reducer)
             if heard not in GUILTY and heard not in UNCHECKABLE:
                 continue
-            own, blob = await self._audit_one(record, reducer, recheck_deadline)
+            own, blob, _ = await self._audit_one(record, reducer, recheck_deadline, record.accused.get(reducer, ()))
             if own == Verdict.passed and heard in GUILTY:
                 found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
             elif own in GUILTY:

@@ -60,6 +60,7 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
         aggregation=avg.aggregation,
         audit=avg.checked_reducers,
         audit_timeout=avg.allreduce_timeout / 2,  # the other half re-checks accusations
+        audit_parts=avg.audit_parts,
         target_group_size=avg.target_group_size,
         min_group_size=avg.min_group_size,
         min_matchmaking_time=avg.matchmaking_time,
@@ -194,6 +195,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         aggregation: Aggregation = Aggregation.centered_clip,
         audit: bool = True,
         audit_timeout: float = 60.0,
+        audit_parts: int = 0,
         secret: RunSecret | None = None,
         start: bool = False,
         **kwargs: Any,
@@ -202,7 +204,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
-        self._init_auditing(audit, audit_timeout)
+        self._init_auditing(audit, audit_timeout, audit_parts)
         self._init_refusals()
         free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)

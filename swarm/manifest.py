@@ -12,7 +12,16 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from swarm.errors import ManifestError
 
@@ -119,6 +128,10 @@ class AveragingSpec(_Frozen):
     # average, and a reducer caught lying has its slice dropped from the round and is banned; the audits take
     # up to allreduce_timeout more per round (half for audits, half for re-checking accusations)
     checked_reducers: bool = True
+    # parts of each reducer's slice its auditor checks, drawn at random after the reducer signed its receipt (0:
+    # every part). A sample cuts the audits' traffic to about audit_parts parts per sender on a big model, but a
+    # reducer that lies in a share f of its parts only is caught with 1 - (1 - f)^audit_parts a round, not surely
+    audit_parts: NonNegativeInt = 0
     # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
     # instead of downloading the whole state
     replay_rounds: int = Field(4, ge=0, le=7)  # at most CHECKSUM_HISTORY - 1: each step is checked

@@ -11,7 +11,17 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.allreduce import encode_average
-from swarm.audit import Receipt, Verdict, auditor_of, digest_parts, judge, open_receipt, recompute
+from swarm.audit import (
+    Receipt,
+    Verdict,
+    auditor_of,
+    digest_parts,
+    judge,
+    open_receipt,
+    part_digest,
+    recompute,
+    sample_parts,
+)
 from swarm.bans import QUORUM, Ban, BanList, BanReason, Guard, accusation_entry, quorum_bans
 from swarm.codecs import CODECS, apply_error_feedback
 from swarm.identity import peer_id_of_owner
@@ -123,6 +133,58 @@ def test_an_average_other_than_the_signed_one_is_equivocation_and_bad_inputs_are
     assert run_judge("fp4", tampered[:1] + [served[1], tampered[1]], weights, numels, output, receipt, names) == (
         Verdict.withheld
     )
+
+
+def test_an_audit_of_a_sample_checks_its_parts_against_the_digests_listed_under_the_receipt(keys):
+    """averaging.audit_parts: the auditor draws some parts of the slice after the receipt is signed, fetches only
+    those, and checks each against the per-part digest the reducer listed for its sender, whose digest the
+    receipt signs; the reducer below lies in part 5 of 8 only."""
+    names = [peer_of(k) for k in keys[:3]]
+    numels = [300] * 8
+    served = [sender_parts("fp16", seed, numels) for seed in range(3)]
+    weights = [10.0, 12.0, 8.0]
+    exact = recompute(served, weights, numels, Aggregation.centered_clip)
+    output = [encode_average(v * (-4 if i == 5 else 1), CODEC_TYPES["fp16"]) for i, v in enumerate(exact)]
+    receipt = receipt_for(keys[0], names, served, weights, output)  # names[0] is the reducer
+    listed = {n: [part_digest(p) for p in parts] for n, parts in zip(names, served)}
+
+    def check(indices, listed=listed, served=served):
+        sample = {n: [parts[i] for i in indices] for n, parts in zip(names, served)}
+        encode = lambda v: encode_average(v, CODEC_TYPES["fp16"])  # noqa: E731
+        return judge(receipt, output, sample, numels, Aggregation.centered_clip, encode, indices, listed)
+
+    assert check([0, 2, 7]) == Verdict.passed  # the lie is not in this sample: it goes unseen this round
+    assert check([1, 5]) == Verdict.wrong_average
+    assert check(list(range(8)), listed={}) == Verdict.wrong_average  # every part: the receipt's digest is enough
+    # digests listed under the receipt that it did not sign, for any sender: the reducer serves the lists, so it
+    # is the one that cannot be checked (were it "inconclusive", a liar could list one wrong digest and pass)
+    assert check([1, 5], listed={**listed, names[0]: listed[names[0]][::-1]}) == Verdict.withheld
+    assert check([1, 5], listed={**listed, names[1]: listed[names[1]][:-1]}) == Verdict.withheld
+    assert check([1, 5], listed={n: d for n, d in listed.items() if n != names[2]}) == Verdict.withheld
+    # a sender's part served that is not the one listed: sender or reducer lies, as when bytes do not match
+    swapped = [served[0], [*served[1][:5], served[1][4], *served[1][6:]], served[2]]
+    assert check([1, 5], served=swapped) == Verdict.inconclusive
+    assert check([1, 4], served=swapped) == Verdict.passed  # the swapped part is not drawn: nothing to see
+
+
+def test_a_sample_is_drawn_afresh_within_the_slice_and_keeps_an_accusers_parts():
+    assert sample_parts(5, 0) == [0, 1, 2, 3, 4] and sample_parts(5, 5) == list(range(5))  # 0 or enough: all
+    draws = [sample_parts(100, 3, also=[7, 250, -1, "x"]) for _ in range(20)]
+    for drawn in draws:
+        assert 7 in drawn and drawn == sorted(set(drawn)) and all(0 <= i < 100 for i in drawn)
+        assert 3 <= len(drawn) <= 4  # three drawn, plus the accuser's 7 unless it was drawn too
+    assert len({tuple(d) for d in draws}) > 1  # drawn at random: a reducer cannot know them when it signs
+
+
+def test_a_receipt_for_a_big_slice_still_fits_an_accusation(keys):
+    """A receipt signs one digest per sender whatever the slice's size, so it stays inside an accusation's record
+    (``records.Accusation``, 16 KiB) for a 1B model's slices; the per-part digests travel beside it."""
+    names = [peer_of(k) for k in keys[:3]] + [f"Qm{i:044d}" for i in range(61)]  # a group of 64
+    part = sender_parts("fp16", 0, (16,))[0]
+    digest = digest_parts([part] * 2000)
+    receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest)
+    assert len(receipt.sign(keys[0])) < 16384
+    assert open_receipt(receipt.sign(keys[0])) == receipt
 
 
 def test_receipts_open_only_with_their_reducers_key(keys):

@@ -190,19 +190,20 @@ def test_slowpeer_smoke(tmp_path: Path):
     assert 0 <= record["slow_peer_share_of_rounds_averaged"] <= 1
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(560)
 def test_byzantine_smoke(tmp_path: Path):
-    record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=400))
-    baseline, attacked, hiding, nonfinite, cut = record["scenarios"]
+    record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=540))
+    baseline, attacked, hiding, nonfinite, cut, sampled = record["scenarios"]
     assert [s["scenario"] for s in record["scenarios"]] == [
         "honest/mean",
         "reducer/centered-clip",
         "hide/centered-clip",
         "nonfinite/centered-clip",
         "cut/centered-clip",
+        "reducer/centered-clip+sampled",
     ]
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
-    for scenario in (baseline, attacked, hiding, nonfinite, cut):
+    for scenario in (baseline, attacked, hiding, nonfinite, cut, sampled):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]) and peer["eval_loss_end"] < peer["eval_loss_start"], scenario
@@ -227,6 +228,15 @@ def test_byzantine_smoke(tmp_path: Path):
     banned_by = [p for p in attacked["honest_peers"] if p["banned"]]
     assert banned_by and all(p["rounds_to_ban_liar"] <= 2 for p in banned_by), attacked
     assert 0.5 < attacked["ratio_to_honest_mean"] < 1.5, attacked
+    # the same liar, its auditors checking a random sample of 2 of the 12-24 parts of its slice: it lies in every
+    # part, so any sample catches it, and the re-checks of the accusation (which include the accuser's sample) agree
+    assert sampled["audit_parts"] == 2 and attacked["audit_parts"] == 0
+    for peer in sampled["honest_peers"]:
+        with_liar = [d for n, d in zip(peer["group_sizes"], peer["dropped_fractions"]) if n == 3]
+        assert with_liar and all(d > 0.2 for d in with_liar), sampled
+        assert all(b["peer_id"] == sampled["liar"] for b in peer["banned"]), sampled
+    banned_by = [p for p in sampled["honest_peers"] if p["banned"]]
+    assert banned_by and all(p["rounds_to_ban_liar"] <= 2 for p in banned_by), sampled
     # the same liar, hiding its own slice's parts from its auditors: its slice cannot be checked, so it is dropped
     # in every round it reduced in (a third of the vector in a group of three); a ban needs a second strike from
     # the same auditor, which two rounds may not hold, but if there is one it is of the liar: for hiding, or for
@@ -355,9 +365,19 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "fp4-overlap-unchecked": [checked(10.0, 0.95)],
         }
     )
+    audit_sampled = dict(
+        figures={
+            "fp16": [checked(10.0, 0.35) | dict(audit_bytes=4e6)],
+            "fp16-sampled": [checked(10.0, 0.45) | dict(audit_bytes=1e6)],
+            "fp16-unchecked": [checked(10.0, 0.5)],
+            "fp4-overlap-sampled": [checked(10.0, 0.9) | dict(audit_bytes=1e5)],  # no audits of every part: no ratio
+            "fp4-overlap-unchecked": [checked(10.0, 0.95)],
+        }
+    )
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
         slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime, audit_cost=audit_cost,
+        audit_sampled=audit_sampled,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -376,6 +396,11 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["wire_tx_ratio_checked_vs_unchecked_10mbit_blocking_fp16"] == pytest.approx(1.4)
     assert "utilization_ratio_checked_vs_unchecked_unlimited_blocking_fp16" not in headline
     assert "utilization_ratio_checked_vs_unchecked_100mbit_overlap" not in headline
+    # audits of a sample: their downloads against audits of every part, and the utilization against none
+    assert headline["audit_bytes_ratio_sampled_vs_all_10mbit_blocking_fp16"] == pytest.approx(0.25)
+    assert headline["utilization_ratio_sampled_vs_unchecked_10mbit_blocking_fp16"] == pytest.approx(0.9)
+    assert "audit_bytes_ratio_sampled_vs_all_10mbit_overlap" not in headline
+    assert "utilization_ratio_sampled_vs_unchecked_10mbit_overlap" not in headline  # that mode lacks its audits of all
     assert headline["loss_ratio_paper_outer_vs_preset_outer"] == 1.2  # against the preset's settings, not its own
     assert "loss_ratio_overlap_sparse_robust_vs_blocking_fp32" not in headline
     assert headline["utilization_10mbit_overlap"] == 0.97 and headline["utilization_10mbit_blocking_fp16"] == 0.4

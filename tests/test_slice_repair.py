@@ -35,10 +35,10 @@ class FakeFetches(Auditing):
         self._receipt, self._served, self._fail = receipt, served, fail
 
     async def _fetch_receipt(self, record, reducer):
-        return self._receipt, b""
+        return self._receipt, b"", {}
 
-    async def _fetch_parts(self, record, sender, reducer, limit, what="parts"):
-        assert what == "output" and sender == reducer
+    async def _fetch_parts(self, record, sender, reducer, limit, what="parts", indices=None):
+        assert what == "output" and sender == reducer and indices is None
         if self._fail:  # the reducer is gone, or its stream breaks again
             raise ConnectionResetError("the stream was cut")
         return list(self._served)
