@@ -52,6 +52,9 @@ class OuterRound:
         self._last_average: tuple[int, int] | None = None
         # overlapped: the last finished round and its group, until its consistency is checked (at the next begin)
         self._unchecked: tuple[RoundReport, tuple[str, ...]] | None = None
+        # the last round we averaged in: (epoch, group, when it ended); its groupmates' audits and repairs fetch
+        # from our averager for a while after it (``serve_last_round``)
+        self.last_group: tuple[int, tuple[str, ...], float] | None = None
 
     @property
     def overlapped(self) -> bool:
@@ -286,6 +289,8 @@ class OuterRound:
         peer.checkpoints.announce()
         peer.set_state(PeerState.training, publish=True)
         peer.emit(PeerEvent.round, dict(report=report))
+        if averaged and len(group) > 1:
+            self.last_group = (report.epoch, group, time.monotonic())
         if self.overlapped:
             self._unchecked = (report, group)
         else:
@@ -326,11 +331,25 @@ class OuterRound:
             report.epoch = peer.outer.epoch
         report.seconds["consistency"] = time.monotonic() - t2
 
-    def _await_checksums(self, group: Sequence[str], epoch: int) -> None:
+    def serve_last_round(self, until: float) -> None:
+        """Before a peer that leaves after a round stops its averager: until that round's groupmates published
+        their checksums (their audits and repairs, which fetch from our averager, are done), within the round's
+        audit window and ``until``. Without it a groupmate whose copy of our slice came in part found us gone and
+        dropped the slice, then held another state than the group's (seen in the byzantine benchmark)."""
+        if self.last_group is not None:
+            epoch, group, ended = self.last_group
+            window = min(until, ended + self.peer.manifest.averaging.allreduce_timeout)
+            self._await_checksums(group, epoch, window, until_stopped=True)  # a stop signal leaves at once
+
+    def _await_checksums(
+        self, group: Sequence[str], epoch: int, deadline: float | None = None, until_stopped: bool = False
+    ) -> None:
         """Until every groupmate still here published its checksum for ``epoch``, or consistency_timeout."""
         peer = self.peer
-        deadline = time.monotonic() + peer.manifest.averaging.consistency_timeout
+        deadline = deadline or time.monotonic() + peer.manifest.averaging.consistency_timeout
         while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
+            if until_stopped and peer.stop_requested:
+                return
             time.sleep(0.2)
 
     def _adopt_round(self, flight: Flight) -> RoundReport | None:

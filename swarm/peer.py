@@ -234,6 +234,8 @@ class Peer:
         remaining = lambda: max(0.5, deadline - time.monotonic())  # noqa: E731
         if self.flight is not None:  # an overlapped round still averaging: nothing of it was applied
             self.abandoned_round, self.flight = True, None
+        elif self.averager is not None and not self._stop_requested:  # unhurried: groupmates may need us still
+            self.rounds.serve_last_round(until=deadline - 5.0)
         if self.presence is not None:
             self.presence.say_leaving(timeout=min(2.0, remaining()))
         if self.averager is not None:

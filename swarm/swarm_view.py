@@ -175,10 +175,12 @@ def mates_finishing(view: SwarmView, me: str, epoch: int) -> tuple[str, ...]:
 
 def groupmates_published(view: SwarmView, group: Sequence[str], me: str, epoch: int) -> bool:
     """Every groupmate still in the swarm has published its checksum for ``epoch`` (or moved past it); one that
-    has left (its record gone, or saying it is leaving) is not waited for: it will publish nothing more."""
+    has left (its record gone, or saying it is leaving) is not waited for: it will publish nothing more. A view
+    with no records at all is a DHT read that failed (ours is there otherwise), not a swarm everyone left."""
+    mates = set(group) - {me}
     published = {p.peer_id for p in view.peers if p.checksum_at(epoch) is not None or p.epoch > epoch}
     present = {p.peer_id for p in view.peers}
-    return (set(group) - {me}) & present <= published
+    return not mates or (bool(present) and mates & present <= published)
 
 
 def seconds_to_round(

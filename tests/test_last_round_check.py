@@ -24,7 +24,10 @@ class FakePeer:
     def __init__(self, records, epoch: int, checksum: str, overlap: bool = True):
         self.records = records
         self.peer_id = A
-        self.manifest = SimpleNamespace(averaging=SimpleNamespace(consistency_timeout=1.0, overlap=overlap))
+        averaging = SimpleNamespace(consistency_timeout=1.0, overlap=overlap, allreduce_timeout=1.0)
+        self.manifest = SimpleNamespace(averaging=averaging)
+        self.stop_requested = False
+        self.views = 0  # DHT reads
         self.outer = SimpleNamespace(epoch=epoch, checksum=lambda: checksum)
         self.resyncs: list[str] = []
         self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._resync)
@@ -39,6 +42,7 @@ class FakePeer:
         pass
 
     def view(self):
+        self.views += 1
         now = time.time()
         records = {r.peer_id: r for r in self.records}
         if time.monotonic() >= self.late_after:
@@ -146,3 +150,32 @@ def test_peers_training_or_at_other_epochs_are_not_finishing_our_round():
     ]
     peer = FakePeer(records, epoch=5, checksum=MINE, overlap=False)
     assert mates_finishing(peer.view(), A, 5) == (B,)
+
+
+def test_a_peer_leaving_after_its_round_serves_its_groupmates_until_they_published_it():
+    """``Peer.leave`` without a stop signal (--max-epochs): the averager stays up until the last round's groupmates
+    have published that epoch's checksum, since their audits and repairs of our slice fetch from it."""
+    peer = FakePeer([record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4)], epoch=5, checksum=MINE)
+    peer.late = [record(B, epoch=5, checksums=[(5, MINE)])]  # B publishes a moment later, after its repairs
+    peer.late_after = time.monotonic() + 0.5
+    peer.manifest.averaging.allreduce_timeout = 60.0  # the window: about 300 reads of the records if waited out
+    rounds = OuterRound(peer)
+    rounds.last_group = (5, (A, B), time.monotonic())
+    rounds.serve_last_round(until=time.monotonic() + 60)
+    assert time.monotonic() >= peer.late_after  # it did not leave before B was done
+    assert peer.views < 100  # and went once B had published (about 3 reads), not at the end of the window
+
+
+def test_serving_the_last_round_is_bounded_and_a_stop_signal_or_no_group_ends_it_at_once():
+    records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4)]  # B never publishes epoch 5
+    peer = FakePeer(records, epoch=5, checksum=MINE)
+    rounds = OuterRound(peer)
+    rounds.serve_last_round(until=time.monotonic() + 30)
+    assert peer.views == 0  # no averaged round: nobody to serve
+    rounds.last_group = (5, (A, B), time.monotonic())
+    rounds.serve_last_round(until=time.monotonic() + 30)  # ends with the round's window (allreduce_timeout, 1 s)
+    assert peer.views > 1
+    peer.views, peer.stop_requested = 0, True
+    rounds.last_group = (5, (A, B), time.monotonic())
+    rounds.serve_last_round(until=time.monotonic() + 30)
+    assert peer.views == 1  # SIGTERM: leave now

@@ -115,6 +115,8 @@ def test_round_rules_moved_on_mates_coming_started_without_us_and_groupmates_pub
     assert groupmates_published(gone, group, "me", 4)
     leaving = view_of(record("g1", epoch=4, checksums=[(4, A)]), record("g2", epoch=4, state=PeerState.leaving))
     assert groupmates_published(leaving, group, "me", 4)
+    assert not groupmates_published(view_of(), group, "me", 4)  # no records at all: a failed read proves nothing
+    assert groupmates_published(view_of(), ("me",), "me", 4)  # a round alone has nobody to wait for
 
 
 def test_a_slow_peer_ends_its_round_when_the_swarm_is_about_to_start_one():
