@@ -101,7 +101,7 @@ def spawn(
     command += ["--workdir", str(workdir / f"peer{index}"), "--name", f"{'liar' if attack else 'honest'}-{index}"]
     command += ["--no-dashboard", "--log-json", str(workdir / f"peer{index}.jsonl")]
     command += ["--result-file", str(workdir / f"peer{index}.result.json")]
-    command += ["--verbose"] if verbose else []  # debug lines (the audits', the all-reduce's) into peerN.log
+    command += ["--verbose"] if verbose else []  # INFO lines into peerN.log; debug lines: peerN/logs/swarm-client.log
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with log.open("w") as handle:
         proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -357,8 +357,8 @@ def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) 
                 break
             print(f"  the liar never sat in a full group: {scenario} again (attempt {attempt + 1})", flush=True)
         results.append(result)
-        for folder in root.glob("*/peer*/"):  # checkpoints and state: only logs and identities are read again
-            shutil.rmtree(folder, ignore_errors=True)
+        for folder in root.glob("*/peer*/runs"):  # checkpoints and state; the debug logs (peer*/logs) are kept for
+            shutil.rmtree(folder, ignore_errors=True)  # what a round's report cannot say (a failed repair's error)
         print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
     baseline = results[0]["honest_loss_end"]
     floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
