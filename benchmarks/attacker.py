@@ -67,7 +67,7 @@ def install(attack: str, factor: float) -> None:
         encode = swarm.allreduce.encode_average
         swarm.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
         if attack == "hide":
-            from swarm.auditing import AuditRound
+            from swarm.audit_serving import AuditRound
 
             sent_to = AuditRound.sent_to
             AuditRound.sent_to = lambda self, reducer: (

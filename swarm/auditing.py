@@ -22,11 +22,10 @@ import math
 import time
 import typing
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from hivemind.averaging.allreduce import AllreduceException
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 
 from swarm.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
 from swarm.audit import (
@@ -43,6 +42,7 @@ from swarm.audit import (
     sample_parts,
     served_as_signed,
 )
+from swarm.audit_serving import MAX_ACCUSED_PARTS, AuditRound, AuditServing
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,6 @@ def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
 
 
-MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
-KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
 
@@ -66,106 +64,15 @@ class RepairFailure(enum.StrEnum):
     disagrees = "disagrees"  # a part differs from what it streamed to us the first time
 
 
-@dataclass
-class AuditRound:
-    """One group's all-reduce, as this peer's auditors and its own audits need it."""
-
-    members: list[str]
-    runner: ExactAllReduceRunner
-    receipt: bytes | None = None  # ours, signed, once our own all-reduce is complete
-    listed: list[list[bytes]] = field(default_factory=list)  # ours: each sender's per-part digests, receipt order
-    outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
-    own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
-    verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
-    accused: dict[str, list[int]] = field(default_factory=dict)  # reducer -> the parts its accuser checked
-    news: asyncio.Event = field(default_factory=asyncio.Event)
-    done: bool = False  # our receipt is final (or there will be none)
-    fetched_bytes: int = 0  # parts downloaded by our audits: their cost in traffic
-
-    def sent_to(self, reducer: str) -> list[runtime_pb2.Tensor] | None:
-        return self.runner.sent_parts.get(self.members.index(reducer)) if reducer in self.members else None
-
-
-class Auditing:
-    """Checked reducers, in the averager process."""
+class Auditing(AuditServing):
+    """Checked reducers, in the averager process: our audits of our reducers (serving our groupmates' audits:
+    ``AuditServing``)."""
 
     def _init_auditing(self, audit: bool, audit_timeout: float, audit_parts: int = 0) -> None:
         self._audit_enabled, self._audit_timeout = audit, audit_timeout
         self._audit_parts = audit_parts  # parts of each reducer's slice an audit checks (0: all)
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
         self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
-
-    # ---- serving auditors -------------------------------------------------------------------------
-
-    def _open_audit(self, runner: ExactAllReduceRunner, members: list[str]) -> AuditRound:
-        record = AuditRound(members, runner)
-        self._audit_rounds[runner.group_id] = record
-        while len(self._audit_rounds) > KEEP_ROUNDS:
-            self._forget_round(next(iter(self._audit_rounds)))
-        return record
-
-    def _forget_round(self, group_id: bytes) -> None:
-        """A round no auditor will ask about any more: its record goes, and the parts we sent (on disk) with it."""
-        record = self._audit_rounds.pop(group_id, None)
-        if record is not None:
-            record.runner.sent_parts.close()
-
-    async def rpc_audit_fetch(
-        self, request: averaging_pb2.DownloadData, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
-        """A groupmate's audit: our signed receipt (``what="receipt"``) or the parts we sent a reducer."""
-        fields = self._admitted(request, context)
-        if fields is None or not isinstance(fields.get("group_id"), bytes):
-            return
-        record = self._audit_rounds.get(fields["group_id"])
-        if record is None or context.remote_id.to_base58() not in record.members:
-            return
-        if fields.get("what") == "receipt":  # with the per-part digests under it, for audits of a sample
-            deadline = time.monotonic() + self._audit_timeout
-            while not record.done and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if record.receipt is not None:
-                reply = dict(receipt=record.receipt, listed=record.listed)
-                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
-        elif fields.get("what") == "output":  # our own slice's average again, as we signed it in the receipt
-            deadline = time.monotonic() + self._audit_timeout
-            while not record.done and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            for part in record.own_output or ():
-                yield averaging_pb2.DownloadData(tensor_part=part)
-        elif fields.get("what") == "parts":  # all of them, or those ``indices`` (an audit of a sample)
-            parts = record.sent_to(str(fields.get("reducer")))
-            indices = fields.get("indices")
-            if parts is not None and indices is not None:
-                valid = isinstance(indices, list) and all(isinstance(i, int) and 0 <= i < len(parts) for i in indices)
-                parts = [parts[i] for i in indices] if valid else None
-            logger.debug(
-                "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts), fields.get("reducer"),
-                record.done,
-            )  # fmt: skip
-            for part in parts or ():
-                yield averaging_pb2.DownloadData(tensor_part=part)
-
-    async def rpc_audit_verdict(
-        self, request: averaging_pb2.DownloadData, context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """An auditor's verdict on one of our group's reducers (only the reducer's auditor is heard)."""
-        fields = self._admitted(request, context)
-        record = self._audit_rounds.get(fields.get("group_id")) if fields and "group_id" in fields else None
-        sender = context.remote_id.to_base58()
-        if record is not None and sender in record.members:
-            reducer = fields.get("reducer")
-            try:
-                verdict = Verdict(fields.get("verdict"))
-            except ValueError:
-                verdict = None
-            if verdict is not None and auditor_of(record.members, record.runner.group_id, reducer) == sender:
-                record.verdicts[reducer] = verdict
-                parts = fields.get("parts")
-                if isinstance(parts, list) and len(parts) <= MAX_ACCUSED_PARTS:  # checked against the slice later
-                    record.accused[reducer] = [i for i in parts if isinstance(i, int)]
-                record.news.set()
-        return averaging_pb2.DownloadData()
 
     # ---- auditing ---------------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.allreduce import Dropped
 from swarm.audit import Receipt, digest_parts
-from swarm.auditing import Auditing, AuditRound, RepairFailure
+from swarm.audit_serving import AuditRound
+from swarm.auditing import Auditing, RepairFailure
 from swarm.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
