@@ -40,13 +40,18 @@ def run_smoke(module: str, out: Path, timeout: float) -> subprocess.CompletedPro
 def left_behind(out: Path) -> list[str]:
     """The peers' files a benchmark left in its temporary folder: checkpoints and states of gigabytes once
     filled the disk after a few runs. Only the byzantine benchmark keeps a folder (its logs and identities,
-    for ``--identities``), and nothing of the peers' own folders in it. ``swarm-ports`` is the host's port
-    claims (``swarm.network.claim_port``): shared by every peer on the host, and meant to stay."""
+    for ``--identities``), and nothing of the peers' own folders in it but their logs (``swarm-client.log``:
+    a failed repair's reason is only there). ``swarm-ports`` is the host's port claims
+    (``swarm.network.claim_port``): shared by every peer on the host, and meant to stay."""
     tmp = out / "tmp"
     kept = [
         p
         for p in tmp.rglob("*")
-        if (p.name.startswith("swarm-") and not p.name.startswith(("swarm-byzantine-", "swarm-ports")))
+        if (
+            p.name.startswith("swarm-")
+            and not p.name.startswith(("swarm-byzantine-", "swarm-ports"))
+            and not (p.name == "swarm-client.log" and p.parent.name == "logs")
+        )
         or {"runs", "checkpoints"} & set(p.relative_to(tmp).parts)
     ]
     return sorted(str(p.relative_to(tmp)) for p in kept)
