@@ -77,28 +77,34 @@ def put_lag(put, wan: dict | None, walltime: dict | None) -> None:
             put(f"loss_ratio_overlap_4bit_vs_blocking_equal_time_{label}_measured_lag", link["mean_ratio"], source)
 
 
+def _audit_cells(wan: dict, other: str):
+    """Per link and mode (blocking FP16, overlapped fp4): (rate, label, key, mode, that mode's phase, its
+    ``-other``'s)."""
+    for rate, label in LINKS.items():
+        for mode, key in (("fp16", "blocking_fp16"), ("fp4-overlap", "overlap")):
+            yield rate, label, key, mode, _phase(wan, mode, rate), _phase(wan, f"{mode}-{other}", rate)
+
+
 def put_audit_cost(put, wan: dict | None) -> None:
     """What the checked reducers' audits cost on each link: utilization with them over without them (both modes),
     and for blocking FP16 their share of the all-reduce's seconds and the bytes on the wire with them over without."""
     if wan is None:
         return
     source = SOURCES["audit_cost"]
-    for rate, label in LINKS.items():
-        for mode, key in (("fp16", "blocking_fp16"), ("fp4-overlap", "overlap")):
-            checked, unchecked = _phase(wan, mode, rate), _phase(wan, f"{mode}-unchecked", rate)
-            if checked is None or unchecked is None:
-                continue
-            where = f"{source} figures[{mode}] / figures[{mode}-unchecked] @ {label}"
-            put(
-                f"utilization_ratio_checked_vs_unchecked_{label}_{key}",
-                checked["utilization"] / unchecked["utilization"],
-                where,
-            )
-            if mode == "fp16":
-                share = checked["audit_seconds"] / checked["seconds"]["allreduce"]
-                put(f"audit_share_of_allreduce_{label}_{key}", share, f"{source} figures[{mode}] @ {label}")
-                wire = checked["wire_tx_bytes"] / unchecked["wire_tx_bytes"]
-                put(f"wire_tx_ratio_checked_vs_unchecked_{label}_{key}", wire, where)
+    for _, label, key, mode, checked, unchecked in _audit_cells(wan, "unchecked"):
+        if checked is None or unchecked is None:
+            continue
+        where = f"{source} figures[{mode}] / figures[{mode}-unchecked] @ {label}"
+        put(
+            f"utilization_ratio_checked_vs_unchecked_{label}_{key}",
+            checked["utilization"] / unchecked["utilization"],
+            where,
+        )
+        if mode == "fp16":
+            share = checked["audit_seconds"] / checked["seconds"]["allreduce"]
+            put(f"audit_share_of_allreduce_{label}_{key}", share, f"{source} figures[{mode}] @ {label}")
+            wire = checked["wire_tx_bytes"] / unchecked["wire_tx_bytes"]
+            put(f"wire_tx_ratio_checked_vs_unchecked_{label}_{key}", wire, where)
 
 
 def put_sampled_audits(put, wan: dict | None) -> None:
@@ -107,23 +113,20 @@ def put_sampled_audits(put, wan: dict | None) -> None:
     if wan is None:
         return
     source = SOURCES["audit_sampled"]
-    for rate, label in LINKS.items():
-        for mode, key in (("fp16", "blocking_fp16"), ("fp4-overlap", "overlap")):
-            whole, sampled = _phase(wan, mode, rate), _phase(wan, f"{mode}-sampled", rate)
-            unchecked = _phase(wan, f"{mode}-unchecked", rate)
-            if whole is None or sampled is None:
-                continue
-            where = f"{source} figures[{mode}-sampled] / figures[{mode}] @ {label}"
-            if whole.get("audit_bytes"):
-                put(
-                    f"audit_bytes_ratio_sampled_vs_all_{label}_{key}",
-                    sampled["audit_bytes"] / whole["audit_bytes"],
-                    where,
-                )
-            if unchecked is not None:
-                where = f"{source} figures[{mode}-sampled] / figures[{mode}-unchecked] @ {label}"
-                ratio = sampled["utilization"] / unchecked["utilization"]
-                put(f"utilization_ratio_sampled_vs_unchecked_{label}_{key}", ratio, where)
+    for rate, label, key, mode, whole, sampled in _audit_cells(wan, "sampled"):
+        unchecked = _phase(wan, f"{mode}-unchecked", rate)
+        if whole is None or sampled is None:
+            continue
+        where = f"{source} figures[{mode}-sampled] / figures[{mode}] @ {label}"
+        if whole.get("audit_bytes"):
+            put(f"audit_bytes_ratio_sampled_vs_all_{label}_{key}", sampled["audit_bytes"] / whole["audit_bytes"], where)
+        if unchecked is not None:
+            where = f"{source} figures[{mode}-sampled] / figures[{mode}-unchecked] @ {label}"
+            put(
+                f"utilization_ratio_sampled_vs_unchecked_{label}_{key}",
+                sampled["utilization"] / unchecked["utilization"],
+                where,
+            )
 
 
 def _load(out: Path, name: str) -> dict | None:

@@ -134,7 +134,7 @@ class Auditing(AuditServing):
         if receipt is None:
             logger.debug("audited %s: no valid receipt", reducer)
             return Verdict.unanswered, None, []
-        count = len(ours)  # parts in its slice
+        count, numels = len(ours), [math.prod(p.size) for p in ours]  # parts in its slice, and each one's size
         checked = sample_parts(count, self._audit_parts, also)
         whole = len(checked) == count
         ours = ours if whole else [ours[i] for i in checked]
@@ -158,7 +158,6 @@ class Auditing(AuditServing):
                 logger.debug("no audit parts from %s: %r", sender, parts)
             else:
                 served[sender] = parts
-        numels = [math.prod(p.size) for p in record.sent_to(reducer)]  # every part's, as we sent them
         compression = record.runner.tensor_part_container.compression.compression_type
 
         def check() -> Verdict:

@@ -346,7 +346,8 @@ class OuterRound:
     ) -> None:
         """Until every groupmate still here published its checksum for ``epoch``, or consistency_timeout."""
         peer = self.peer
-        deadline = deadline or time.monotonic() + peer.manifest.averaging.consistency_timeout
+        if deadline is None:
+            deadline = time.monotonic() + peer.manifest.averaging.consistency_timeout
         while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
             if until_stopped and peer.stop_requested:
                 return
