@@ -24,7 +24,16 @@ from swarm.audit import Verdict, auditor_of
 logger = logging.getLogger(__name__)
 
 MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
-KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go audit_timeout after its audit)
+KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go ``kept_for`` after its audit)
+
+
+def kept_for(audit_timeout: float) -> float:
+    """Seconds a round's record is kept after our own audits of it end. A groupmate may wait ``audit_timeout`` for
+    its auditors' verdicts and only then re-check accusations and fetch a cut slice again, for up to another
+    ``audit_timeout``: its last request can come two timeouts after its all-reduce ended, and its all-reduce may
+    have ended well after ours (a slow stream), which is when our audits began. Kept for one timeout more than
+    that; ``KEEP_ROUNDS`` still bounds how many rounds are kept."""
+    return 3 * audit_timeout
 
 
 @dataclass
@@ -59,6 +68,11 @@ class AuditServing:
         while len(self._audit_rounds) > KEEP_ROUNDS:
             self._forget_round(next(iter(self._audit_rounds)))
         return record
+
+    def _keep_round(self, group_id: bytes) -> None:
+        """Our audits of this round are over: what we sent stays for groupmates still re-checking an accusation
+        or repairing a slice, then goes (it is c x N bytes)."""
+        asyncio.get_event_loop().call_later(kept_for(self._audit_timeout), self._forget_round, group_id)
 
     def _forget_round(self, group_id: bytes) -> None:
         """A round no auditor will ask about any more: its record goes, and the parts we sent (on disk) with it."""

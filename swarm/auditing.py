@@ -26,6 +26,7 @@ from collections import OrderedDict
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
 from swarm.audit import (
@@ -49,6 +50,30 @@ logger = logging.getLogger(__name__)
 
 def _left(deadline: float) -> float:
     return max(0.1, deadline - time.monotonic())
+
+
+FETCH_ATTEMPTS = 3  # tries of one request to a groupmate that raised: a stream cut short on a loaded host or link
+RETRY_PAUSE = 0.25  # seconds between them
+
+
+async def _retried(request: typing.Callable[[], typing.Awaitable], deadline: float):
+    """``request()``'s result, each try bounded by ``deadline``; a try that raised is made again while tries and
+    time are left, so that one broken stream is not taken for a reducer that will not answer (a strike) or for
+    a slice that cannot be repaired (dropped, and a re-sync). A groupmate that is gone fails every try: the last
+    error is raised."""
+
+    def out_of_time(state: RetryCallState) -> bool:
+        return time.monotonic() + RETRY_PAUSE >= deadline
+
+    def before_sleep(state: RetryCallState) -> None:
+        logger.debug("a request to a groupmate failed (try %d): again", state.attempt_number,
+                     exc_info=state.outcome.exception())  # fmt: skip
+
+    stop = stop_after_attempt(FETCH_ATTEMPTS) | out_of_time
+    retrying = AsyncRetrying(stop=stop, wait=wait_fixed(RETRY_PAUSE), before_sleep=before_sleep, reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            return await asyncio.wait_for(request(), _left(deadline))
 
 
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
@@ -127,7 +152,7 @@ class Auditing(AuditServing):
         if ours is None:
             return Verdict.inconclusive, None, []
         try:
-            receipt, blob, listed = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+            receipt, blob, listed = await _retried(lambda: self._fetch_receipt(record, reducer), deadline)
         except Exception:
             logger.debug("no receipt from %s", reducer, exc_info=True)
             receipt, blob, listed = None, None, {}
@@ -143,7 +168,7 @@ class Auditing(AuditServing):
         others = [s for s in receipt.senders if s != me]
         fetch = lambda sender: self._fetch_parts(record, sender, reducer, limit, indices=indices)  # noqa: E731
         fetched = await asyncio.gather(
-            *(asyncio.wait_for(fetch(s), _left(deadline)) for s in others), return_exceptions=True
+            *(_retried(lambda s=s: fetch(s), deadline) for s in others), return_exceptions=True
         )
         if reducer in others:  # its own parts decide "withheld", which drops its slice: a fetch cut short (a
             i = others.index(reducer)  # stream error on a loaded host) is tried once more before that is said
@@ -181,12 +206,12 @@ class Auditing(AuditServing):
         have = record.outputs[reducer]
         numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
         try:
-            receipt, _, _ = await asyncio.wait_for(self._fetch_receipt(record, reducer), _left(deadline))
+            receipt, _, _ = await _retried(lambda: self._fetch_receipt(record, reducer), deadline)
             if receipt is None:
                 logger.debug("no receipt from %s to repair its slice with", reducer)
                 return RepairFailure.no_receipt
-            fetch = self._fetch_parts(record, reducer, reducer, 4 * sum(numels) + (1 << 16), "output")
-            parts = await asyncio.wait_for(fetch, _left(deadline))
+            limit = 4 * sum(numels) + (1 << 16)
+            parts = await _retried(lambda: self._fetch_parts(record, reducer, reducer, limit, "output"), deadline)
         except Exception:
             logger.debug("could not fetch %s's average again", reducer, exc_info=True)
             return RepairFailure.unreachable
@@ -250,7 +275,7 @@ class Auditing(AuditServing):
 
         me_bytes = self._p2p.peer_id.to_bytes()
         others = [m for m in record.members if m != me]
-        await asyncio.gather(*(asyncio.wait_for(tell(p), _left(deadline)) for p in others), return_exceptions=True)
+        await asyncio.gather(*(_retried(lambda p=p: tell(p), deadline) for p in others), return_exceptions=True)
 
     async def _audit_group(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]):
         """Audit this round's reducers; returns the held parts with caught reducers' slices dropped, the
@@ -343,7 +368,6 @@ class Auditing(AuditServing):
                 dropped += self._drop_slice(held, owner, peer)
             findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
             logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
-        # what we sent stays for groupmates still re-checking an accusation, then goes: it is c x N bytes
         record.outputs.clear()
-        asyncio.get_event_loop().call_later(self._audit_timeout, self._forget_round, runner.group_id)
+        self._keep_round(runner.group_id)
         return held, dropped, findings, repair_failures

@@ -8,6 +8,7 @@ is the rule that decides, not the network (tests/test_engine_overlap.py runs the
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -18,8 +19,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.allreduce import Dropped
 from swarm.audit import Receipt, digest_parts
-from swarm.audit_serving import AuditRound
-from swarm.auditing import Auditing, RepairFailure
+from swarm.audit_serving import AuditRound, kept_for
+from swarm.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure
 from swarm.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
@@ -32,15 +33,24 @@ def part(seed: int, size: int) -> runtime_pb2.Tensor:
 class FakeFetches(Auditing):
     """The averager's side of a repair, with the reducer's answers given instead of fetched over libp2p."""
 
-    def __init__(self, receipt: Receipt | None, served: list[runtime_pb2.Tensor], fail: bool = False):
-        self._receipt, self._served, self._fail = receipt, served, fail
+    def __init__(self, receipt: Receipt | None, served: list[runtime_pb2.Tensor], fail: float = 0, cut: int = 0):
+        self._receipt, self._served = receipt, served
+        self._fail = fail  # receipt requests that break before one is answered (inf: the reducer is gone)
+        self._cut = cut  # fetches of the average that break before one is served whole
+        self.requests = 0
 
     async def _fetch_receipt(self, record, reducer):
+        self.requests += 1
+        if self._fail > 0:
+            self._fail -= 1
+            raise ConnectionResetError("the stream was cut")
         return self._receipt, b"", {}
 
     async def _fetch_parts(self, record, sender, reducer, limit, what="parts", indices=None):
         assert what == "output" and sender == reducer and indices is None
-        if self._fail:  # the reducer is gone, or its stream breaks again
+        self.requests += 1
+        if self._cut > 0:  # its stream breaks again, on a loaded host or link
+            self._cut -= 1
             raise ConnectionResetError("the stream was cut")
         return list(self._served)
 
@@ -97,6 +107,40 @@ def test_a_repair_that_is_not_the_signed_average_or_disagrees_with_what_came_is_
         served[2] = signed[2] = part(3, 151)
     receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(signed))
     record, held, owner = partial_copy(reducer, whole)
-    fetches = FakeFetches(None if lie == "no-receipt" else receipt, served, fail=lie == "unreachable")
+    fetches = FakeFetches(None if lie == "no-receipt" else receipt, served, fail=math.inf * (lie == "unreachable"))
     assert repair(fetches, record, reducer) is failure  # the reason, as the round's report carries it
     assert isinstance(held[0][3], Dropped)  # nothing changed: the caller drops the slice whole
+
+
+@pytest.mark.parametrize(("fail", "cut"), [(1, 0), (0, 1), (1, 1), (0, FETCH_ATTEMPTS - 1)])
+def test_a_request_whose_stream_breaks_is_made_again_before_the_slice_is_given_up(reducer, fail, cut):
+    """One broken stream is not a reducer that is gone: without a second try the slice was dropped, this peer's
+    state left the group's and it re-synced (or, in an audit, an honest reducer got a strike)."""
+    whole = [part(1, 200), part(2, 200), part(3, 150)]
+    receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
+    record, held, owner = partial_copy(reducer, whole)
+    fetches = FakeFetches(receipt, whole, fail=fail, cut=cut)
+    parts = repair(fetches, record, reducer)
+    assert not isinstance(parts, RepairFailure), parts
+    assert Auditing._restore_slice(held, owner, reducer, parts) == 150
+    assert fetches.requests == 2 + fail + cut
+
+
+def test_a_reducer_that_is_gone_is_asked_a_bounded_number_of_times(reducer):
+    whole = [part(1, 200), part(2, 200), part(3, 150)]
+    receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
+    record, _, _ = partial_copy(reducer, whole)
+    gone = FakeFetches(receipt, whole, cut=math.inf)
+    assert repair(gone, record, reducer) is RepairFailure.unreachable
+    assert gone.requests == 1 + FETCH_ATTEMPTS
+    late = FakeFetches(receipt, whole, fail=math.inf)  # the deadline has passed: one try, none again
+    assert asyncio.run(late._repair_slice(record, reducer, time.monotonic())) is RepairFailure.unreachable
+    assert late.requests == 1
+
+
+def test_a_round_is_kept_for_a_groupmate_repairing_at_its_latest():
+    """A groupmate waits up to ``audit_timeout`` for its auditors' verdicts, then repairs for up to another: the
+    round it asks about must still be kept then (it was let go after one timeout: ``no_receipt``, a dropped slice
+    and a re-sync for that groupmate)."""
+    for audit_timeout in (5.0, 30.0):
+        assert kept_for(audit_timeout) > 2 * audit_timeout
