@@ -23,6 +23,10 @@ it claims, is replaced:
   its fp16 codec's clamp to +-65504 removed, so that the infinities reach the wire;
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
   average of its slice to the whole group (default 4), and signs for what it sent;
+- ``few``: the ``reducer`` lie (-4 times the average) in about one part of every ``factor``
+  it reduces (default 16, picked by the part's values, so about one part of its slice each
+  round), honest in the rest:
+  what an audit of a sample of each slice's parts (``averaging.audit_parts``) can miss;
 - ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
   signs its receipt, so it is plainly alive), hoping the slice goes unchecked;
 - ``cut``: no lie in any value, but as a reducer it ends its stream to every groupmate after
@@ -52,6 +56,7 @@ ATTACKS = {
     "drift": 1.0,
     "nonfinite": 1.0,
     "reducer": 4.0,
+    "few": 16.0,
     "hide": 4.0,
     "cut": 0.5,
 }
@@ -60,6 +65,9 @@ ATTACKS = {
 def install(attack: str, factor: float) -> None:
     if attack == "cut":
         _install_cut(factor)
+        return
+    if attack == "few":
+        _install_few(int(factor))
         return
     if attack in ("reducer", "hide"):
         import swarm.allreduce
@@ -123,6 +131,24 @@ def install(attack: str, factor: float) -> None:
             return start(self, weight=weight * factor, **kwargs)
 
         PseudoGradientAverager.start_averaging = inflated
+
+
+def _install_few(every: int) -> None:
+    import zlib
+
+    import swarm.allreduce
+
+    encode = swarm.allreduce.encode_average
+
+    def lying(tensor, compression):
+        # a part's average is encoded once for each groupmate's stream: the part lied in is picked by its values,
+        # so that every groupmate gets the same wrong bytes (as from ``reducer``), not a different average each
+        lie = zlib.crc32(tensor.detach().to(torch.float32).numpy().tobytes()) % every == 0
+        if lie:  # to the log's file descriptor: the client routes a child's stderr to its debug log
+            os.write(2, f"few: lied in an averaged part of {tensor.numel()} values\n".encode())
+        return encode(tensor * -ATTACKS["reducer"] if lie else tensor, compression)
+
+    swarm.allreduce.encode_average = lying
 
 
 def _install_cut(share: float) -> None:
