@@ -1,5 +1,5 @@
 """One outer round, as a pipeline: ``begin`` (check, pseudo-gradient, start averaging), ``poll`` or ``wait``
-while it runs, ``finish`` (apply, save, announce), and in a blocking round ``check_consistency``.
+while it runs, ``finish`` (apply, save, announce), and the consistency checks of ``swarm.consistency``.
 
 ``begin``: a late consistency check of the epoch we are leaving; the pseudo-gradient
 written into the averager's buffer (never sent when not finite), with error feedback
@@ -31,12 +31,13 @@ import torch
 
 from swarm.averaging import RoundAborted, epoch_group_bits
 from swarm.codecs import apply_error_feedback
+from swarm.consistency import RoundChecks
 from swarm.errors import LeaveRequested
 from swarm.flight import EXPECTED_FAILURES, Flight
 from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
-from swarm.swarm_view import groupmates_published, mates_coming, mates_finishing, swarm_moved_on
+from swarm.swarm_view import mates_coming, swarm_moved_on
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -50,11 +51,7 @@ class OuterRound:
         self.peer = peer
         # (epoch, group size) while the averaging buffers hold the group's average that moved us to that epoch
         self._last_average: tuple[int, int] | None = None
-        # overlapped: the last finished round and its group, until its consistency is checked (at the next begin)
-        self._unchecked: tuple[RoundReport, tuple[str, ...]] | None = None
-        # the last round we averaged in: (epoch, group, when it ended); its groupmates' audits and repairs fetch
-        # from our averager for a while after it (``serve_last_round``)
-        self.last_group: tuple[int, tuple[str, ...], float] | None = None
+        self.checks = RoundChecks(peer)  # did the groupmates end our rounds on our state?
 
     @property
     def overlapped(self) -> bool:
@@ -67,11 +64,7 @@ class OuterRound:
         peer = self.peer
         seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
         epoch = peer.outer.epoch
-        unchecked, self._unchecked = self._unchecked, None
-        if unchecked is not None and unchecked[0].epoch == epoch:
-            # the groupmates landed with us but may not have published yet; seeing only our own checksum, two
-            # diverged peers would each find no majority against it and average on from two states for good
-            self._await_checksums(unchecked[1], epoch)
+        self.checks.before_next_round(epoch)
         why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
             return self._resync_round(seconds, str(why))
@@ -289,69 +282,8 @@ class OuterRound:
         peer.checkpoints.announce()
         peer.set_state(PeerState.training, publish=True)
         peer.emit(PeerEvent.round, dict(report=report))
-        if averaged and len(group) > 1:
-            self.last_group = (report.epoch, group, time.monotonic())
-        if self.overlapped:
-            self._unchecked = (report, group)
-        else:
-            self.check_consistency(report, group)
-            if kind == RoundOutcome.local:  # checked against nobody: a peer that ends its run here checks again
-                self._unchecked = (report, group)
+        self.checks.after_round(report, group, averaged, self.overlapped)
         return report
-
-    def check_unchecked(self) -> RoundReport | None:
-        """The consistency check an overlapped round left to the next round's begin, now: for a peer that ends
-        its run after that round (``--max-epochs``), whose last state would otherwise never be compared with its
-        group's. A last round that found no group (local) is checked again too, against the peers that were
-        still finishing that round: checked at once, against nobody, while the others were still averaging it,
-        it left on a state of its own (the likely story of a CI run that ended with one peer's checksum apart,
-        its log ending on "could not find a group"). The report of that round (``resynced`` set if it
-        re-synced), or None if nothing was left."""
-        if self._unchecked is None:
-            return None
-        (report, group), self._unchecked = self._unchecked, None
-        if report.resynced or report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on
-            return None
-        if report.outcome == RoundOutcome.local:
-            group = (*group, *mates_finishing(self.peer.view(), self.peer.peer_id, report.epoch))
-        self.check_consistency(report, group)
-        return report
-
-    def check_consistency(self, report: RoundReport, group: Sequence[str]) -> None:
-        """Wait (briefly) for the groupmates' checksums of the new epoch, then re-sync if the majority holds
-        another state. An overlapped round leaves this to the next round's late check, so training goes on."""
-        peer = self.peer
-        t2 = time.monotonic()
-        epoch = peer.outer.epoch
-        self._await_checksums(group, epoch)
-        why = peer.sync.resync_needed(epoch)
-        if why is not None:
-            report.resynced = peer.sync.resync(f"after the round: {why}")
-            report.checksum = peer.outer.checksum()
-            report.epoch = peer.outer.epoch
-        report.seconds["consistency"] = time.monotonic() - t2
-
-    def serve_last_round(self, until: float) -> None:
-        """Before a peer that leaves after a round stops its averager: until that round's groupmates published
-        their checksums (their audits and repairs, which fetch from our averager, are done), within the round's
-        audit window and ``until``. Without it a groupmate whose copy of our slice came in part found us gone and
-        dropped the slice, then held another state than the group's (seen in the byzantine benchmark)."""
-        if self.last_group is not None:
-            epoch, group, ended = self.last_group
-            window = min(until, ended + self.peer.manifest.averaging.allreduce_timeout)
-            self._await_checksums(group, epoch, window, until_stopped=True)  # a stop signal leaves at once
-
-    def _await_checksums(
-        self, group: Sequence[str], epoch: int, deadline: float | None = None, until_stopped: bool = False
-    ) -> None:
-        """Until every groupmate still here published its checksum for ``epoch``, or consistency_timeout."""
-        peer = self.peer
-        if deadline is None:
-            deadline = time.monotonic() + peer.manifest.averaging.consistency_timeout
-        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
-            if until_stopped and peer.stop_requested:
-                return
-            time.sleep(0.2)
 
     def _adopt_round(self, flight: Flight) -> RoundReport | None:
         """The swarm finished our round without us (overlapped): apply its average, as a replay, to the outer

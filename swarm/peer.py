@@ -235,7 +235,7 @@ class Peer:
         if self.flight is not None:  # an overlapped round still averaging: nothing of it was applied
             self.abandoned_round, self.flight = True, None
         elif self.averager is not None and not self._stop_requested:  # unhurried: groupmates may need us still
-            self.rounds.serve_last_round(until=deadline - 5.0)
+            self.rounds.checks.serve_last_round(until=deadline - 5.0)
         if self.presence is not None:
             self.presence.say_leaving(timeout=min(2.0, remaining()))
         if self.averager is not None:
@@ -353,7 +353,7 @@ class Peer:
         ``averaging.consistency_timeout`` for their checksums, and re-sync if the majority holds another, so a
         finished run ends on the swarm's model. The round's report, or None when there was nothing unchecked
         (a blocking round that averaged was checked as it finished)."""
-        return self.rounds.check_unchecked()
+        return self.rounds.checks.check_unchecked()
 
     def _finish_flight(self, waited: float = 0.0) -> None:
         flight, self.flight = self.flight, None

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from test_swarm_view import A, B, C, record
 
+from swarm.consistency import RoundChecks
 from swarm.outer_round import OuterRound
 from swarm.progress import PeerEntry
 from swarm.records import PeerState
@@ -19,7 +20,7 @@ MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
 
 
 class FakePeer:
-    """What ``OuterRound.check_consistency`` reads of a peer: its records, epoch and checksum, and a re-sync."""
+    """What ``RoundChecks.check`` reads of a peer: its records, epoch and checksum, and a re-sync."""
 
     def __init__(self, records, epoch: int, checksum: str, overlap: bool = True):
         self.records = records
@@ -64,7 +65,7 @@ def finished(epoch: int, checksum: str) -> RoundReport:
 
 def rounds_with_unchecked(peer: FakePeer, epoch: int, checksum: str) -> OuterRound:
     rounds = OuterRound(peer)
-    rounds._unchecked = (finished(epoch, checksum), (A, B, C))  # as ``finish`` leaves an overlapped round
+    rounds.checks.unchecked = (finished(epoch, checksum), (A, B, C))  # as ``finish`` leaves an overlapped round
     return rounds
 
 
@@ -75,7 +76,7 @@ def test_a_last_round_that_left_the_group_is_resynced_before_the_peer_leaves():
         record(C, epoch=5, checksums=[(5, THEIRS)]),
     ]
     peer = FakePeer(records, epoch=5, checksum=MINE)
-    rounds = rounds_with_unchecked(peer, 5, MINE)
+    rounds = rounds_with_unchecked(peer, 5, MINE).checks
     report = rounds.check_unchecked()
     assert report is not None and report.resynced and len(peer.resyncs) == 1, peer.resyncs
     assert "consistency" in report.seconds
@@ -85,7 +86,7 @@ def test_a_last_round_that_left_the_group_is_resynced_before_the_peer_leaves():
 def test_a_last_round_that_agrees_with_the_group_is_kept():
     records = [record(p, epoch=5, checksums=[(5, MINE)]) for p in (A, B, C)]
     peer = FakePeer(records, epoch=5, checksum=MINE)
-    report = rounds_with_unchecked(peer, 5, MINE).check_unchecked()
+    report = rounds_with_unchecked(peer, 5, MINE).checks.check_unchecked()
     assert report is not None and not report.resynced and peer.resyncs == []
 
 
@@ -93,7 +94,7 @@ def test_the_check_waits_for_groupmates_that_have_not_published_yet_but_not_for_
     records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4), record(C, epoch=4)]
     peer = FakePeer(records, epoch=5, checksum=MINE)
     t0 = time.monotonic()
-    report = rounds_with_unchecked(peer, 5, MINE).check_unchecked()
+    report = rounds_with_unchecked(peer, 5, MINE).checks.check_unchecked()
     waited = time.monotonic() - t0
     assert report is not None and not report.resynced  # nobody else holds epoch 5: nothing to go by
     assert 0.9 <= waited  # consistency_timeout (1 s) was waited out; an upper bound is not asserted (noisy host)
@@ -102,8 +103,8 @@ def test_the_check_waits_for_groupmates_that_have_not_published_yet_but_not_for_
 def test_nothing_is_checked_when_no_round_was_left_unchecked_or_the_state_moved_on():
     records = [record(p, epoch=6, checksums=[(6, MINE)]) for p in (A, B, C)]
     peer = FakePeer(records, epoch=6, checksum=MINE)
-    assert OuterRound(peer).check_unchecked() is None
-    moved = rounds_with_unchecked(peer, 5, OLD)  # a re-sync or replay took the state past that round
+    assert RoundChecks(peer).check_unchecked() is None
+    moved = rounds_with_unchecked(peer, 5, OLD).checks  # a re-sync or replay took the state past that round
     assert moved.check_unchecked() is None and peer.resyncs == []
 
 
@@ -135,8 +136,8 @@ def test_a_blocking_last_round_without_a_group_waits_for_the_peers_still_finishi
     peer = FakePeer(records, epoch=5, checksum=MINE, overlap=False)
     peer.late = (record(B, epoch=5, checksums=[(5, THEIRS)]), record(C, epoch=5, checksums=[(5, THEIRS)]))
     peer.late_after = time.monotonic() + 0.4
-    rounds = OuterRound(peer)
-    rounds._unchecked = (local(5, MINE), (A,))  # as ``finish`` leaves a blocking round that found no group
+    rounds = RoundChecks(peer)
+    rounds.unchecked = (local(5, MINE), (A,))  # as ``finish`` leaves a blocking round that found no group
     report = rounds.check_unchecked()
     assert report is not None and report.resynced and len(peer.resyncs) == 1, peer.resyncs
 
@@ -159,7 +160,7 @@ def test_a_peer_leaving_after_its_round_serves_its_groupmates_until_they_publish
     peer.late = [record(B, epoch=5, checksums=[(5, MINE)])]  # B publishes a moment later, after its repairs
     peer.late_after = time.monotonic() + 0.5
     peer.manifest.averaging.allreduce_timeout = 60.0  # the window: about 300 reads of the records if waited out
-    rounds = OuterRound(peer)
+    rounds = RoundChecks(peer)
     rounds.last_group = (5, (A, B), time.monotonic())
     rounds.serve_last_round(until=time.monotonic() + 60)
     assert time.monotonic() >= peer.late_after  # it did not leave before B was done
@@ -169,7 +170,7 @@ def test_a_peer_leaving_after_its_round_serves_its_groupmates_until_they_publish
 def test_serving_the_last_round_is_bounded_and_a_stop_signal_or_no_group_ends_it_at_once():
     records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4)]  # B never publishes epoch 5
     peer = FakePeer(records, epoch=5, checksum=MINE)
-    rounds = OuterRound(peer)
+    rounds = RoundChecks(peer)
     rounds.serve_last_round(until=time.monotonic() + 30)
     assert peer.views == 0  # no averaged round: nobody to serve
     rounds.last_group = (5, (A, B), time.monotonic())
