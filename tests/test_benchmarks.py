@@ -536,3 +536,32 @@ def test_the_lag_split_tells_waiting_for_the_last_groupmate_from_the_protocol_an
     result = split(rows)
     assert result["rounds"] == 2 and result["steps_late"] == 1.5
     assert result["seconds"] == pytest.approx(dict(waiting=0.5, protocol=0.1, allreduce=0.5, landing=0.1))
+
+
+def test_the_few_parts_liar_lies_in_about_one_part_in_16_and_the_same_to_every_groupmate(monkeypatch):
+    """``attacker few``: a part's average is encoded once per groupmate's stream, so the part lied in must be
+    picked by its values (every groupmate gets the same wrong bytes, as a lying reducer's audit expects), and
+    about one in 16 of them: a sample of 2 parts of a 16-part slice misses it about 88% of the time."""
+    import torch
+    from hivemind.compression import deserialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    import swarm.allreduce
+    from benchmarks import attacker
+
+    monkeypatch.setattr(swarm.allreduce, "encode_average", swarm.allreduce.encode_average)  # restored after
+    honest = swarm.allreduce.encode_average
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data))  # its "lied" lines, to the test's stderr
+    attacker.install("few", attacker.ATTACKS["few"])
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(64, generator=generator) for _ in range(800)]
+    fp16 = runtime_pb2.CompressionType.FLOAT16
+    lied = 0
+    for values in parts:
+        first, again = swarm.allreduce.encode_average(values, fp16), swarm.allreduce.encode_average(values, fp16)
+        assert first.SerializeToString() == again.SerializeToString()  # to every groupmate the same
+        sent = deserialize_torch_tensor(first)
+        if not torch.equal(sent, deserialize_torch_tensor(honest(values, fp16))):
+            assert torch.allclose(sent, -4 * values, rtol=1e-2, atol=1e-2)
+            lied += 1
+    assert 800 / 32 < lied < 800 / 8, lied
