@@ -11,8 +11,9 @@ checksum check cannot see (everyone holds the same wrong bits). Here, every roun
    (each a digest of the parts' own digests, so that one part can be checked alone);
 3. for every reducer one other groupmate, chosen from the group id, is its **auditor**:
    it fetches the receipt with the per-part digests under it and the senders' parts (all
-   of them, or a sample of ``averaging.audit_parts`` parts it draws after the receipt is
-   signed), checks the parts against the digests and the output digest against what it
+   of them, or a sample: ``averaging.audit_parts`` parts it draws after the receipt is
+   signed, and as many whose average stands out against what it sent them,
+   ``suspect_parts``), checks the parts against the digests and the output digest against what it
    received, recomputes the robust mean and compares it with the average everyone got
    (``judge``);
 4. a failed audit is sent to the whole group; each groupmate then audits that reducer
@@ -35,6 +36,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,24 @@ def sample_parts(count: int, size: int, also: Iterable[int] = ()) -> list[int]:
         return list(range(count))
     drawn = set(random.SystemRandom().sample(range(count), size))
     return sorted(drawn | {i for i in also if isinstance(i, int) and 0 <= i < count})
+
+
+def suspect_parts(outputs: Sequence[runtime_pb2.Tensor], ours: Sequence[runtime_pb2.Tensor], size: int) -> list[int]:
+    """The ``size`` parts of a reducer's slice whose average is largest against what we sent it for them, from
+    what we hold (no request). A lie large enough to matter makes its part stand out here, so an audit of a
+    sample checks these beside the ones drawn at random: a liar that escapes the sample can only lie within
+    the spread of honest parts' ratios (a part that will not decode, or decodes to NaN, stands out most)."""
+
+    def ratio(out: runtime_pb2.Tensor, own: runtime_pb2.Tensor) -> float:
+        try:
+            average, sent = float(_decode(out).norm()), float(_decode(own).norm())
+        except Exception:
+            logger.debug("a part of the average does not decode", exc_info=True)
+            return math.inf
+        return average / max(sent, 1e-30) if math.isfinite(average) else math.inf
+
+    ratios = [ratio(out, own) for out, own in zip(outputs, ours)]
+    return sorted(sorted(range(len(ratios)), key=lambda i: -ratios[i])[:size])
 
 
 @dataclass(frozen=True)

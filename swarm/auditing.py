@@ -42,6 +42,7 @@ from swarm.audit import (
     open_receipt,
     sample_parts,
     served_as_signed,
+    suspect_parts,
 )
 from swarm.audit_serving import MAX_ACCUSED_PARTS, AuditRound, AuditServing
 
@@ -160,6 +161,10 @@ class Auditing(AuditServing):
             logger.debug("audited %s: no valid receipt", reducer)
             return Verdict.unanswered, None, []
         count, numels = len(ours), [math.prod(p.size) for p in ours]  # parts in its slice, and each one's size
+        if 0 < self._audit_parts < count:  # a sample: those drawn at random, and those that stand out
+            outputs, size = record.outputs[reducer], self._audit_parts
+            suspects = await asyncio.get_event_loop().run_in_executor(None, suspect_parts, outputs, ours, size)
+            also = [*also, *suspects]
         checked = sample_parts(count, self._audit_parts, also)
         whole = len(checked) == count
         ours = ours if whole else [ours[i] for i in checked]

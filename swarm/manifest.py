@@ -129,8 +129,9 @@ class AveragingSpec(_Frozen):
     # up to allreduce_timeout more per round (half for audits, half for re-checking accusations)
     checked_reducers: bool = True
     # parts of each reducer's slice its auditor checks, drawn at random after the reducer signed its receipt (0:
-    # every part). A sample cuts the audits' traffic to about audit_parts parts per sender on a big model, but a
-    # reducer that lies in a share f of its parts only is caught with 1 - (1 - f)^audit_parts a round, not surely
+    # every part), and as many again whose average stands out against what the auditor sent (a large lie). A
+    # sample cuts the audits' traffic to about 2 x audit_parts parts per sender on a big model, but a reducer that
+    # lies within the honest parts' spread in a share f of its parts is caught with 1 - (1 - f)^audit_parts a round
     audit_parts: NonNegativeInt = 0
     # keep the last K rounds' averages as they came off the wire; a peer 1..K epochs behind replays them
     # instead of downloading the whole state

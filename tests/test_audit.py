@@ -21,6 +21,7 @@ from swarm.audit import (
     part_digest,
     recompute,
     sample_parts,
+    suspect_parts,
 )
 from swarm.bans import QUORUM, Ban, BanList, BanReason, Guard, accusation_entry, quorum_bans
 from swarm.codecs import CODECS, apply_error_feedback
@@ -165,6 +166,33 @@ def test_an_audit_of_a_sample_checks_its_parts_against_the_digests_listed_under_
     swapped = [served[0], [*served[1][:5], served[1][4], *served[1][6:]], served[2]]
     assert check([1, 5], served=swapped) == Verdict.inconclusive
     assert check([1, 4], served=swapped) == Verdict.passed  # the swapped part is not drawn: nothing to see
+
+
+def test_a_sample_includes_the_parts_whose_average_stands_out_so_a_large_lie_in_one_part_is_caught(keys):
+    """A liar in a few parts escapes a random sample of N with probability (1 - f)^N. The auditor also checks the
+    N parts whose average is largest against what it sent for them: a lie large enough to matter stands out
+    there and is checked surely; what escapes is a lie within the spread of the honest parts' ratios."""
+    names = [peer_of(k) for k in keys[:3]]
+    numels = [300] * 16
+    served = [sender_parts("fp16", seed, numels) for seed in range(3)]
+    weights = [10.0, 12.0, 8.0]
+    exact = recompute(served, weights, numels, Aggregation.centered_clip)
+    honest = [encode_average(v, CODEC_TYPES["fp16"]) for v in exact]
+    assert len(suspect_parts(honest, served[1], 2)) == 2  # an honest slice: two parts all the same
+    for factor in (-4.0, 1000.0):
+        lying = [encode_average(v * (factor if i == 11 else 1), CODEC_TYPES["fp16"]) for i, v in enumerate(exact)]
+        for auditor in (1, 2):  # either groupmate's own parts will do
+            suspects = suspect_parts(lying, served[auditor], 2)
+            assert 11 in suspects, (factor, suspects)
+            receipt = receipt_for(keys[0], names, served, weights, lying)
+            listed = {n: [part_digest(p) for p in parts] for n, parts in zip(names, served)}
+            indices = sample_parts(16, 2, also=suspects)
+            sample = {n: [parts[i] for i in indices] for n, parts in zip(names, served)}
+            encode = lambda v: encode_average(v, CODEC_TYPES["fp16"])  # noqa: E731
+            verdict = judge(receipt, lying, sample, numels, Aggregation.centered_clip, encode, indices, listed)
+            assert verdict == Verdict.wrong_average
+    broken = [*honest[:3], runtime_pb2.Tensor(buffer=b"x", compression=CODEC_TYPES["fp16"]), *honest[4:]]
+    assert suspect_parts(broken, served[1], 1) == [3]  # a part that will not decode stands out most
 
 
 def test_a_sample_is_drawn_afresh_within_the_slice_and_keeps_an_accusers_parts():
