@@ -175,12 +175,14 @@ class Auditing(AuditServing):
         fetched = await asyncio.gather(
             *(_retried(lambda s=s: fetch(s), deadline) for s in others), return_exceptions=True
         )
-        if reducer in others:  # its own parts decide "withheld", which drops its slice: a fetch cut short (a
-            i = others.index(reducer)  # stream error on a loaded host) is tried once more before that is said
-            parts = None if isinstance(fetched[i], BaseException) else fetched[i]
-            if not served_as_signed(receipt, reducer, parts, checked, count, listed.get(reducer)):
+        if reducer in others:  # its own parts decide "withheld", which drops its slice: a stream that ended short
+            i = others.index(reducer)  # or served other bytes without an error (errors were retried above) is
+            parts = fetched[i]  # fetched once more before that is said
+            if not isinstance(parts, BaseException) and not served_as_signed(
+                receipt, reducer, parts, checked, count, listed.get(reducer)
+            ):
                 logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
-                again = asyncio.wait_for(fetch(reducer), _left(deadline))
+                again = _retried(lambda: fetch(reducer), deadline)
                 fetched[i] = (await asyncio.gather(again, return_exceptions=True))[0]
         served = {me: ours}
         for sender, parts in zip(others, fetched):
