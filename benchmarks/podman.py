@@ -11,13 +11,14 @@ pip can reach the package index through the machine's proxy.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,3 +160,24 @@ def build_image(log=print) -> Built:
 
 def image_size(image: str) -> int:
     return int(json.loads(podman("image", "inspect", image).stdout)[0]["Size"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.podman --result FILE``: build IMAGE, then write what was built, or why it was not,
+    to FILE as JSON (``ok`` and the fields of ``Built``, or ``error``). The test suite runs this in the background
+    from its start (``tests/image_build.py``)."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--result", type=Path, required=True)
+    args = p.parse_args(argv)
+    try:
+        outcome = dict(ok=True, **asdict(build_image(log=lambda line: print(line, flush=True))))
+    except (PodmanError, subprocess.SubprocessError, OSError) as error:
+        outcome = dict(ok=False, error=f"{type(error).__name__}: {error}")
+    partial = args.result.with_name(args.result.name + ".partial")
+    partial.write_text(json.dumps(outcome))
+    partial.replace(args.result)  # whole or absent, for a reader that polls it
+    return 0 if outcome["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

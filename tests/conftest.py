@@ -6,10 +6,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import image_build  # noqa: E402
 from client_helpers import SPAWNED, kill_spawned  # noqa: E402
 from swarm_harness import WorkerSwarm  # noqa: E402
 
 from swarm import hivemind_locks  # noqa: E402
+
+IMAGE_BUILD = pytest.StashKey[object]()  # the image's background build (tests/image_build.py), or None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[IMAGE_BUILD] = image_build.start(config)  # before xdist starts its workers: they inherit where
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    image_build.stop(config.stash.get(IMAGE_BUILD, None))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,7 +1,8 @@
 """The Docker image, built from the Dockerfile and run with podman: demo, join a host peer, health, SIGTERM, restart.
 
 The image is built on a local Debian base (``benchmarks/podman.py``); the first
-build here takes a few minutes, later runs reuse the base. Without podman (or
+build here takes a few minutes, later runs reuse the base. In a whole run it is
+built in the background from the session's start (``image_build.py``). Without podman (or
 root) the tests skip and say why; CI installs podman first (README).
 """
 
@@ -15,6 +16,7 @@ import sys
 import time
 import uuid
 
+import image_build
 import pytest
 from client_helpers import FAST, spawn, wait_for_line
 
@@ -28,7 +30,7 @@ LEAVE_DEADLINE = 20.0
 
 @pytest.fixture(scope="module")
 def image():
-    built = pm.build_image(log=lambda line: print(line, file=sys.stderr))
+    built = image_build.built(timeout=1500, log=lambda line: print(line, file=sys.stderr))
     print(
         f"\nimage {built.image}: Dockerfile built in {built.seconds:.0f} s; {built.size_bytes / 1e6:.0f} MB "
         f"(base {built.base_size_bytes / 1e6:.0f} MB)",
