@@ -90,6 +90,15 @@ class RepairFailure(enum.StrEnum):
     disagrees = "disagrees"  # a part differs from what it streamed to us the first time
 
 
+def slices_to_repair(outputs: dict[str, list], me: str, refused: set[str]) -> list[str]:
+    """The reducers whose slice came to us in part, to fetch again whole. Not one whose own parts we refused as
+    its reducer (``ExactAllReduceRunner.refused_senders``): its slice was dropped on purpose, and its round, waiting
+    for the average we never send it, signs no receipt before our audits' time is out (15 s a round, seen)."""
+    return [
+        m for m, out in outputs.items() if m != me and m not in refused and any(isinstance(p, Dropped) for p in out)
+    ]
+
+
 class Auditing(AuditServing):
     """Checked reducers, in the averager process: our audits of our reducers (serving our groupmates' audits:
     ``AuditServing``)."""
@@ -356,7 +365,8 @@ class Auditing(AuditServing):
         # its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail
         # one part to us and have the rest applied unchecked (then our state differs from the group's, and the
         # consistency check re-syncs us)
-        partial = [m for m, out in record.outputs.items() if m != me and any(isinstance(p, Dropped) for p in out)]
+        refused = {p.to_base58() for p in runner.refused_senders}
+        partial = slices_to_repair(record.outputs, me, refused)
         repairs = await asyncio.gather(*(self._repair_slice(record, p, recheck_deadline) for p in partial))
         repair_failures = []
         for peer, parts in zip(partial, repairs):

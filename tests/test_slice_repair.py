@@ -20,7 +20,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.allreduce import Dropped
 from swarm.audit import Receipt, digest_parts
 from swarm.audit_serving import AuditRound, kept_for
-from swarm.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure
+from swarm.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure, slices_to_repair
 from swarm.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
@@ -144,3 +144,10 @@ def test_a_round_is_kept_for_a_groupmate_repairing_at_its_latest():
     and a re-sync for that groupmate)."""
     for audit_timeout in (5.0, 30.0):
         assert kept_for(audit_timeout) > 2 * audit_timeout
+
+
+def test_only_slices_that_came_in_part_from_a_reducer_we_did_not_refuse_are_fetched_again():
+    whole, cut = [part(1, 8), part(2, 8)], [part(1, 8), Dropped(8)]
+    outputs = {"me": cut, "honest": whole, "cut-short": cut, "refused": [Dropped(8), Dropped(8)]}
+    assert slices_to_repair(outputs, "me", refused={"refused"}) == ["cut-short"]
+    assert slices_to_repair(outputs, "me", refused=set()) == ["cut-short", "refused"]
