@@ -76,7 +76,7 @@ def positive_finite(value) -> bool:
 
 
 def test_convergence_smoke(tmp_path: Path):
-    record = load_result(tmp_path, "convergence", run_smoke("convergence", tmp_path, timeout=120))
+    record = load_result(tmp_path, "convergence", run_smoke("convergence", tmp_path, timeout=280))
     runs = {r["name"]: r for r in record["runs"]}
     assert {"ddp", "single", "diloco-h2-fp32", "diloco-h3-fp32", "diloco-h3-fp16"} <= set(runs)
     assert {"diloco-h3-fp4-delayed1", "diloco-h3-fp32-eager1", "diloco-h3-fp4-eager1-share"} <= set(runs)

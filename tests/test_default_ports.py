@@ -26,6 +26,8 @@ from swarm.network import DEFAULT_PORT
 
 HIVEMIND_DHT = Path(sys.executable).parent / "hivemind-dht"
 MOVED = re.compile(rf"Port {DEFAULT_PORT} is in use on this machine \(another peer\?\); listening on (\d+) instead")
+PORT_WAIT = 180.0  # seconds
+pytestmark = pytest.mark.timeout(720)  # the wait for the port, then up to three 240 s waits for rounds
 ROUNDS = r"round -> epoch (\d+): averaged with (\d+) peers"
 
 
@@ -65,10 +67,13 @@ def wait_for_rounds(log: Path, proc: subprocess.Popen, group: int, count: int, t
 @pytest.fixture
 def bootstrap(tmp_path):
     """A stock hivemind-dht on the default port, as the operator guide runs it."""
-    if psutil.net_connections(kind="tcp") and any(
-        c.laddr.port == DEFAULT_PORT and c.status == psutil.CONN_LISTEN for c in psutil.net_connections(kind="tcp")
-    ):
-        pytest.fail(f"port {DEFAULT_PORT} is already in use on this machine; this test needs it free to start")
+    # another test file's peer may hold the default port for a while (test_closed_runs has one on default ports,
+    # and pytest-xdist runs files side by side): wait for it, bounded
+    deadline = time.monotonic() + PORT_WAIT
+    while any(c.laddr.port == DEFAULT_PORT and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"port {DEFAULT_PORT} stayed in use for {PORT_WAIT:.0f} s; this test needs it free to start")
+        time.sleep(1)
     log, key = tmp_path / "bootstrap.log", tmp_path / "bootstrap.key"
     with log.open("w") as handle:
         proc = subprocess.Popen(
