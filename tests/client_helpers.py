@@ -21,6 +21,11 @@ FAST = [
     "averaging.consistency_timeout=2.0",
 ]
 LOCAL = ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu"]
+# Several peers share this 2-core host, and CI runs two test files at once: one torch thread per peer, as
+# `swarm-client demo` gives its peers (cores // peers), unless the caller's environment says otherwise. With two
+# threads each, parallel regions wait on threads the other processes have descheduled (with a third pytest
+# worker the in-process convergence smoke took over 280 s instead of 64-100 s).
+PEER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | None = None):
@@ -29,7 +34,7 @@ def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | N
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, **(env or {})),
+        env={**PEER_ENV, **os.environ, **(env or {})},
         cwd=cwd,
     )
 
@@ -53,7 +58,7 @@ def spawn(*args: str, log: Path) -> subprocess.Popen:
         [sys.executable, "-m", "client.cli", *args],
         stdout=handle,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env={**PEER_ENV, **os.environ, "PYTHONUNBUFFERED": "1"},
     )
     SPAWNED.append(proc)
     return proc
