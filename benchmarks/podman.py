@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         outcome = dict(ok=True, **asdict(build_image(log=lambda line: print(line, flush=True))))
     except (PodmanError, subprocess.SubprocessError, OSError) as error:
+        traceback.print_exc()  # into the build's log, whose tail the waiting fixture shows
         outcome = dict(ok=False, error=f"{type(error).__name__}: {error}")
     partial = args.result.with_name(args.result.name + ".partial")
     partial.write_text(json.dumps(outcome))
