@@ -74,9 +74,7 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
     )
 
 
-SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
 IDLE_GRACE = 10.0  # a step still running this long after its deadline means a stuck averager process
-STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file
 
 
 @dataclass(frozen=True)
@@ -288,7 +286,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         epoch = group_epoch(gathered.values())
         if held is not None and epoch is not None:
             try:  # the average as it came off the wire, for peers that replay the round later
-                await asyncio.get_event_loop().run_in_executor(None, self._keep_update, epoch, held)
+                await asyncio.get_event_loop().run_in_executor(None, self.keep_update, epoch, held)
             except OSError:
                 logger.debug("could not keep the round's update", exc_info=True)
         del held  # the round's buffers are all gone now (the host reads the average from the shared buffers)

@@ -13,7 +13,8 @@ waits.
 when the swarm finished the round without us, and bounded by the manifest's timeouts.
 
 ``finish``: the outer step with the group's average or, failing a group, our own
-pseudo-gradient (a "local" round); a group whose values cannot be used (groupmates at
+pseudo-gradient (a "local" round, whose step is kept for replay as a group's average is:
+``swarm.local_update``); a group whose values cannot be used (groupmates at
 another epoch, non-finite values) is skipped. An overlapped round moves the model by
 the same step and takes the stand-in back, so the inner steps taken meanwhile are kept
 on top of the group's step. Then the new state's file,
@@ -34,6 +35,7 @@ from swarm.codecs import apply_error_feedback
 from swarm.consistency import RoundChecks
 from swarm.errors import LeaveRequested
 from swarm.flight import EXPECTED_FAILURES, Flight
+from swarm.local_update import keep_local_update, round_to_codec
 from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
@@ -241,8 +243,14 @@ class OuterRound:
                     for residual in peer.outer.residual:
                         residual.zero_()
             else:
+                kept = outcome is None and peer.manifest.averaging.replay_rounds > 0  # local: kept for replay
+                compression, held = peer.manifest.averaging.compression, None
                 with peer.averager.get_tensors() as buffers:
+                    if kept:
+                        held = round_to_codec(buffers, compression)
                     peer.outer.step(buffers, shift=peer.params if self.overlapped else None)
+                if kept:
+                    keep_local_update(peer.averager, peer.outer.epoch - 1, compression, held)
                 if not self.overlapped:
                     peer.outer.write_to(peer.params)
             if flight.stand_in is not None:  # the group's step (or none) replaces the one taken ahead

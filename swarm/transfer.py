@@ -7,7 +7,8 @@ before using it.
 
 After each averaged round a peer also keeps the round's average exactly as it came
 off the wire (``update-EPOCH.bin``: the reducers' serialized parts), the last
-``keep_updates`` of them. A peer a few epochs behind fetches those few updates (half
+``keep_updates`` of them; after a local round, its own step, as a group of one would
+have received it (``swarm.local_update``). A peer a few epochs behind fetches those few updates (half
 a byte per parameter each with fp4) and applies them, instead of the whole state
 (eight bytes per parameter).
 
@@ -68,7 +69,7 @@ def write_update(path: Path, run_id: str, epoch: int, held: Sequence[Sequence[He
                 blobs.append(blob)
         layout.append(entry)
     header = json.dumps(dict(format=UPDATE_FORMAT, run_id=run_id, epoch=epoch, tensors=layout)).encode()
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # the host (local rounds) and its averager both write
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
@@ -128,6 +129,7 @@ class FileTransfer:
         self._served_epoch = mp.Value(ctypes.c_int64, -1)
         self._host_epoch = mp.Value(ctypes.c_int64, -1)
         self._update_dir, self._keep_updates, self._run_id = update_dir, keep_updates, run_id
+        self._keeping_epoch = mp.Value(ctypes.c_int64, -1)  # a local round's update the host is writing
 
     # ---- serving (the averager process answers; the host says which state file) -----------------
 
@@ -207,12 +209,17 @@ class FileTransfer:
             return
         epoch = fields.get("epoch")
         if isinstance(epoch, int) and epoch >= 0:
-            async for message in self._stream_file(update_path(self._update_dir, epoch), epoch):
+            path = update_path(self._update_dir, epoch)
+            deadline = time.monotonic() + STALE_FILE_WAIT
+            while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
+            async for message in self._stream_file(path, epoch):
                 yield message
 
-    # ---- keeping the rounds' averages (the averager process, after a round succeeded) -------------
+    # ---- keeping the rounds' averages (the averager process after a group's round; the host after a local one)
 
-    def _keep_update(self, epoch: int, held: Sequence[Sequence[HeldPart]]) -> None:
+    def keep_update(self, epoch: int, held: Sequence[Sequence[HeldPart]]) -> None:
+        """Write round ``epoch``'s update, and remove those more than ``keep_updates`` rounds older."""
         if self._update_dir is None or self._keep_updates <= 0:
             return
         write_update(update_path(self._update_dir, epoch), self._run_id, epoch, held)
@@ -220,6 +227,15 @@ class FileTransfer:
         for path in Path(self._update_dir).glob("update-*.bin"):
             if path.name <= old.name:
                 path.unlink(missing_ok=True)
+
+    def begin_keeping(self, epoch: int) -> None:
+        """The host is encoding its local round's update of ``epoch``: a replayer asking for it waits for it."""
+        self._keeping_epoch.value = epoch
+
+    def done_keeping(self, epoch: int) -> None:
+        with self._keeping_epoch.get_lock():
+            if self._keeping_epoch.value == epoch:
+                self._keeping_epoch.value = -1
 
     # ---- downloading (the host asks; the averager process writes the file) -----------------------
 

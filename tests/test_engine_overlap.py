@@ -128,3 +128,31 @@ def test_replay_is_used_instead_of_a_download_when_nothing_goes_wrong(make_swarm
     rounds = [e["report"] for e in events_since_restart(swarm, 1, "round")]
     assert any(r["averaged"] and r["group_size"] == 3 for r in rounds), rounds
     assert_consistent(swarm, range(3), epochs)
+
+
+def test_a_local_round_is_replayed_like_an_averaged_one(make_swarm):
+    """Peer 1 leaves at epoch 2; peer 0, alone, makes local rounds (no group) until it is back. Restarted from
+    its checkpoint, peer 1 replays those local rounds' steps instead of downloading the whole state again: the
+    case of every joiner to a lone donor that makes a round while the joiner's first one runs. Blocking fp16,
+    the defaults: the local step is rounded to fp16, as a group's average is, so the replay gives its checksum."""
+    manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, replay_rounds=7)
+    swarm = make_swarm(manifest)
+    epochs = 7
+    back = swarm.root / "peer1-back"
+    swarm.start(0, epochs, extra_args=("--hold-at-epoch", "5", "--hold-for", str(back)))
+    swarm.start(1, 2)
+    assert swarm.wait_exit(1, 180) == 0, swarm.log(1)
+    wait_for(lambda: swarm.marker(0, "training", 5).exists(), 180, "peer 0 to make its local rounds to epoch 5")
+    (swarm.out(1) / "maddrs.txt").unlink()
+    swarm.start(1, epochs, extra_args=("--resume",))
+    back.touch()
+    for rank in range(2):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    alone = [r for r in swarm.reports(0) if 3 <= r["epoch"] <= 5]  # its rounds from epochs 2-4
+    assert len(alone) == 3 and not any(r["averaged"] for r in alone), alone
+    replayed = events_since_restart(swarm, 1, "replayed")
+    assert replayed and replayed[0]["epoch"] == 2 and replayed[0]["target"] >= 5, swarm.events(1)
+    assert not events_since_restart(swarm, 1, "state_loaded"), "a replayed peer downloads nothing"
+    rounds = [e["report"] for e in events_since_restart(swarm, 1, "round")]
+    assert any(r["averaged"] and r["group_size"] == 2 for r in rounds), rounds  # caught up, it averaged
+    assert_consistent(swarm, range(2), epochs)

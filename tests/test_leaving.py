@@ -38,6 +38,9 @@ SETS = [
     "averaging.matchmaking_time=1.0",
     "averaging.matchmaking_timeout=5.0",
     "averaging.consistency_timeout=3.0",
+    # one test stops a joiner in its state download: a joiner a few rounds behind the lone donor would replay
+    # the donor's local rounds instead (tests/test_engine_overlap.py), and download nothing
+    "averaging.replay_rounds=0",
 ]
 OVERRIDES = [a for s in SETS for a in ("--set", s)]
 LOCAL = ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu", "--micro-batch", "2", "--no-dashboard"]
