@@ -2,8 +2,9 @@
 
 A donor peer runs the 150m preset's shape (3 layers, the byte tokenizer and the
 built-in corpus: 103M parameters). Newcomers join it and each gets SIGTERM at
-another moment: while starting up, while downloading the state, in the middle of
-an inner step; the donor gets its own in a round. Each must exit 0 within the
+another moment: while starting up, just after catching up by replaying the donor's
+local rounds, in the middle of an inner step, while downloading the state; the
+donor gets its own in a round. Each must exit 0 within the
 deadline, leave no p2pd behind, and have on disk, checked, exactly the outer state
 it left with (the latest round's, or the one it downloaded).
 """
@@ -11,6 +12,7 @@ it left with (the latest round's, or the one it downloaded).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -38,9 +40,9 @@ SETS = [
     "averaging.matchmaking_time=1.0",
     "averaging.matchmaking_timeout=5.0",
     "averaging.consistency_timeout=3.0",
-    # one test stops a joiner in its state download: a joiner a few rounds behind the lone donor would replay
-    # the donor's local rounds instead (tests/test_engine_overlap.py), and download nothing
-    "averaging.replay_rounds=0",
+    # the most rounds kept: a joiner that comes early replays the lone donor's local rounds, however slow
+    # the machine (one test); one that must download comes once the donor is further on than that
+    "averaging.replay_rounds=7",
 ]
 OVERRIDES = [a for s in SETS for a in ("--set", s)]
 LOCAL = ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu", "--micro-batch", "2", "--no-dashboard"]
@@ -153,15 +155,17 @@ def test_sigterm_while_starting_up(donor):
     assert "Traceback" not in peer.log.read_text()
 
 
-def test_sigterm_while_downloading_the_state(donor):
+def test_sigterm_after_catching_up_by_replaying_the_lone_donors_local_rounds(donor):
+    """The donor, alone, makes local rounds. A joiner that comes within ``replay_rounds`` of the seed replays
+    their steps (2 bytes per parameter each, fp16) instead of downloading the state (8), then leaves."""
     root, _, join, run_id = donor
-    peer = Peer(root, "downloading", *join)
-    wait_for_line(peer.log, "downloading the training state from peer", peer.proc, timeout=240)
+    peer = Peer(root, "replaying", *join)
+    caught_up = re.compile(r"caught up to epoch \d+ by replaying|downloading the training state")
+    line = peer.wait(lambda: caught_up.search(peer.log.read_text()), "catching up").group(0)
+    assert line.startswith("caught up"), peer.log.read_text()[-3000:]
     peer.terminate()
-    text = peer.log.read_text()
-    assert "SIGTERM received" in text and "state of epoch" not in text, "the download finished before the signal"
-    assert "Traceback" not in text
-    assert not list(checkpoint.checkpoint_dir(peer.workdir, run_id).glob(".tmp-*"))  # the partial download is gone
+    assert "Traceback" not in peer.log.read_text()
+    peer.assert_checkpoint_is_what_it_left_with(run_id)
 
 
 def test_sigterm_in_the_middle_of_an_inner_step(donor):
@@ -179,6 +183,19 @@ def test_sigterm_in_the_middle_of_an_inner_step(donor):
     text = peer.log.read_text()
     assert "Traceback" not in text and "round abandoned" not in text, "the signal came in a round, not a step"
     peer.assert_checkpoint_is_what_it_left_with(run_id)
+
+
+def test_sigterm_while_downloading_the_state(donor):
+    root, donor_peer, join, run_id = donor
+    # 7 rounds kept: a joiner that finds the donor within them replays them, and downloads nothing
+    donor_peer.wait(lambda: max((r["epoch"] for r in donor_peer.records("round")), default=0) > 8, "epoch 9")
+    peer = Peer(root, "downloading", *join)
+    wait_for_line(peer.log, "downloading the training state from peer", peer.proc, timeout=240)
+    peer.terminate()
+    text = peer.log.read_text()
+    assert "SIGTERM received" in text and "state of epoch" not in text, "the download finished before the signal"
+    assert "Traceback" not in text
+    assert not list(checkpoint.checkpoint_dir(peer.workdir, run_id).glob(".tmp-*"))  # the partial download is gone
 
 
 def test_sigterm_in_a_round(donor):
