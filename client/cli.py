@@ -177,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.command in ("start", "join"):
+            from client.preflight import check_peer_command
+
+            inputs = check_peer_command(args, creating=args.command == "start")  # before torch and hivemind
             with STOP.shielded():  # a stop raised inside torch's import once aborted the process (exit -6, CI):
                 from client.run import run_peer  # it is raised when the import is done, and we return 0
 
-            return run_peer(args, creating=args.command == "start")
+            return run_peer(args, inputs)
         if args.command == "status":
             return _status(args)
         if args.command == "doctor":

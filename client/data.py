@@ -24,13 +24,12 @@ from typing import Protocol
 import datasets
 import torch
 
+from client.byte_tokenizer import ByteTokenizer
 from swarm import DatasetSpec, SwarmError, TokenizerSpec
 
 logger = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
 
-BYTE_VOCAB = 256
-BOS, EOS, PAD = 256, 257, 258
 EVAL_PER_DOCUMENT = 2  # held-out sequences taken from one document at most
 
 
@@ -43,22 +42,6 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes plus three specials: no download, no vocabulary file."""
-
-    vocab_size = BYTE_VOCAB + 3
-    eos_id = EOS
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8", errors="replace"))
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(text) for text in texts]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

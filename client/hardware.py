@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 import torch
 
+from client.preflight import DeviceKind, parse_device
 from swarm import SwarmError
 
 
@@ -47,19 +48,20 @@ class Precision:
 
 def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | None = None) -> Hardware:
     """Resolve ``--device`` (auto|cuda|cuda:N|mps|cpu) to the hardware that will train."""
+    request = parse_device(device)  # its syntax (checked before torch is imported too); here: is it on this machine
     host = psutil.virtual_memory()
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     if mps_available is None:
         mps_available = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-    if device == "auto":
-        device = "cuda" if cuda.is_available() else "mps" if mps_available else "cpu"
-    if device.startswith("cuda"):
+    kind, index = request.kind, request.index or 0
+    if kind is DeviceKind.AUTO:
+        kind = DeviceKind.CUDA if cuda.is_available() else DeviceKind.MPS if mps_available else DeviceKind.CPU
+    if kind is DeviceKind.CUDA:
         if not cuda.is_available():
             raise SwarmError(
                 f"--device {device}: no CUDA GPU is visible to PyTorch. Check `nvidia-smi`, that this torch build "
                 "has CUDA (torch.version.cuda), and that Docker runs with --gpus all; or use --device cpu."
             )
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
         count = cuda.device_count()
         if not 0 <= index < count:
             raise SwarmError(f"--device {device}: this machine has {count} CUDA device(s), numbered 0 to {count - 1}.")
@@ -75,13 +77,11 @@ def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | N
             host.total,
             cores,
         )
-    if device == "mps":
+    if kind is DeviceKind.MPS:
         if not mps_available:
             raise SwarmError("--device mps: Apple's Metal backend is not available here; use --device cpu.")
         return Hardware("mps", "mps", "Apple MPS", host.total, None, False, host.total, cores)
-    if device == "cpu":
-        return Hardware("cpu", "cpu", "CPU", int(host.available), None, False, host.total, cores)
-    raise SwarmError(f"--device {device!r} is not one of auto, cuda, cuda:N, mps or cpu.")
+    return Hardware("cpu", "cpu", "CPU", int(host.available), None, False, host.total, cores)
 
 
 def choose_precision(hardware: Hardware, prefer_bf16: bool) -> Precision:

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from client.data import ByteTokenizer
+from client.byte_tokenizer import ByteTokenizer
 from swarm import ManifestError, RunManifest
 
 _HUB_TOKENIZER = {"kind": "auto", "name": "TinyLlama/TinyLlama_v1.1"}

@@ -7,55 +7,18 @@ live dashboard or the log lines, and the exit's summary.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from client.logs import setup_logging
 from client.options import held_out_sequences
+from client.preflight import PeerInputs
 from client.signals import STOP
-from swarm import NetworkConfig, RunSecret, SwarmError
+from swarm import NetworkConfig, RunSecret
 
-_workdir_lock = None  # held for the life of the process
 FIND_RUN_WAIT = 30.0  # seconds a joiner reads the DHT again while it shows no run at all (swarm.choose_run)
-
-
-def prepare_workdir(workdir: Path, exclusive: bool = False) -> Path:
-    """The workdir, writable; with ``exclusive``, locked against a second peer using it (the same identity
-    twice would make two processes one peer, and their checkpoints would overwrite each other)."""
-    global _workdir_lock
-    workdir = workdir.expanduser()
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise SwarmError(
-            f"The workdir {workdir} cannot be written ({e.strerror}). Pick another with --workdir or "
-            "fix its permissions (in Docker: mount a volume at /data)."
-        ) from None
-    if exclusive:
-        handle = (workdir / ".peer.lock").open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            owner = handle.read().strip() or "?"
-            handle.close()
-            raise SwarmError(
-                f"The workdir {workdir} is in use by another peer on this machine (pid {owner}). Each peer needs "
-                "its own --workdir, where its identity and checkpoints live: e.g. --workdir ~/.cache/swarm/gpu1."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        _workdir_lock = handle
-    return workdir
 
 
 def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
@@ -85,11 +48,12 @@ def use_dashboard(args: argparse.Namespace) -> bool:
     return sys.stdout.isatty() and not getattr(args, "no_dashboard", False)
 
 
-def run_peer(args: argparse.Namespace, creating: bool) -> int:
+def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
+    """`start` (``inputs.manifest``: the run to create) or `join`, on a command line that
+    ``client.preflight.check_peer_command`` has checked."""
     from client.dashboard import DashboardSource, LiveDashboard
     from client.hardware import detect
     from client.monitoring import TrainingTick, gpu_memory, own_state
-    from client.presets import build_manifest
     from client.swarm_watch import SwarmWatch
     from client.telemetry import Telemetry
     from client.trainer import Trainer, TrainerSettings
@@ -97,10 +61,9 @@ def run_peer(args: argparse.Namespace, creating: bool) -> int:
     from swarm.network import DEFAULT_PORT
     from swarm.progress import read_peers
 
-    workdir = prepare_workdir(args.workdir, exclusive=True)
+    workdir, manifest, creating = inputs.workdir, inputs.manifest, inputs.manifest is not None
     setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
-    hardware = detect(args.device)  # before the DHT: a wrong --device should not cost a network join
-    manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
+    hardware = detect(args.device)  # before the DHT: a --device this machine lacks should not cost a network join
     network = _network(args, workdir)
     if manifest is not None and network.secret is not None:  # a closed run: its id is another run's
         manifest = manifest.model_copy(update=dict(access=network.secret.tag))

@@ -33,8 +33,9 @@ from typing import Any
 from hivemind.utils.auth import AuthorizerBase
 
 from swarm.errors import SecretError
+from swarm.inputs import MIN_SECRET_BYTES as MIN_SECRET_BYTES  # re-exported: the secret's rules live there
+from swarm.inputs import read_secret_file
 
-MIN_SECRET_BYTES = 16
 MAX_CLOCK_SKEW = 600.0  # seconds: a signed DHT request older or newer than this is refused
 TAG_LENGTH = 32
 
@@ -64,17 +65,7 @@ class RunSecret:
     @classmethod
     def from_file(cls, path: Path) -> RunSecret:
         """Read a secret file (surrounding whitespace ignored), or say plainly what is wrong with it."""
-        path = Path(path).expanduser()
-        try:
-            data = path.read_bytes().strip()
-        except OSError as e:
-            raise SecretError(f"Cannot read the secret file {path}: {e.strerror}.") from None
-        if len(data) < MIN_SECRET_BYTES:
-            raise SecretError(
-                f"The secret in {path} is {len(data)} bytes; a run's secret needs at least {MIN_SECRET_BYTES}. "
-                "Make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE"
-            )
-        return cls.from_bytes(data)
+        return cls.from_bytes(read_secret_file(path))
 
     def schema_hash(self, plain: bytes) -> bytes:
         return hmac.new(self.schema_key, plain, hashlib.sha256).digest()

@@ -39,6 +39,7 @@ from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTa
 from swarm.helpers import start_and_wait
 from swarm.hivemind_locks import free_stuck_locks
 from swarm.identity import adopt_identity, temporary_identity
+from swarm.inputs import check_initial_peer, check_ip
 from swarm.orphans import install_orphan_reaper
 from swarm.records import global_validators
 
@@ -65,26 +66,7 @@ class NetworkConfig(BaseModel):
 
 def parse_initial_peer(text: str) -> Multiaddr:
     """Parse one bootstrap multiaddr, or explain what a good one looks like."""
-    try:
-        maddr = Multiaddr(text.strip())
-    except Exception as e:  # hivemind's multiaddr raises several unrelated types
-        raise NetworkConfigError(
-            f"'{text}' is not a valid multiaddr ({e}). An initial peer looks like "
-            "/ip4/203.0.113.5/tcp/31337/p2p/QmPeerId...: copy it exactly from the line the run's first peer printed."
-        ) from None
-    if "p2p" not in [p.name for p in maddr.protocols()]:
-        raise NetworkConfigError(
-            f"'{text}' has no /p2p/<peer id> part, so the peer behind it cannot be verified. "
-            "Copy the full address, ending in /p2p/Qm..., from the line the run's first peer printed."
-        )
-    return maddr
-
-
-def _check_ip(value: str, what: str) -> str:
-    try:
-        return str(ipaddress.ip_address(value))
-    except ValueError:
-        raise NetworkConfigError(f"{what} '{value}' is not an IPv4 or IPv6 address.") from None
+    return check_initial_peer(text, Multiaddr)
 
 
 def _maddr(ip: str, port: int) -> str:
@@ -164,7 +146,7 @@ def _try_port(host_ip: str, port: int) -> PortClaim | None:
 def claim_port(host_ip: str, requested: int | None) -> PortClaim:
     """The port to listen on: ``requested`` if free (else a clear error), the default or the next free one
     after it when None, anything for 0."""
-    host_ip = _check_ip(host_ip, "--host-ip")
+    host_ip = check_ip(host_ip, "--host-ip")
     if requested == 0:
         return PortClaim(0, 0)
     if requested is not None:
@@ -188,7 +170,7 @@ def claim_port(host_ip: str, requested: int | None) -> PortClaim:
 def dht_kwargs(config: NetworkConfig, port: int | None = None) -> dict:
     """Translate a NetworkConfig into hivemind.DHT arguments, validating each; ``port`` is the claimed port."""
     initial_peers = [str(parse_initial_peer(p)) for p in config.initial_peers]
-    host_ip = _check_ip(config.host_ip, "--host-ip")
+    host_ip = check_ip(config.host_ip, "--host-ip")
     port = config.host_port if port is None else port
     if port is None:
         port = DEFAULT_PORT
@@ -206,7 +188,7 @@ def dht_kwargs(config: NetworkConfig, port: int | None = None) -> dict:
     if config.announce_ip is not None:
         if port == 0:
             raise NetworkConfigError("--announce-ip needs a fixed --host-port (not 0) so others know where to dial.")
-        kwargs["announce_maddrs"] = [_maddr(_check_ip(config.announce_ip, "--announce-ip"), port)]
+        kwargs["announce_maddrs"] = [_maddr(check_ip(config.announce_ip, "--announce-ip"), port)]
     if config.identity_path is not None:
         path = Path(config.identity_path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,15 @@ def cli(*args: str, timeout: float = 120, env: dict | None = None, cwd: Path | N
     )
 
 
+def assert_clean_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """The command failed as a volunteer's mistake should: exit 2, one ``error:`` paragraph, no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.startswith("error: ")
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
 def run_script(script: str, *args: str, cwd: Path, timeout: float) -> tuple[dict, subprocess.CompletedProcess]:
     """Run ``script`` in a fresh interpreter; what it printed last on a ``RESULT {json}`` line, and the process."""
     proc = subprocess.run(

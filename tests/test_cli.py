@@ -8,7 +8,7 @@ import time
 
 import hivemind
 import pytest
-from client_helpers import LOCAL, cli, spawn, wait_for_line
+from client_helpers import LOCAL, assert_clean_error, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 
 from client.cli import build_parser
@@ -109,14 +109,6 @@ def test_start_reads_preset_and_manifest_variables(monkeypatch):
 def test_command_line_wins_over_environment(monkeypatch):
     monkeypatch.setenv("SWARM_NAME", "from-env")
     assert build_parser().parse_args(["join", "--initial-peers", PEER, "--name", "flag"]).name == "flag"
-
-
-def assert_clean_error(result, *needles):
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
-    assert "Traceback" not in result.stderr + result.stdout
-    assert result.stderr.startswith("error: ")
-    for needle in needles:
-        assert needle in result.stderr, result.stderr
 
 
 def test_malformed_multiaddr(tmp_path):
