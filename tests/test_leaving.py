@@ -41,7 +41,7 @@ SETS = [
     "averaging.matchmaking_timeout=5.0",
     "averaging.consistency_timeout=3.0",
     # the most rounds kept: a joiner that comes early replays the lone donor's local rounds, however slow
-    # the machine (one test); one that must download comes once the donor is further on than that
+    # the machine (one test)
     "averaging.replay_rounds=7",
 ]
 OVERRIDES = [a for s in SETS for a in ("--set", s)]
@@ -171,13 +171,20 @@ def test_sigterm_after_catching_up_by_replaying_the_lone_donors_local_rounds(don
 def test_sigterm_in_the_middle_of_an_inner_step(donor):
     root, _, join, run_id = donor
     peer = Peer(root, "stepping", *join)
-    # a joiner that arrives mid-epoch joins the donor's round early, whatever its own step count: after its
-    # first round the two step in lockstep, so the first step after it is followed by more steps, not a round
+    # after its first round it steps; but between two steps it re-syncs whenever the lone donor ended a round
+    # without it (a joiner slower than the donor can be behind for several rounds): a step's record is followed
+    # either by the next step or by a re-sync, which begins at once. So: a step's record, a third of the next
+    # step, and no re-sync or round begun meanwhile; else the next step
     first_round = peer.wait(lambda: peer.records("round"), "the joiner's first round")[0]
-    step = peer.wait(
-        lambda: [s for s in peer.records("step") if s["time"] > first_round["time"]], "a step after that round"
-    )[0]
-    time.sleep(min(0.5, step["step_seconds"] / 3))  # a third of the way into the next step
+    seen = first_round["time"]
+    for _ in range(40):
+        step = peer.wait(lambda: [s for s in peer.records("step") if s["time"] > seen], "a step after that")[0]  # noqa: B023
+        seen = step["time"]
+        before = peer.log.read_text()
+        time.sleep(min(0.5, step["step_seconds"] / 3))  # a third of the way into the next step
+        since = peer.log.read_text()[len(before) :]
+        if "re-syncing" not in since and "round ->" not in since and "catching up" not in since:
+            break
     assert peer.state() == "training"
     peer.terminate()
     text = peer.log.read_text()
@@ -186,9 +193,12 @@ def test_sigterm_in_the_middle_of_an_inner_step(donor):
 
 
 def test_sigterm_while_downloading_the_state(donor):
-    root, donor_peer, join, run_id = donor
-    # 7 rounds kept: a joiner that finds the donor within them replays them, and downloads nothing
-    donor_peer.wait(lambda: max((r["epoch"] for r in donor_peer.records("round")), default=0) > 8, "epoch 9")
+    root, _, join, run_id = donor
+    # a joiner within replay_rounds of the seed would replay the donor's rounds and download nothing: the donor
+    # has lost the updates it kept (a cleaned disk, say), so the first one the joiner asks for is refused at once
+    # and it downloads the state (the donor only writes newer ones: that first update never comes back)
+    for update in (root / "donor").rglob("update-*.bin"):
+        update.unlink()
     peer = Peer(root, "downloading", *join)
     wait_for_line(peer.log, "downloading the training state from peer", peer.proc, timeout=240)
     peer.terminate()
