@@ -24,16 +24,11 @@ Run: ``python -m benchmarks.catchup`` (about 10 minutes here); ``--smoke``: the 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from benchmarks.common import add_common_args, command_line, machine_info, print_table, scratch_dir, write_json
-from benchmarks.peers import read_records
+from benchmarks.memory import Peer  # a `swarm-client` process on 127.0.0.1 with its log, records and waits
 
 NAME = "catchup"
 REPO = Path(__file__).resolve().parent.parent
@@ -52,42 +47,8 @@ def manifest_sets(args: argparse.Namespace, replay: bool) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-class Peer:
-    def __init__(self, workdir: Path, name: str, argv: list[str]):
-        self.log, self.jsonl = workdir / f"{name}.log", workdir / f"{name}.jsonl"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "client.cli", *argv, "--host-ip", "127.0.0.1", "--host-port", "0"]
-        command += ["--device", "cpu", "--name", name, "--workdir", str(workdir / name), "--no-dashboard"]
-        command += ["--log-json", str(self.jsonl)]
-        with self.log.open("w") as handle:
-            self.proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self.started = time.time()
-
-    def text(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
-
-    def epoch(self) -> int:
-        return max((r["epoch"] for r in read_records(self.jsonl, "round")), default=0)
-
-    def wait(self, predicate, what: str, timeout: float):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.log.name} exited before {what}:\n{self.text()[-2000:]}")
-            time.sleep(0.2)
-        raise RuntimeError(f"no {what} in {timeout:.0f} s:\n{self.text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def epoch(peer: Peer) -> int:
+    return max((r["epoch"] for r in peer.records("round")), default=0)
 
 
 def newest_bytes(folder: Path, pattern: str) -> int:
@@ -99,20 +60,20 @@ def run_case(args: argparse.Namespace, root: Path, name: str, replay: bool, late
     workdir = root / name.replace(" ", "-").replace(",", "")
     workdir.mkdir()
     preset = ["--preset", "tiny" if args.smoke else "150m"]
-    donor = Peer(workdir, "donor", ["start", *preset, *manifest_sets(args, replay)])
+    donor = Peer(REPO, workdir, "donor", ["start", *preset, *manifest_sets(args, replay)])
     joiner = None
     try:
-        line = donor.wait(lambda: _JOIN.search(donor.text()), "the join line", 300)
-        donor.wait(lambda: read_records(donor.jsonl, "round"), "the donor's first round", 300)
+        line = donor.wait_for(lambda: _JOIN.search(donor.text()), 300, "the join line")
+        donor.wait_for(lambda: donor.records("round"), 300, "the donor's first round")
         if late:  # past what a fresh joiner could replay: its first catch-up is a download
-            donor.wait(lambda: donor.epoch() > REPLAY_ROUNDS, f"epoch {REPLAY_ROUNDS + 1}", 600)
-        joined_at_epoch = donor.epoch()
+            donor.wait_for(lambda: epoch(donor) > REPLAY_ROUNDS, 600, f"epoch {REPLAY_ROUNDS + 1}")
+        joined_at_epoch = epoch(donor)
         join = ["join", "--initial-peers", line.group("maddrs").strip(), "--run", line.group("run")]
-        joiner = Peer(workdir, "joiner", join)
-        first = joiner.wait(
-            lambda: [r for r in read_records(joiner.jsonl, "round") if r["averaged"]],
-            "the joiner's first averaged round",
+        joiner = Peer(REPO, workdir, "joiner", join)
+        first = joiner.wait_for(
+            lambda: [r for r in joiner.records("round") if r["averaged"]],
             args.timeout,
+            "the joiner's first averaged round",
         )[0]
         text = joiner.text()
         downloads, replays = len(_LOADED.findall(text)), [int(n) for n in _REPLAYED.findall(text)]
