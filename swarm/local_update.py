@@ -80,8 +80,8 @@ def keep_local_update(
 ) -> bool:
     """Keep our local round's step from ``epoch`` for replay, in a thread: ``held`` (``round_to_codec``'s), or
     the buffers, encoded. In that case returns once the thread holds the buffers' lock, so nothing can
-    overwrite them before they are encoded; False (nothing kept) if it could not take the lock in
-    ``LOCK_WAIT``."""
+    overwrite them before they are encoded, or has failed (logged); False (nothing kept) if it could not take
+    the lock in ``LOCK_WAIT``."""
     locked, given_up = threading.Event(), threading.Event()
     averager.begin_keeping(epoch)
 
@@ -100,6 +100,7 @@ def keep_local_update(
             logger.debug("could not keep the local round's update of epoch %d", epoch, exc_info=True)
         finally:
             averager.done_keeping(epoch)
+            locked.set()  # a thread that failed before taking the lock does not hold the round for LOCK_WAIT
 
     threading.Thread(target=keep, name=f"keep-update-{epoch}", daemon=True).start()
     if held is not None or locked.wait(LOCK_WAIT):

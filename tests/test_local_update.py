@@ -124,3 +124,17 @@ def test_an_off_grid_codec_keeps_the_bytes_it_rounded_with_without_waiting_for_t
             time.sleep(0.05)
     update = read_update(update_path(tmp_path, 9), RUN, 9, len(expected))
     assert all(torch.equal(a, b) for a, b in zip(decoded(update, expected), expected))
+
+
+def test_a_keeping_thread_that_fails_does_not_hold_the_round(tmp_path):
+    class Broken(Averager):
+        @contextlib.contextmanager
+        def get_tensors(self):
+            raise RuntimeError("the averager is gone")
+            yield  # pragma: no cover
+
+    averager = Broken(pseudo_gradient(5), tmp_path, keep=2)
+    started = time.monotonic()
+    keep_local_update(averager, 3, "fp4", None)
+    assert time.monotonic() - started < local_update.LOCK_WAIT / 2  # not the whole wait for a lock never taken
+    assert not update_path(tmp_path, 3).exists() and averager._keeping_epoch.value == -1
