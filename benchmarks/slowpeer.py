@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=20, help="H")
     p.add_argument("--set", dest="sets", action="append", default=[], help="extra manifest overrides")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep the peers' folders and logs here")
     args = p.parse_args(argv)
     if args.smoke:
         # 4 rounds, not 2: in a 7 s window a peer on a loaded CI machine once ended no round at all
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         # an eighth of a fast peer's share, not a quarter: CI runs two tests at a time, and with another test's peers
         # on the cores a fast peer got so little that a quarter share no longer made a step much slower (1.2x)
         args.slowdown = max(args.slowdown, 8.0)
-    with scratch_dir(None, "swarm-slowpeer-") as workdir:
+    with scratch_dir(args.workdir, "swarm-slowpeer-") as workdir:
         return measure(args, workdir)
 
 

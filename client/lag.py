@@ -6,12 +6,19 @@ mean of five seeds, 0.5% of blocking FP32's held-out loss when the average lands
 12.9% at 5 (``docs/benchmarks.md``, section 6). The lag is the round's matchmaking (waiting for the last
 groupmate) and all-reduce, in inner steps; a run with longer rounds (a larger ``inner_steps``) makes the same lag
 a smaller share of the round. Only the run's creator can change that, so the peer says it once and goes on.
+
+A peer slower than the rest can also be left behind for good: the others end each round before it can take part,
+and every one of its rounds ends in a re-sync that throws its steps away. It notices at its next step and re-syncs
+at once (``Peer._round_over``), but its volunteer is told too, once, since only a faster device helps.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+
+from swarm.rounds import RoundReport
+from swarm.swarm_view import ResyncReason
 
 WINDOW = 5  # rounds the median is taken over
 COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a half)
@@ -40,4 +47,33 @@ class LagWatch:
             f"Overlapped averages land a median {median:g} of {self.inner_steps} inner steps into the next round: "
             "at a quarter of a round or more the overlap costs held-out loss (13% at half a round in "
             "docs/benchmarks.md, section 6). A run started with a larger inner_steps would hide the same lag cheaper."
+        )
+
+
+BEHIND_ROUNDS = 3  # rounds in a row that ended behind the swarm: a slow device, not one late start or a stall
+
+
+class BehindWatch:
+    """Feed it each round's report; ``advice`` returns one line, once, when ``BEHIND_ROUNDS`` in a row were
+    re-synced because the swarm had finished them without this peer."""
+
+    def __init__(self):
+        self._epochs: list[int] = []
+        self._said = False
+
+    def add(self, report: RoundReport) -> None:
+        if report.resync_reason == ResyncReason.behind:
+            self._epochs.append(report.epoch)
+        else:
+            self._epochs.clear()
+
+    def advice(self) -> str | None:
+        if self._said or len(self._epochs) < BEHIND_ROUNDS:
+            return None
+        self._said = True
+        return (
+            f"The swarm finished this peer's last {len(self._epochs)} rounds without it (re-synced to epochs "
+            f"{', '.join(map(str, self._epochs))}): the others end a round before this peer can take part, so its "
+            "steps are thrown away. It needs a faster device, or fewer other loads on this one; a run with a larger "
+            "inner_steps would also let it keep up."
         )

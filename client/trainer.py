@@ -25,7 +25,7 @@ import torch
 from client import checkpoint
 from client.data import DataPosition, Prefetcher, SequenceStream, eval_batches, load_tokenizer
 from client.hardware import Hardware, Precision, choose_precision
-from client.lag import LagWatch
+from client.lag import BehindWatch, LagWatch
 from client.microbatch import auto_micro_batch
 from client.model import build_model, count_parameters, model_config, parameter_shapes
 from client.moments import FlightMoments
@@ -91,6 +91,7 @@ class Trainer:
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
         self.telemetry = telemetry or Telemetry(echo=log)
         self.lag = LagWatch(manifest.inner_steps)  # overlapped rounds: one line if they land late enough to cost
+        self.behind = BehindWatch()  # one line if the swarm keeps finishing our rounds without us
         self.precision: Precision = choose_precision(hardware, manifest.mixed_precision == "bf16")
         self.result = TrainerResult()
         self.peer: Peer | None = None
@@ -316,9 +317,10 @@ class Trainer:
         self.telemetry.round(report)
         self.lag.add(report.steps_late if report.averaged else None)  # a local round's lag is its matchmaking timeout
         self.note(*round_line(report, self.manifest.inner_steps))
-        advice = self.lag.advice()
-        if advice is not None:
-            self.note("log", advice)
+        self.behind.add(report)
+        for advice in (self.lag.advice(), self.behind.advice()):
+            if advice is not None:
+                self.note("log", advice)
         every = self.settings.eval_every
         if every and self.eval_set is not None and self.result.rounds % every == 0:
             loss = evaluate(self.model, self.eval_set, self.hardware.device)  # the model is the round's outer state

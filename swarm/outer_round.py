@@ -39,7 +39,7 @@ from swarm.local_update import keep_local_update, round_to_codec
 from swarm.manifest import StandIn
 from swarm.records import PeerState
 from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
-from swarm.swarm_view import mates_coming, swarm_moved_on
+from swarm.swarm_view import ResyncReason, mates_coming, swarm_moved_on
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -69,7 +69,7 @@ class OuterRound:
         self.checks.before_next_round(epoch)
         why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
-            return self._resync_round(seconds, str(why))
+            return self._resync_round(seconds, str(why), reason=why.reason)
         t0 = time.monotonic()
         plan = self._stand_in_plan()  # before our own pseudo-gradient overwrites the last average
         if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
@@ -225,7 +225,7 @@ class OuterRound:
                 if adopted is not None:
                     return adopted
             # our pseudo-gradient is for a round that is over: take the swarm's state
-            return self._resync_round(seconds, "the swarm finished this round without us")
+            return self._resync_round(seconds, "the swarm finished this round without us", reason=ResyncReason.behind)
 
         outcome = flight.outcome
         if outcome is not None and outcome.findings:  # caught reducers: ban them, publish the accusations
@@ -327,7 +327,11 @@ class OuterRound:
             return _all_finite(buffers)
 
     def _resync_round(
-        self, seconds: dict[str, float], why: str, outcome: RoundOutcome = RoundOutcome.resynced
+        self,
+        seconds: dict[str, float],
+        why: str,
+        outcome: RoundOutcome = RoundOutcome.resynced,
+        reason: ResyncReason | None = None,
     ) -> RoundReport:
         peer = self.peer
         self._last_average = None
@@ -342,6 +346,7 @@ class OuterRound:
             outcome=outcome,
             fallback_reason=why,
             resynced=resynced,
+            resync_reason=reason,
             checksum=peer.outer.checksum(),
             seconds=seconds,
         )

@@ -52,6 +52,7 @@ from swarm.swarm_view import (
     SwarmView,
     build_view,
     round_due,
+    swarm_moved_on,
 )
 
 logger = logging.getLogger(__name__)
@@ -286,22 +287,28 @@ class Peer:
         self.presence.update(**fields)
         if self.flight is not None and self.rounds.poll(self.flight):  # an overlapped round's average arrived
             self._finish_flight()
-        if self.inner_step >= self.manifest.inner_steps or self._round_started_without_us(now):
+        if self.inner_step >= self.manifest.inner_steps or self._round_over(now):
             self.run_outer_round()
         return self._reports.popleft() if self._reports else None
 
-    def _round_started_without_us(self, now: float) -> bool:
-        """``swarm_view.round_due``, at most once a second, on the records ``PeerFeed`` reads in the background."""
+    def _round_over(self, now: float) -> bool:
+        """End the round before its last step, at most once a second, on the records ``PeerFeed`` reads in the
+        background: when the swarm already finished it without us (a peer slower than the rest), at once, since
+        the steps left would be thrown away by the re-sync at its end; or, when joining early, ``round_due``."""
         avg, m = self.manifest.averaging, self.manifest
-        if not avg.join_rounds_early or now < self._next_round_check or self.inner_step == 0:
+        if now < self._next_round_check or self.inner_step == 0:
             return False
         if self.flight is not None:  # our part of this epoch's round is already in the air (overlapped)
             return False
         self._next_round_check = now + 1.0
-        step_seconds = self.compute_seconds / self.inner_step
         view = self.recent_view()
         if view is None:  # no copy of the records has arrived yet
             return False
+        if swarm_moved_on(view, self.epoch):
+            return True
+        if not avg.join_rounds_early:
+            return False
+        step_seconds = self.compute_seconds / self.inner_step
         return round_due(
             view,
             self.peer_id,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from swarm.swarm_view import ResyncReason
+
 
 class PeerEvent(enum.StrEnum):
     """What a peer tells its listener (``Peer(listener=...)``), with a dict of details."""
@@ -59,6 +61,7 @@ class RoundReport:
     # overlapped: the inner steps taken from the stand-in while the round was in flight (H when it landed at the next
     # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
     steps_late: int | None = None
+    resync_reason: ResyncReason | None = None  # resynced rounds: why, for a loop that branches on it
 
 
 @dataclass

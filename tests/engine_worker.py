@@ -25,6 +25,11 @@ from swarm.rounds import RoundOutcome  # noqa: E402
 from swarm.state_store import find_latest  # noqa: E402
 
 
+def as_json(report) -> dict:
+    reason = report.resync_reason
+    return dict(report.__dict__, outcome=report.outcome.value, resync_reason=reason and reason.value)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--manifest", type=Path, required=True)
@@ -45,6 +50,7 @@ def main() -> int:
     )
     parser.add_argument("--hold-for", type=Path, help="a file another peer writes once it has joined")
     parser.add_argument("--resume", action="store_true", help="start from the newest state file in --out/state")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to each inner step: a slow peer")
     args = parser.parse_args()
     if os.environ.get("SWARM_TEST_DEBUG"):  # a flaky run's story: every swarm logger at debug level
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -100,15 +106,16 @@ def main() -> int:
         if peer.inner_step == args.settle_at_step:
             peer.settle()  # the outer step lands at a known step, so the run can be compared with a reference
         loss = inner_step(model, optimizer, make_batch(args.rank, peer.epoch, peer.inner_step))
+        time.sleep(args.step_sleep)
         report = peer.report_step(BATCH, loss, compute_seconds=time.monotonic() - t0)
         if report is not None:
             if report.outcome == RoundOutcome.non_finite:
                 optimizer.state.clear()  # as the client does: the moments hold the NaNs
-            reports.append(dict(report.__dict__, outcome=report.outcome.value))
+            reports.append(as_json(report))
             (args.out / "reports.json").write_text(json.dumps(reports))
     last = peer.check_last_round()  # the last round (overlapped, or without a group) against the swarm, as the client
     if last is not None and last.resynced:
-        reports[-1] = dict(last.__dict__, outcome=last.outcome.value)
+        reports[-1] = as_json(last)
         (args.out / "reports.json").write_text(json.dumps(reports))
     torch.save(
         dict(

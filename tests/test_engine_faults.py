@@ -7,6 +7,8 @@ from pprint import pformat
 from diloco_helpers import tiny_manifest
 from swarm_harness import wait_for
 
+from swarm.swarm_view import ResyncReason
+
 SLACK = 10.0  # seconds of the training thread's own work allowed on top of the attempt's limit
 
 
@@ -160,3 +162,26 @@ def test_kill_mid_round_then_a_fourth_peer_joins_and_all_agree(make_swarm):
     # replaying the rounds' averages
     assert any(e["kind"] in ("state_loaded", "replayed") for e in swarm.events(3)), swarm.events(3)
     assert any(r["averaged"] and r["group_size"] == 3 for r in swarm.reports(3)), swarm.reports(3)
+
+
+def test_a_peer_the_swarm_left_behind_re_syncs_at_its_next_step_not_at_the_end_of_its_round(make_swarm):
+    # peer 2 takes a second and a half a step: the other two end a round of 10 steps in a few seconds, without it.
+    # Its steps of a round the swarm has finished are thrown away by the re-sync, so it must not take 10 of them
+    # (15 s) before it notices. Joining early is off: only the rule under test ends its rounds before the 10th step
+    manifest = tiny_manifest(compression="fp16", inner_steps=10, join_rounds_early=False)
+    swarm = make_swarm(manifest)
+    epochs, sleep = 6, 1.5
+    for rank in range(3):
+        extra = ("--start-with", "3") + (("--step-sleep", str(sleep)) if rank == 2 else ())
+        # peer 2 stops at epoch 3, which it reaches by re-syncs while the others still run: alone it would end
+        # each round by the matchmaking timeout
+        swarm.start(rank, 3 if rank == 2 else epochs, wait_ready=rank == 0, extra_args=extra)
+    for rank in range(3):
+        assert swarm.wait_exit(rank, 240) == 0, swarm.log(rank)
+    assert_consistent(swarm, (0, 1), epochs)
+    resyncs = [r for r in swarm.reports(2) if r["outcome"] == "resynced"]
+    assert resyncs, swarm.reports(2)
+    # each step takes at least `sleep`, so a round of all 10 steps has at least 10 * sleep of compute
+    for report in resyncs:
+        assert report["resync_reason"] == ResyncReason.behind.value, report
+        assert report["seconds"]["compute"] < manifest.inner_steps * sleep, pformat(swarm.reports(2))

@@ -1,6 +1,8 @@
 """client.lag: one plain line when overlapped rounds keep landing a quarter of a round late or more."""
 
-from client.lag import WINDOW, LagWatch
+from client.lag import BEHIND_ROUNDS, WINDOW, BehindWatch, LagWatch
+from swarm.rounds import RoundOutcome, RoundReport
+from swarm.swarm_view import ResyncReason
 
 
 def test_it_speaks_once_when_the_median_lag_is_a_quarter_of_a_round_or_more():
@@ -24,3 +26,29 @@ def test_short_lags_and_blocking_rounds_say_nothing():
     for _ in range(2 * WINDOW):
         blocking.add(None)
     assert blocking.advice() is None
+
+
+def _report(epoch: int, reason: ResyncReason | None) -> RoundReport:
+    outcome = RoundOutcome.resynced if reason is not None else RoundOutcome.averaged
+    return RoundReport(epoch=epoch, averaged=reason is None, group_size=1, outcome=outcome, resync_reason=reason)
+
+
+def test_it_speaks_once_when_the_swarm_finishes_rounds_without_us_several_times_in_a_row():
+    watch = BehindWatch()
+    for epoch in range(1, BEHIND_ROUNDS):
+        watch.add(_report(2 * epoch, ResyncReason.behind))
+        assert watch.advice() is None
+    watch.add(_report(2 * BEHIND_ROUNDS, ResyncReason.behind))
+    line = watch.advice()
+    assert line is not None and f"last {BEHIND_ROUNDS} rounds" in line and "epochs 2, 4, 6" in line
+    watch.add(_report(8, ResyncReason.behind))
+    assert watch.advice() is None  # said once
+
+
+def test_a_round_taken_part_in_or_another_reason_starts_the_count_again():
+    watch = BehindWatch()
+    reasons = [ResyncReason.behind, ResyncReason.behind, None, ResyncReason.behind, ResyncReason.disagreed]
+    reasons += [ResyncReason.behind, ResyncReason.behind, ResyncReason.ran_ahead]
+    for epoch, reason in enumerate(reasons, start=1):
+        watch.add(_report(epoch, reason))
+        assert watch.advice() is None, (epoch, reason)
