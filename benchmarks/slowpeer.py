@@ -171,6 +171,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> int:
             share_of_swarm_rounds=len(averaged_epochs) / swarm_rounds if swarm_rounds else None,
             fallbacks=sorted({r["fallback_reason"] for r in rounds if r["fallback_reason"]}),
             resynced=sum(bool(r.get("resynced")) for r in rounds),
+            behind=sum(r.get("resync_reason") == "behind" for r in rounds),  # the swarm finished them without it
             steps_per_second=len(steps) / (end - start) if end > start else None,
             median_step_seconds=statistics.median(s["step_seconds"] for s in steps) if steps else None,
             samples_per_round=statistics.fmean(r["samples"] for r in rounds) if rounds else None,

@@ -106,6 +106,7 @@ class Telemetry:
                 group_size=report.group_size,
                 fallback_reason=report.fallback_reason,
                 resynced=report.resynced,
+                resync_reason=report.resync_reason.name if report.resync_reason is not None else None,
                 dropped_fraction=report.dropped_fraction,
                 checksum=report.checksum,
                 samples=report.samples,

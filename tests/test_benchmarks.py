@@ -186,6 +186,7 @@ def test_slowpeer_smoke(tmp_path: Path):
     assert record["swarm_rounds"] >= 4
     for peer in peers.values():
         assert peer["rounds"] >= 1 and 0 <= peer["averaged"] <= peer["rounds"], peers
+        assert 0 <= peer["behind"] <= peer["resynced"] <= peer["rounds"], peers
         assert positive_finite(peer["steps_per_second"])
     # the quota really slowed it: an eighth of a fast peer's CPU share in the smoke. Judged by the time an inner step
     # takes, not by steps per second of the run: those count the time spent in rounds too
