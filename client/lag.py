@@ -17,8 +17,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from swarm.rounds import RoundReport
-from swarm.swarm_view import ResyncReason
+from swarm.rounds import ResyncReason, RoundReport
 
 WINDOW = 5  # rounds the median is taken over
 COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a half)

@@ -76,7 +76,7 @@ class RoundChecks:
         why = peer.sync.resync_needed(epoch)
         if why is not None:
             report.resynced = peer.sync.resync(f"after the round: {why}")
-            report.resync_reason = why.reason
+            report.resync_reason = why.reason if report.resynced else None
             report.checksum = peer.outer.checksum()
             report.epoch = peer.outer.epoch
         report.seconds["consistency"] = time.monotonic() - t2

@@ -38,8 +38,8 @@ from swarm.flight import EXPECTED_FAILURES, Flight
 from swarm.local_update import keep_local_update, round_to_codec
 from swarm.manifest import StandIn
 from swarm.records import PeerState
-from swarm.rounds import PeerEvent, RoundOutcome, RoundReport, short_reason
-from swarm.swarm_view import ResyncReason, mates_coming, swarm_moved_on
+from swarm.rounds import PeerEvent, ResyncReason, RoundOutcome, RoundReport, short_reason
+from swarm.swarm_view import mates_coming, swarm_moved_on
 
 if TYPE_CHECKING:
     from swarm.peer import Peer
@@ -346,7 +346,7 @@ class OuterRound:
             outcome=outcome,
             fallback_reason=why,
             resynced=resynced,
-            resync_reason=reason,
+            resync_reason=reason if resynced else None,
             checksum=peer.outer.checksum(),
             seconds=seconds,
         )

@@ -51,8 +51,8 @@ from swarm.state_sync import StateSync
 from swarm.swarm_view import (
     SwarmView,
     build_view,
+    left_behind,
     round_due,
-    swarm_moved_on,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class Peer:
         self._buffers: list[torch.Tensor] = []
         self._connected = self._started = self._stopped = self._stop_requested = False
         self._next_round_check = 0.0
+        self._ended_behind_at: int | None = None  # the swarm's epoch a round was last ended early behind
         self.last_round_local = False
         self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
         self.flight: Flight | None = None  # a round averaging in the background (overlapped)
@@ -293,8 +294,7 @@ class Peer:
 
     def _round_over(self, now: float) -> bool:
         """End the round before its last step, at most once a second, on the records ``PeerFeed`` reads in the
-        background: when the swarm already finished it without us (a peer slower than the rest), at once, since
-        the steps left would be thrown away by the re-sync at its end; or, when joining early, ``round_due``."""
+        background: ``swarm_view.left_behind``, or, when joining early, ``round_due``."""
         avg, m = self.manifest.averaging, self.manifest
         if now < self._next_round_check or self.inner_step == 0:
             return False
@@ -304,7 +304,8 @@ class Peer:
         view = self.recent_view()
         if view is None:  # no copy of the records has arrived yet
             return False
-        if swarm_moved_on(view, self.epoch):
+        if left_behind(view, self.epoch, self._ended_behind_at):
+            self._ended_behind_at = view.global_epoch
             return True
         if not avg.join_rounds_early:
             return False

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from swarm.swarm_view import ResyncReason
-
 
 class PeerEvent(enum.StrEnum):
     """What a peer tells its listener (``Peer(listener=...)``), with a dict of details."""
@@ -28,6 +26,14 @@ class PeerEvent(enum.StrEnum):
     state_saved = "state_saved"  # path, epoch, bytes, seconds
     state_save_failed = "state_save_failed"  # reason
     banned = "banned"  # ban: a swarm.bans.Ban (caught by our audits, or by a quorum of a peer's groupmates)
+
+
+class ResyncReason(enum.Enum):
+    """Why a round was replaced by the swarm's state (``swarm_view.resync_needed``)."""
+
+    behind = "behind the swarm"
+    ran_ahead = "ran ahead of the swarm on local rounds"
+    disagreed = "disagreed with the majority's checksum"
 
 
 class RoundOutcome(enum.Enum):
@@ -61,7 +67,7 @@ class RoundReport:
     # overlapped: the inner steps taken from the stand-in while the round was in flight (H when it landed at the next
     # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
     steps_late: int | None = None
-    resync_reason: ResyncReason | None = None  # resynced rounds: why, for a loop that branches on it
+    resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
 
 
 @dataclass

@@ -7,13 +7,13 @@ consensus) are applied identically by every peer, the dashboard and the tests.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarm.progress import PeerEntry
 from swarm.records import PeerState, ProgressRecord
+from swarm.rounds import ResyncReason
 
 GONE_STATES = frozenset({PeerState.left.value, PeerState.leaving.value})  # said goodbye
 _ACTIVE = {PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value}
@@ -114,12 +114,6 @@ def build_view(entries: Sequence[PeerEntry], now: float, inner_steps: int, sampl
 # ---- the rules a peer applies to the view, as pure functions ---------------------------------------
 
 
-class ResyncReason(enum.Enum):
-    behind = "behind the swarm"
-    ran_ahead = "ran ahead of the swarm on local rounds"
-    disagreed = "disagreed with the majority's checksum"
-
-
 @dataclass(frozen=True)
 class Resync:
     """Why a peer must take the swarm's state instead of its own."""
@@ -151,6 +145,14 @@ def resync_needed(view: SwarmView, me: str, epoch: int, checksum: str | None, la
 def swarm_moved_on(view: SwarmView, epoch: int) -> bool:
     """The swarm finished the round of ``epoch`` without us: looking for a group is pointless."""
     return view.global_epoch is not None and view.global_epoch > epoch
+
+
+def left_behind(view: SwarmView, epoch: int, ended_behind_at: int | None) -> bool:
+    """End our round now, between two steps: the swarm already finished it without us (we are slower than the
+    rest), and the re-sync at its end would throw the steps left away. Once per epoch of the swarm
+    (``ended_behind_at``, the one a round was last ended at): if that re-sync failed, for want of a donor, the
+    next try is at step H, not at every step."""
+    return swarm_moved_on(view, epoch) and view.global_epoch != ended_behind_at
 
 
 def mates_coming(view: SwarmView, me: str, epoch: int) -> bool:

@@ -27,7 +27,7 @@ from swarm.state_store import find_latest  # noqa: E402
 
 def as_json(report) -> dict:
     reason = report.resync_reason
-    return dict(report.__dict__, outcome=report.outcome.value, resync_reason=reason and reason.value)
+    return dict(report.__dict__, outcome=report.outcome.value, resync_reason=reason and reason.name)
 
 
 def main() -> int:

@@ -1,8 +1,7 @@
 """client.lag: one plain line when overlapped rounds keep landing a quarter of a round late or more."""
 
 from client.lag import BEHIND_ROUNDS, WINDOW, BehindWatch, LagWatch
-from swarm.rounds import RoundOutcome, RoundReport
-from swarm.swarm_view import ResyncReason
+from swarm.rounds import ResyncReason, RoundOutcome, RoundReport
 
 
 def test_it_speaks_once_when_the_median_lag_is_a_quarter_of_a_round_or_more():
@@ -30,7 +29,14 @@ def test_short_lags_and_blocking_rounds_say_nothing():
 
 def _report(epoch: int, reason: ResyncReason | None) -> RoundReport:
     outcome = RoundOutcome.resynced if reason is not None else RoundOutcome.averaged
-    return RoundReport(epoch=epoch, averaged=reason is None, group_size=1, outcome=outcome, resync_reason=reason)
+    return RoundReport(
+        epoch=epoch,
+        averaged=reason is None,
+        group_size=1,
+        outcome=outcome,
+        resynced=reason is not None,
+        resync_reason=reason,
+    )
 
 
 def test_it_speaks_once_when_the_swarm_finishes_rounds_without_us_several_times_in_a_row():

@@ -8,6 +8,7 @@ from swarm.swarm_view import (
     consensus,
     global_epoch,
     groupmates_published,
+    left_behind,
     mates_coming,
     resync_needed,
     round_due,
@@ -117,6 +118,19 @@ def test_round_rules_moved_on_mates_coming_started_without_us_and_groupmates_pub
     assert groupmates_published(leaving, group, "me", 4)
     assert not groupmates_published(view_of(), group, "me", 4)  # no records at all: a failed read proves nothing
     assert groupmates_published(view_of(), ("me",), "me", 4)  # a round alone has nobody to wait for
+
+
+def test_a_peer_left_behind_ends_its_round_once_per_epoch_of_the_swarm():
+    swarm_at_5 = view_of(record("p1", epoch=5), record("p2", epoch=5), record("me", epoch=4))
+    assert left_behind(swarm_at_5, 4, ended_behind_at=None)
+    assert not left_behind(swarm_at_5, 4, ended_behind_at=5)  # ended at 5 already: its re-sync failed
+    assert left_behind(swarm_at_5, 4, ended_behind_at=3)
+    assert not left_behind(swarm_at_5, 5, ended_behind_at=None)  # with the swarm
+    # a tie goes to the later epoch: in a swarm of two, the one behind is the one that re-syncs
+    assert left_behind(view_of(record("p1", epoch=5), record("me", epoch=4)), 4, ended_behind_at=None)
+    # one peer's wild epoch is not the swarm's
+    wild = view_of(record("p1", epoch=4), record("p2", epoch=99), record("me", epoch=4))
+    assert not left_behind(wild, 4, ended_behind_at=None)
 
 
 def test_a_slow_peer_ends_its_round_when_the_swarm_is_about_to_start_one():
