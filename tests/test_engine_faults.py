@@ -165,12 +165,12 @@ def test_kill_mid_round_then_a_fourth_peer_joins_and_all_agree(make_swarm):
 
 
 def test_a_peer_the_swarm_left_behind_re_syncs_at_its_next_step_not_at_the_end_of_its_round(make_swarm):
-    # peer 2 takes a second and a half a step: the other two end a round of 10 steps in a few seconds, without it.
-    # Its steps of a round the swarm has finished are thrown away by the re-sync, so it must not take 10 of them
-    # (15 s) before it notices. Joining early is off: only the rule under test ends its rounds before the 10th step
-    manifest = tiny_manifest(compression="fp16", inner_steps=10, join_rounds_early=False)
+    # peer 2 takes five seconds a step: the other two end a round of 10 steps in about three, without it. Its
+    # steps of a round the swarm has finished are thrown away by the re-sync, so it must not take 10 of them (50 s)
+    # before it notices. Joining early (on by default) cannot help it: its epoch-mates are gone before its step ends
+    manifest = tiny_manifest(compression="fp16", inner_steps=10)
     swarm = make_swarm(manifest)
-    epochs, sleep = 6, 1.5
+    epochs, sleep = 6, 5.0
     for rank in range(3):
         extra = ("--start-with", "3") + (("--step-sleep", str(sleep)) if rank == 2 else ())
         # peer 2 stops at epoch 3, which it reaches by re-syncs while the others still run: alone it would end
