@@ -57,7 +57,7 @@ class BehindWatch:
     re-synced because the swarm had finished them without this peer."""
 
     def __init__(self):
-        self._epochs: list[int] = []
+        self._epochs: deque[int] = deque(maxlen=BEHIND_ROUNDS)  # the last rounds, all re-synced as behind
         self._said = False
 
     def add(self, report: RoundReport) -> None:

@@ -293,8 +293,8 @@ class Peer:
         return self._reports.popleft() if self._reports else None
 
     def _round_over(self, now: float) -> bool:
-        """End the round before its last step, at most once a second, on the records ``PeerFeed`` reads in the
-        background: ``swarm_view.left_behind``, or, when joining early, ``round_due``."""
+        """When joining rounds early, end the round before its last step, at most once a second, on the records
+        ``PeerFeed`` reads in the background: ``swarm_view.left_behind``, or ``round_due``."""
         avg, m = self.manifest.averaging, self.manifest
         if not avg.join_rounds_early or now < self._next_round_check or self.inner_step == 0:
             return False  # not joining early: every round is H steps (the numerics tests compare with a reference)
