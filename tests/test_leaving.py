@@ -84,13 +84,15 @@ class Peer:
                 out.append(record)
         return out
 
-    def state(self, fresh: float | None = None) -> str | None:
-        """The state in status.json (rewritten every second); with ``fresh``, only if rewritten that recently."""
+    def state(self, fresh: float | None = None, written_after: float = 0.0) -> str | None:
+        """The state in status.json (rewritten every second); with ``fresh``, only if rewritten that recently;
+        with ``written_after`` (unix time), only if rewritten after it."""
         try:
             status = json.loads((self.workdir / "status.json").read_text())
         except (OSError, ValueError):
             return None
-        if fresh is not None and time.time() - status.get("updated_at", 0) > fresh:
+        updated = status.get("updated_at", 0)
+        if (fresh is not None and time.time() - updated > fresh) or updated <= written_after:
             return None
         return status.get("state")
 
@@ -171,21 +173,21 @@ def test_sigterm_after_catching_up_by_replaying_the_lone_donors_local_rounds(don
 def test_sigterm_in_the_middle_of_an_inner_step(donor):
     root, _, join, run_id = donor
     peer = Peer(root, "stepping", *join)
-    # after its first round it steps; but between two steps it re-syncs whenever the lone donor ended a round
-    # without it (a joiner slower than the donor can be behind for several rounds): a step's record is followed
-    # either by the next step or by a re-sync, which begins at once. So: a step's record, a third of the next
-    # step, and no re-sync or round begun meanwhile; else the next step
+    # after its first round it steps; but a step may be followed by a round (joining the donor's early, or
+    # re-syncing when the donor ended one without it: a joiner slower than the donor can be behind for several
+    # rounds), and a round begins without a line in the log. So: a step's record, then the first status.json
+    # rewritten a third of the way into the next step (it is rewritten every second, and says "matchmaking" or
+    # "re-syncing" from a round's first moment); "training" there is the middle of a step, else the next step
     first_round = peer.wait(lambda: peer.records("round"), "the joiner's first round")[0]
     seen = first_round["time"]
     for _ in range(40):
         step = peer.wait(lambda: [s for s in peer.records("step") if s["time"] > seen], "a step after that")[0]  # noqa: B023
         seen = step["time"]
-        before = peer.log.read_text()
-        time.sleep(min(0.5, step["step_seconds"] / 3))  # a third of the way into the next step
-        since = peer.log.read_text()[len(before) :]
-        if "re-syncing" not in since and "round ->" not in since and "catching up" not in since:
+        third = seen + step["step_seconds"] / 3
+        state = peer.wait(lambda: peer.state(written_after=third), "status.json rewritten in the next step")  # noqa: B023
+        if state == "training":
             break
-    assert peer.state() == "training"
+    assert state == "training"
     peer.terminate()
     text = peer.log.read_text()
     assert "Traceback" not in text and "round abandoned" not in text, "the signal came in a round, not a step"
