@@ -4,7 +4,7 @@ simulator's overlapped average lands."""
 
 import torch
 
-from benchmarks.convergence import AverageFit
+from benchmarks.diloco_sim import AverageFit
 
 
 def vectors(seed: int, n: int = 3) -> list[list[torch.Tensor]]:
@@ -43,7 +43,8 @@ def test_a_round_without_a_last_average_teaches_nothing():
 def simulate(steps: int, *variants: str) -> list:
     """The convergence simulator's curves for ``variants`` (2 workers, a few steps), on one torch thread as the
     benchmark's runs: with several, sums differ in their last bits between runs."""
-    from benchmarks.convergence import Variant, prepare, run_diloco
+    from benchmarks.diloco_sim import Variant, run_diloco
+    from benchmarks.simulation import prepare
 
     setup = prepare("tiny", workers=2, steps=steps, batch=2, eval_sequences=4, eval_every=6)
     threads = torch.get_num_threads()
