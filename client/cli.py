@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_peer(args, inputs)
         if args.command == "status":
+            from client.preflight import check_status_command
+
+            check_status_command(args)  # a mistyped address is reported before the imports, not 6-25 s later
             return _status(args)
         if args.command == "doctor":
             return _doctor(args)

@@ -1,9 +1,9 @@
-"""`swarm-client start` and `join` check what they were given before torch and hivemind are imported.
+"""`swarm-client start`, `join` and `status` check what they were given before torch and hivemind are imported.
 
 Those imports take 6 s on an idle machine and 25 s on a loaded one; a wrong --device, a manifest that cannot
 be read or is invalid, a malformed --initial-peers address, a missing --secret-file or a workdir that cannot
 be written is reported in a fraction of a second instead, with the message and exit code that the later
-check gives on the paths that skip this one (`doctor`, `status`, the library). Nothing here imports torch,
+check gives on the paths that skip this one (`doctor`, the library). Nothing here imports torch,
 hivemind, transformers or datasets (tests/test_preflight.py checks it).
 """
 
@@ -114,14 +114,25 @@ class PeerInputs:
     manifest: RunManifest | None  # the run `start` creates; None for `join`, which reads its run from the swarm
 
 
+def check_status_command(args: argparse.Namespace) -> None:
+    """Check a `status` command line (its addresses and secret file) before torch and hivemind are imported."""
+    _check_initial_peers(args.initial_peers)
+    if args.secret_file is not None:
+        read_secret_file(args.secret_file)
+
+
+def _check_initial_peers(peers: list[str]) -> None:
+    multiaddr = light_multiaddr()
+    if multiaddr is not None:  # None: this hivemind has no copy of its parser where we look; start_dht checks them
+        for peer in peers:
+            check_initial_peer(peer, multiaddr)
+
+
 def check_peer_command(args: argparse.Namespace, creating: bool) -> PeerInputs:
     """Check a `start` (``creating``) or `join` command line, raising the SwarmError the volunteer would
     otherwise see seconds later. The workdir comes last: it is created and locked, the rest only read."""
     parse_device(args.device)
-    multiaddr = light_multiaddr()
-    if multiaddr is not None:  # None: this hivemind has no copy of its parser where we look; start_dht checks them
-        for peer in args.initial_peers:
-            check_initial_peer(peer, multiaddr)
+    _check_initial_peers(args.initial_peers)
     check_ip(args.host_ip, "--host-ip")
     if args.announce_ip is not None:
         check_ip(args.announce_ip, "--announce-ip")
