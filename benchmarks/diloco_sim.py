@@ -66,8 +66,8 @@ class Variant:
     outer_momentum: float | None = None
     robust: bool = False  # the reducers' robust mean (the manifest's default aggregation), not the plain mean
     # eager: own (whole own pseudo-gradient), share (own/N), blend (+ (1-1/N) last average),
-    stand_in: Guess = Guess.own
     # fit (a * own + b * last average, a and b each worker's least-squares fit of the averages it has seen so far)
+    stand_in: Guess = Guess.own
     # eager: the stand-in from the pseudo-gradient as computed (raw, as the client does since 2026-11-25) or as sent
     # (after the codec's rounding and error feedback: what the runs before then measured)
     stand_in_source: Source = Source.raw
