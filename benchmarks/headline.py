@@ -48,10 +48,8 @@ SOURCES = {
     "audit_cost": "wan-audit-cost/wan.json",
     # audits of every part, of a sample of each slice's parts (averaging.audit_parts) and none, in one run
     "audit_sampled": "wan-audit-sampled/wan.json",
-    # blocking fp4 (the presets' wire since 2026-11-28) against blocking FP32 over seeds, under tiny's plain averaging
-    # and the 150m/1b presets' Nesterov; and blocking fp4 beside blocking FP16 on each link in one wan run
+    # blocking fp4 against blocking FP32 over seeds, under tiny's plain averaging and the 150m/1b presets' Nesterov
     "fp4_seeds": "convergence-fp4-blocking-seeds/seeds.json",
-    "fp4_wan": "wan-fp4/wan.json",
 }
 
 
@@ -133,21 +131,13 @@ def put_sampled_audits(put, wan: dict | None) -> None:
             )
 
 
-def put_blocking_fp4(put, seeds: dict | None, wan: dict | None) -> None:
-    """Blocking fp4's held-out loss over blocking FP32's (mean over seeds), and its utilization beside blocking
-    FP16's in the same wan run, per link."""
+def put_blocking_fp4(put, seeds: dict | None) -> None:
+    """Blocking fp4's held-out loss over blocking FP32's of the same seed and outer settings, mean over seeds."""
     for variant, key in (("diloco-h10-fp4", ""), ("diloco-h10-fp4-outer0.7m0.9", "_nesterov")):
         entry = seeds["variants"].get(variant) if seeds is not None else None
         if entry is not None:
             source = f"{SOURCES['fp4_seeds']} variants[{variant}] mean_end over {entry['seeds']} seeds"
             put(f"loss_ratio_blocking_4bit_vs_blocking_fp32{key}_mean_of_seeds", entry["mean_end"], source)
-    for rate, label in LINKS.items() if wan is not None else ():
-        fp4, fp16 = _phase(wan, "fp4", rate), _phase(wan, "fp16", rate)
-        if fp4 is None or fp16 is None:
-            continue
-        source = f"{SOURCES['fp4_wan']} figures[fp4] @ {label}"
-        put(f"utilization_{label}_blocking_4bit", fp4["utilization"], source)
-        put(f"utilization_{label}_blocking_fp16_beside_4bit", fp16["utilization"], source.replace("[fp4]", "[fp16]"))
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -255,7 +245,7 @@ def gather(out: Path) -> dict:
     put_lag(put, _load(out, "nice"), _load(out, "nice_walltime"))
     put_audit_cost(put, _load(out, "audit_cost"))
     put_sampled_audits(put, _load(out, "audit_sampled"))
-    put_blocking_fp4(put, _load(out, "fp4_seeds"), _load(out, "fp4_wan"))
+    put_blocking_fp4(put, _load(out, "fp4_seeds"))
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)
