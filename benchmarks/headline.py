@@ -131,15 +131,6 @@ def put_sampled_audits(put, wan: dict | None) -> None:
             )
 
 
-def put_blocking_fp4(put, seeds: dict | None) -> None:
-    """Blocking fp4's held-out loss over blocking FP32's of the same seed and outer settings, mean over seeds."""
-    for variant, key in (("diloco-h10-fp4", ""), ("diloco-h10-fp4-outer0.7m0.9", "_nesterov")):
-        entry = seeds["variants"].get(variant) if seeds is not None else None
-        if entry is not None:
-            source = f"{SOURCES['fp4_seeds']} variants[{variant}] mean_end over {entry['seeds']} seeds"
-            put(f"loss_ratio_blocking_4bit_vs_blocking_fp32{key}_mean_of_seeds", entry["mean_end"], source)
-
-
 def _load(out: Path, name: str) -> dict | None:
     path = out / SOURCES.get(name, f"{name}.json")
     return json.loads(path.read_text()) if path.exists() else None
@@ -245,7 +236,10 @@ def gather(out: Path) -> dict:
     put_lag(put, _load(out, "nice"), _load(out, "nice_walltime"))
     put_audit_cost(put, _load(out, "audit_cost"))
     put_sampled_audits(put, _load(out, "audit_sampled"))
-    put_blocking_fp4(put, _load(out, "fp4_seeds"))
+    put_means("fp4_seeds", _load(out, "fp4_seeds"), [
+        ("diloco-h10-fp4", "loss_ratio_blocking_4bit_vs_blocking_fp32_mean_of_seeds"),
+        ("diloco-h10-fp4-outer0.7m0.9", "loss_ratio_blocking_4bit_vs_blocking_fp32_nesterov_mean_of_seeds"),
+    ])  # fmt: skip
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)
