@@ -134,8 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         nargs="+",
         default=DEFAULT_VARIANTS,
-        help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager][,delay=D][,agg=robust]"
-        "[,lr=OUTER_LR][,momentum=M][,standin=own|share|blend|fit][,standinfrom=raw|sent][,moments=keep|forget]",
+        help="DiLoCo runs, each h=H[,wire=fp32|fp16|fp4|sparse][,mode=blocking|delayed|eager|merge][,delay=D]"
+        "[,mix=ALPHA][,agg=robust][,lr=OUTER_LR][,momentum=M][,standin=own|share|blend|fit][,standinfrom=raw|sent][,moments=keep|forget]",
     )
     p.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences scored at each point")
     p.add_argument("--eval-every", type=int, default=50, help="DDP-equivalent steps between held-out scores")

@@ -29,6 +29,7 @@ class Mode(enum.StrEnum):
     blocking = "blocking"  # the outer step at the round's end
     delayed = "delayed"  # from the old global model, every worker moved by the same step when the average lands
     eager = "eager"  # a stand-in step at once, corrected to the average when it lands
+    merge = "merge"  # Streaming DiLoCo: go on from one's own model, merged with the new global one when it lands
 
 
 class Guess(enum.StrEnum):
@@ -75,6 +76,9 @@ class Variant:
     # lands: all of it (keep), or none (forget: each such step's gradient, measured at the stand-in and not where
     # the model turned out to be, is taken out of AdamW's exp_avg; the steps themselves stay)
     moments: Moments = Moments.keep
+    # merge (Streaming DiLoCo, arXiv 2501.18512): the share of one's own model kept when the average lands,
+    # ``p <- mix * p + (1 - mix) * global`` (the paper's alpha; 0.5 its choice)
+    mix: float = 0.5
 
     @property
     def name(self) -> str:
@@ -91,6 +95,8 @@ class Variant:
             name += f"-from{self.stand_in_source}"
         if self.mode == Mode.eager and self.moments != Moments.keep:
             name += f"-{self.moments}"
+        if self.mode == Mode.merge:
+            name += f"-mix{self.mix}"
         return name
 
     @classmethod
@@ -108,6 +114,7 @@ class Variant:
             stand_in=Guess(fields.get("standin", "own")),
             stand_in_source=Source(fields.get("standinfrom", "raw")),
             moments=Moments(fields.get("moments", "keep")),
+            mix=float(fields.get("mix", 0.5)),
         )
 
 
@@ -199,6 +206,7 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         aggregation="robust" if variant.robust else "mean",
         stand_in=variant.stand_in if variant.mode == Mode.eager else None,
         moments=variant.moments if variant.mode == Mode.eager else None,
+        mix=variant.mix if variant.mode == Mode.merge else None,
     )
     curve.add(0, evaluate(models[0], setup.eval_set))
     pending: tuple[list[torch.Tensor], list[list[torch.Tensor]] | None] | None = None
@@ -218,6 +226,11 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         moved = _tentative_step(outer, averaged)
         outer.step(averaged)
         with torch.no_grad():
+            if variant.mode == Mode.merge:
+                for worker in params:
+                    for p, g in zip(worker, outer.params):
+                        p.mul_(variant.mix).add_(g, alpha=1.0 - variant.mix)
+                return
             for w, worker in enumerate(params):
                 for i, p in enumerate(worker):
                     p.add_(moved[i] - (stand_ins[w][i] if stand_ins is not None else 0))
@@ -271,6 +284,8 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
                 stand_ins = [_tentative_step(outer, guess) for guess in guesses]
             last_average = averaged
             for w, worker in enumerate(params):
+                if variant.mode == Mode.merge:
+                    continue  # each goes on from its own model until the average lands
                 outer.write_to(worker)
                 if stand_ins is not None:
                     with torch.no_grad():

@@ -72,3 +72,14 @@ def test_in_the_simulator_an_average_landing_a_whole_round_late_lands_at_the_nex
     blocking, late, later = (run.eval_loss for run in runs)
     assert late[0] == blocking[0] and late[-1] != blocking[-1]
     assert later == late  # a delay past H lands where H's does
+
+
+def test_in_the_simulator_streaming_diloco_s_merge_is_blocking_when_nothing_of_the_own_model_is_kept_at_once():
+    """``mode=merge`` (Streaming DiLoCo): each worker goes on from its own model and, when the average lands,
+    keeps ``mix`` of it beside ``1 - mix`` of the new global model. Landing before any step with nothing kept
+    is blocking DiLoCo to the bit; keeping half, or landing a step late, is not."""
+    merges = ("delay=0,mix=0", "delay=0,mix=0.5", "delay=1")
+    runs = simulate(6, "h=2", *(f"h=2,mode=merge,{m}" for m in merges))
+    blocking, merged_at_once, half, late = (run.eval_loss for run in runs)
+    assert merged_at_once == blocking
+    assert half != blocking and late != blocking
