@@ -79,6 +79,9 @@ class Variant:
     # merge (Streaming DiLoCo, arXiv 2501.18512): the share of one's own model kept when the average lands,
     # ``p <- mix * p + (1 - mix) * global`` (the paper's alpha; 0.5 its choice)
     mix: float = 0.5
+    # eager: the share of the inner steps taken from the stand-in that stays when the average lands (1: all of
+    # them, the client's); below 1 they are damped, as Streaming DiLoCo's merge damps them
+    keep: float = 1.0
 
     @property
     def name(self) -> str:
@@ -95,6 +98,8 @@ class Variant:
             name += f"-from{self.stand_in_source}"
         if self.mode == Mode.eager and self.moments != Moments.keep:
             name += f"-{self.moments}"
+        if self.mode == Mode.eager and self.keep != 1.0:
+            name += f"-keep{self.keep}"
         if self.mode == Mode.merge:
             name += f"-mix{self.mix}"
         return name
@@ -115,6 +120,7 @@ class Variant:
             stand_in_source=Source(fields.get("standinfrom", "raw")),
             moments=Moments(fields.get("moments", "keep")),
             mix=float(fields.get("mix", 0.5)),
+            keep=float(fields.get("keep", 1.0)),
         )
 
 
@@ -207,6 +213,7 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
         stand_in=variant.stand_in if variant.mode == Mode.eager else None,
         moments=variant.moments if variant.mode == Mode.eager else None,
         mix=variant.mix if variant.mode == Mode.merge else None,
+        keep=variant.keep if variant.mode == Mode.eager else None,
     )
     curve.add(0, evaluate(models[0], setup.eval_set))
     pending: tuple[list[torch.Tensor], list[list[torch.Tensor]] | None] | None = None
@@ -224,6 +231,7 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
             fit.learn(own, last, averaged)
         features.clear()
         moved = _tentative_step(outer, averaged)
+        before = [p.clone() for p in outer.params] if variant.keep != 1.0 else None
         outer.step(averaged)
         with torch.no_grad():
             if variant.mode == Mode.merge:
@@ -233,6 +241,9 @@ def run_diloco(setup: Setup, variant: Variant) -> Curve:
                 return
             for w, worker in enumerate(params):
                 for i, p in enumerate(worker):
+                    if before is not None and stand_ins is not None:  # p = new global + keep * the steps taken
+                        p.sub_(before[i]).sub_(stand_ins[w][i]).mul_(variant.keep).add_(outer.params[i])
+                        continue
                     p.add_(moved[i] - (stand_ins[w][i] if stand_ins is not None else 0))
                 steps = displaced[w]
                 for n, grads in enumerate(steps):  # exp_avg = ... + (1 - b1) * b1^(steps after) * g

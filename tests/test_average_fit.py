@@ -83,3 +83,13 @@ def test_in_the_simulator_streaming_diloco_s_merge_is_blocking_when_nothing_of_t
     blocking, merged_at_once, half, late = (run.eval_loss for run in runs)
     assert merged_at_once == blocking
     assert half != blocking and late != blocking
+
+
+def test_in_the_simulator_damping_the_steps_taken_from_the_stand_in_keeps_that_share_of_them():
+    """``keep=K`` (eager): when the average lands the model is the new global one plus K of the inner steps taken
+    from the stand-in. With nothing in flight yet (delay 0) there is nothing to damp: blocking DiLoCo to the bit."""
+    eager = "h=2,wire=fp4,mode=eager,standin=share,moments=forget"
+    runs = simulate(6, "h=2,wire=fp4", f"{eager},delay=0,keep=0", f"{eager},delay=1", f"{eager},delay=1,keep=0.5")
+    blocking, none_displaced, kept, damped = (run.eval_loss for run in runs)
+    assert none_displaced == blocking
+    assert damped != kept and damped != blocking
