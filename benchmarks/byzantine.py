@@ -60,6 +60,7 @@ from benchmarks.common import (
     print_table,
     pyplot,
     save_figure,
+    tied_to_us,
     write_json,
 )
 
@@ -104,7 +105,7 @@ def spawn(
     command += ["--verbose"] if verbose else []  # INFO lines into peerN.log; debug lines: peerN/logs/swarm-client.log
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with log.open("w") as handle:
-        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, **tied_to_us())
     return proc, log
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
 import platform
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -25,6 +27,24 @@ import psutil
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def tied_to_us() -> dict[str, Any]:
+    """``subprocess.Popen`` arguments under which a peer gets SIGTERM (and leaves as a volunteer's does) when
+    this benchmark dies, however it dies: peers of a killed benchmark ran on and held the machine's cores. Popen
+    must be called from the main thread: the signal comes when the thread that started the peer ends."""
+    if _LIBC is None:
+        return {}
+    parent = os.getpid()
+
+    def die_with_parent() -> None:  # in the child, between fork and exec
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the benchmark died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return dict(preexec_fn=die_with_parent)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ from benchmarks.common import (
     pyplot,
     save_figure,
     scratch_dir,
+    tied_to_us,
     write_json,
 )
 from client.hardware import Hardware, Precision, choose_precision, detect
@@ -204,7 +205,8 @@ def two_peers(args: argparse.Namespace, device: str, workdir: Path) -> dict[str,
         d.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "client.cli", *head, *common, "--workdir", str(d), "--name", f"gpu-{i}"]
         cmd += ["--log-json", str(d / "log.jsonl"), "--result-file", str(d / "result.json")]
-        proc = subprocess.Popen(cmd, stdout=(d / "stdout.log").open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        log = (d / "stdout.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, **tied_to_us())
         procs.append(proc)
         return proc
 

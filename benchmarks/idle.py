@@ -32,6 +32,7 @@ from benchmarks.common import (
     pyplot,
     save_figure,
     scratch_dir,
+    tied_to_us,
     write_json,
 )
 from benchmarks.memory import baseline_tree
@@ -77,7 +78,7 @@ def measure(code: Path, label: str, workdir: Path, window: float, timeout: float
     command += ["--workdir", str(workdir / "peer")]
     print(f"[{label}] code {code}", flush=True)
     with (workdir / "peer.log").open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code, **tied_to_us())
     try:
         deadline = time.monotonic() + timeout
         while state(workdir / "peer") != "matchmaking":

@@ -40,6 +40,7 @@ from benchmarks.common import (
     pyplot,
     save_figure,
     scratch_dir,
+    tied_to_us,
 )
 from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records
@@ -95,7 +96,9 @@ class Peer:
         command += ["--host-ip", "127.0.0.1", "--host-port", "0", "--device", device, "--name", name]
         command += ["--workdir", str(self.workdir), "--no-dashboard", "--log-json", str(self.jsonl)]
         with self.log.open("w") as handle:
-            self.proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=code)
+            self.proc = subprocess.Popen(
+                command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=code, **tied_to_us()
+            )
         self.started = time.time()
         self.sampler = TreeSampler(self.proc.pid, self.phase).start()
 

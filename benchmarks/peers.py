@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import tied_to_us
 from benchmarks.netns import Lab
 
 PORT = 31337
@@ -123,7 +124,9 @@ def spawn_peer(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH", "")]))
     started = time.time()
     with stdout.open("w") as handle:
-        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=repo_root)
+        proc = subprocess.Popen(
+            command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=repo_root, **tied_to_us()
+        )
     return PeerProcess(index, lab.peers[index], proc, stdout, log_json, started)
 
 

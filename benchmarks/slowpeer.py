@@ -31,6 +31,7 @@ from benchmarks.common import (
     pyplot,
     save_figure,
     scratch_dir,
+    tied_to_us,
 )
 from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records as records
@@ -77,7 +78,7 @@ def spawn(index: int, args: argparse.Namespace, workdir: Path, head: list[str]) 
     command += ["--no-dashboard", "--log-json", str(jsonl)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with log.open("w") as handle:
-        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, **tied_to_us())
     return proc, log, jsonl
 
 

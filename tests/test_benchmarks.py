@@ -563,3 +563,33 @@ def test_the_few_parts_liar_lies_in_about_one_part_in_16_and_the_same_to_every_g
             assert torch.allclose(sent, -4 * values, rtol=1e-2, atol=1e-2)
             lied += 1
     assert 800 / 32 < lied < 800 / 8, lied
+
+
+_PARENT = """
+import subprocess, sys, time
+from benchmarks.common import tied_to_us
+sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+tied = subprocess.Popen(sleeper, **tied_to_us())
+loose = subprocess.Popen(sleeper)
+print(tied.pid, loose.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_benchmark_takes_its_peers_with_it():
+    """A benchmark's peers are started ``tied_to_us``: when the benchmark is SIGKILLed (no ``finally`` runs) they
+    get SIGTERM. A process started without it, beside them, lives on: the check can tell."""
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    tied, loose = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
+    try:
+        parent.kill()
+        parent.wait(timeout=30)
+        gone, _ = psutil.wait_procs([tied], timeout=20)
+        assert gone, "the tied child outlived the benchmark that started it"
+        assert loose.is_running() and loose.status() != psutil.STATUS_ZOMBIE
+    finally:
+        for child in (tied, loose):
+            if child.is_running():
+                child.kill()
