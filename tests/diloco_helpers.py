@@ -30,6 +30,7 @@ def tiny_manifest(
     replay_rounds: int = 4,
     aggregation: str = "centered-clip",
     stand_in: str = "own",
+    in_flight_steps_kept: float = 1.0,
     target_group_size: int = 8,
 ) -> RunManifest:
     return RunManifest(
@@ -64,6 +65,7 @@ def tiny_manifest(
             replay_rounds=replay_rounds,
             aggregation=aggregation,
             stand_in=stand_in,
+            in_flight_steps_kept=in_flight_steps_kept,
         ),
         init_seed=seed,
     )

@@ -75,7 +75,7 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
         workers.append((model, make_optimizer(model, manifest)))
         residuals.append([torch.zeros_like(p) for p in global_params])
     pending = last_average = None
-    kind = manifest.averaging.stand_in
+    kind, kept = manifest.averaging.stand_in, manifest.averaging.in_flight_steps_kept
 
     stand_ins: list[list[torch.Tensor]] = []
 
@@ -87,8 +87,10 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
                 outer_copy = OuterState(before, manifest.outer, epoch=outer.epoch)  # the same step, for the shift
                 outer_copy.momentum = [m.clone() for m in outer.momentum]
                 outer_copy.step(pending, shift=shifted)
-                for p, s in zip(shifted, stand_in):
-                    p.sub_(s.float())
+                for p, s, new in zip(shifted, stand_in, outer_copy.params):
+                    p.sub_(s.float())  # the new global model plus the steps taken since
+                    if kept != 1.0:  # plus only that share of them
+                        p.sub_(new).mul_(kept).add_(new)
         outer.step(pending)
         return pending
 
@@ -237,13 +239,23 @@ def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_sw
 
 
 @pytest.mark.parametrize(
-    "compression, stand_in", [("none", "own"), ("fp4", "own"), ("sparse", "own"), ("fp4", "share"), ("fp4", "blend")]
+    "compression, stand_in, kept",
+    [
+        ("none", "own", 1.0),
+        ("fp4", "own", 1.0),
+        ("sparse", "own", 1.0),
+        ("fp4", "share", 1.0),
+        ("fp4", "blend", 1.0),
+        ("fp4", "share", 0.5),
+    ],
 )
-def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwise(make_swarm, compression, stand_in):
-    """Overlapped rounds (the outer step lands while the next round trains) with each codec and stand-in, against
-    the same algorithm in one process. The reducer sums in fp32 in the order parts arrive, so a value on a
-    rounding boundary of the codec can land one level apart from the reference; all but a few values must match
-    closely, and groupmates must agree exactly."""
+def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwise(
+    make_swarm, compression, stand_in, kept
+):
+    """Overlapped rounds (the outer step lands while the next round trains) with each codec and stand-in, and with the
+    steps taken from the stand-in damped when the average lands, against the same algorithm in one process. The reducer
+    sums in fp32 in the order parts arrive, so a value on a rounding boundary of the codec can land one level apart from
+    the reference; all but a few values must match closely, and groupmates must agree exactly."""
     manifest = tiny_manifest(
         compression=compression,
         min_group_size=3,
@@ -251,6 +263,7 @@ def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwis
         overlap=True,
         aggregation="mean",
         stand_in=stand_in,
+        in_flight_steps_kept=kept,
     )
     finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(SETTLE)))
     reference = reference_overlapped(manifest, RANKS, ROUNDS)
