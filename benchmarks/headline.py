@@ -50,6 +50,10 @@ SOURCES = {
     "audit_sampled": "wan-audit-sampled/wan.json",
     # blocking fp4 against blocking FP32 over seeds, under tiny's plain averaging and the 150m/1b presets' Nesterov
     "fp4_seeds": "convergence-fp4-blocking-seeds/seeds.json",
+    # the steps taken from the stand-in damped by half when the average lands (averaging.in_flight_steps_kept=0.5)
+    # at lags of 1, 2 and 5 steps, and Streaming DiLoCo's merge at 5, over the seeds that ran; blocking FP32 and
+    # the client's share+forget copied in from convergence-fit-seeds and convergence-delay-seeds
+    "damped": "convergence-merge/seeds.json",
 }
 
 
@@ -240,6 +244,12 @@ def gather(out: Path) -> dict:
         ("diloco-h10-fp4", "loss_ratio_blocking_4bit_vs_blocking_fp32_mean_of_seeds"),
         ("diloco-h10-fp4-outer0.7m0.9", "loss_ratio_blocking_4bit_vs_blocking_fp32_nesterov_mean_of_seeds"),
     ])  # fmt: skip
+    half_kept = [
+        (f"diloco-h10-fp4-{OVERLAP_MODE}{d}-share-forget-keep0.5", f"loss_ratio_overlap_4bit_{lag}_late_half_kept")
+        for d, lag in ((1, "1_step"), (2, "2_steps"), (5, "5_steps"))
+    ]
+    merged = ("diloco-h10-fp4-merge5-mix0.5", "loss_ratio_overlap_4bit_5_steps_late_merge")
+    put_means("damped", _load(out, "damped"), [(v, f"{k}_mean_of_seeds") for v, k in (*half_kept, merged)])
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

@@ -374,10 +374,16 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
         }
     )
     fp4_seeds = dict(variants={"diloco-h10-fp4": dict(mean_end=1.003, seeds=5)})  # no Nesterov runs: no key
+    damped = dict(
+        variants={
+            "diloco-h10-fp4-eager5-share-forget-keep0.5": dict(mean_end=1.004, seeds=3),
+            "diloco-h10-fp4-merge5-mix0.5": dict(mean_end=0.99, seeds=2),
+        }
+    )
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
         slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime, audit_cost=audit_cost,
-        audit_sampled=audit_sampled, fp4_seeds=fp4_seeds,
+        audit_sampled=audit_sampled, fp4_seeds=fp4_seeds, damped=damped,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -392,6 +398,10 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     # blocking fp4 over seeds; a variant with no runs gets no key
     assert headline["loss_ratio_blocking_4bit_vs_blocking_fp32_mean_of_seeds"] == 1.003
     assert "loss_ratio_blocking_4bit_vs_blocking_fp32_nesterov_mean_of_seeds" not in headline
+    # the damped steps and the merge, each at the lags it ran at
+    assert headline["loss_ratio_overlap_4bit_5_steps_late_half_kept_mean_of_seeds"] == 1.004
+    assert headline["loss_ratio_overlap_4bit_5_steps_late_merge_mean_of_seeds"] == 0.99
+    assert "loss_ratio_overlap_4bit_1_step_late_half_kept_mean_of_seeds" not in headline
     # the audits' cost: each mode against itself without them, in the same run; only where both were measured
     assert headline["utilization_ratio_checked_vs_unchecked_10mbit_blocking_fp16"] == pytest.approx(0.7)
     assert headline["utilization_ratio_checked_vs_unchecked_10mbit_overlap"] == pytest.approx(0.9 / 0.95)
