@@ -26,8 +26,9 @@ COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a 
 class LagWatch:
     """Feed it each round's ``steps_late`` (None for blocking rounds); ``advice`` returns the line once."""
 
-    def __init__(self, inner_steps: int):
+    def __init__(self, inner_steps: int, steps_kept: float = 1.0):
         self.inner_steps = inner_steps
+        self.steps_kept = steps_kept  # the run's averaging.in_flight_steps_kept
         self._late: deque[int] = deque(maxlen=WINDOW)
         self._said = False
 
@@ -42,10 +43,16 @@ class LagWatch:
         if median < COSTLY_SHARE * self.inner_steps:
             return None
         self._said = True
+        damping = (
+            " or with averaging.in_flight_steps_kept=0.5 (2.5% instead of 13% at half a round, in the simulator)"
+            if self.steps_kept == 1.0
+            else ""
+        )
         return (
             f"Overlapped averages land a median {median:g} of {self.inner_steps} inner steps into the next round: "
             "at a quarter of a round or more the overlap costs held-out loss (13% at half a round in "
-            "docs/benchmarks.md, section 6). A run started with a larger inner_steps would hide the same lag cheaper."
+            "docs/benchmarks.md, section 6). A run started with a larger inner_steps would hide the same lag cheaper"
+            f"{damping}."
         )
 
 

@@ -90,7 +90,7 @@ class Trainer:
         ``on_ready`` runs once the peer has caught up and published its state: others may join through it now."""
         self.manifest, self.dht, self.hardware, self.settings, self.log = manifest, dht, hardware, settings, log
         self.telemetry = telemetry or Telemetry(echo=log)
-        self.lag = LagWatch(manifest.inner_steps)  # overlapped rounds: one line if they land late enough to cost
+        self.lag = LagWatch(manifest.inner_steps, manifest.averaging.in_flight_steps_kept)  # one line if costly
         self.behind = BehindWatch()  # one line if the swarm keeps finishing our rounds without us
         self.precision: Precision = choose_precision(hardware, manifest.mixed_precision == "bf16")
         self.result = TrainerResult()

@@ -16,6 +16,17 @@ def test_it_speaks_once_when_the_median_lag_is_a_quarter_of_a_round_or_more():
     assert watch.advice() is None  # said once
 
 
+def test_the_line_names_the_damping_only_to_a_run_that_does_not_damp_yet():
+    lines = []
+    for kept in (1.0, 0.5):
+        watch = LagWatch(inner_steps=10, steps_kept=kept)
+        for _ in range(WINDOW):
+            watch.add(5)
+        lines.append(watch.advice())
+    assert "in_flight_steps_kept=0.5" in lines[0]
+    assert lines[1] is not None and "in_flight_steps_kept" not in lines[1]
+
+
 def test_short_lags_and_blocking_rounds_say_nothing():
     watch = LagWatch(inner_steps=20)
     for late in (4, 4, 30, 1, 0, None, None):  # median 4: a fifth of a round
