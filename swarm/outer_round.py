@@ -239,9 +239,6 @@ class OuterRound:
         skipped = outcome is not None and flight.fallback is not None  # the buffers hold someone else's values
         steps_kept = peer.manifest.averaging.in_flight_steps_kept if flight.stand_in is not None else 1.0
         with peer.shield():  # a stop signal waits for the outer state to be whole again
-            if steps_kept != 1.0:  # the model becomes the new global one plus that share of the steps taken since
-                _keep_steps_only(peer.params, peer.outer.params, flight.stand_in, steps_kept)
-                flight.stand_in = None
             if skipped:
                 if peer.outer.residual is not None:
                     for residual in peer.outer.residual:
@@ -252,7 +249,7 @@ class OuterRound:
                 with peer.averager.get_tensors() as buffers:
                     if kept:
                         held = round_to_codec(buffers, compression)
-                    peer.outer.step(buffers, shift=peer.params if self.overlapped and steps_kept == 1.0 else None)
+                    peer.outer.step(buffers, shift=peer.params if self.overlapped else None)
                 if kept:
                     keep_local_update(peer.averager, peer.outer.epoch - 1, compression, held)
                 if not self.overlapped:
@@ -260,8 +257,8 @@ class OuterRound:
             if flight.stand_in is not None:  # the group's step (or none) replaces the one taken ahead
                 _add(peer.params, flight.stand_in, -1.0)
                 flight.stand_in = None
-            if steps_kept != 1.0:
-                _add(peer.params, peer.outer.params, 1.0)
+            if steps_kept != 1.0:  # of the inner steps taken since the round took off, keep only that share
+                _damp_steps(peer.params, peer.outer.params, steps_kept)
             peer.outer.checksum()
             peer.checkpoints.save()
         if flight.fallback is None and len(group) > 1:
@@ -366,14 +363,13 @@ def _add(params: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], sign: fl
             p.add_(step.to(p.device, p.dtype), alpha=sign)
 
 
-def _keep_steps_only(
-    params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor], stand_in: Sequence[torch.Tensor], keep: float
-) -> None:
-    """``p <- keep * (p - global - stand_in)``: of the model, only ``keep`` x the inner steps taken since the round
-    took off (the caller then adds the global model as it is after the round)."""
+def _damp_steps(params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor], kept: float) -> None:
+    """``p <- global + kept * (p - global)``: the model is the global one plus the inner steps taken since the round
+    took off; of those, keep ``kept``."""
     with torch.no_grad():
-        for p, g, s in zip(params, global_params, stand_in):
-            p.sub_(g.to(p.device, p.dtype)).sub_(s.to(p.device, p.dtype)).mul_(keep)
+        for p, g in zip(params, global_params):
+            g = g.to(p.device, p.dtype)
+            p.sub_(g).mul_(kept).add_(g)
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
