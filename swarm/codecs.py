@@ -145,8 +145,19 @@ def fp4_decode(buffer: bytes, numel: int) -> torch.Tensor:
     codes[0::2], codes[1::2] = packed & 0x0F, packed >> 4
     codes = torch.from_numpy(codes[:numel].astype(np.int32))
     codes = _rows(codes, FP4_BLOCK)
+    _check_fp4_scales(t, (codes & 7) > 0)
     level = torch.where((codes & 7) > 0, (codes & 7) - 7, torch.full_like(codes, -FP4_LEVELS - 1))
     return _fp4_values((codes & 8) > 0, level, t).view(-1)[:numel].clone()
+
+
+def _check_fp4_scales(t: torch.Tensor, nonzero: torch.Tensor) -> None:
+    """Refuse scales no encoder sends (``t`` per row; ``nonzero``: [rows, n], the values that are not zero): a row
+    marked zero that holds values, or a scale below ``MIN_EXPONENT``, would decode to infinities, NaNs or huge
+    finite values (the exponent's bits wrap around)."""
+    if bool(((t < MIN_EXPONENT) & (t != ZERO_EXPONENT)).any()):
+        raise ValueError(f"an fp4 part has a block scale below 2**{MIN_EXPONENT}, which no encoder sends")
+    if bool(((t == ZERO_EXPONENT).unsqueeze(1) & nonzero).any()):
+        raise ValueError("an fp4 part has values in a block marked zero")
 
 
 # ---- sparse: top-k with two power-of-two magnitudes ----------------------------------------------
@@ -257,11 +268,14 @@ def sparse_decode(buffer: bytes, numel: int) -> torch.Tensor:
         a = torch.from_numpy(header[0::2].view(np.int8).astype(np.float32))
         j = torch.from_numpy(header[1::2].astype(np.float32))
         exponent = a[rows_t] + j[rows_t] * (codes_t & 1)
+        if bool((exponent > 127).any()):  # 2**128 is inf in float32: no encoder sends it
+            raise ValueError("a sparse part names a magnitude of 2**128 or more")
         value = torch.ldexp(torch.ones_like(exponent), exponent)
         value = torch.where((codes_t & 2) > 0, -value, value)
     else:
         t = torch.from_numpy(header.view(np.int8).astype(np.int64))
         level = torch.where((codes_t & 7) > 0, (codes_t & 7) - 7, torch.full_like(codes_t, -FP4_LEVELS - 1))
+        _check_fp4_scales(t[rows_t], (level >= -FP4_LEVELS).unsqueeze(1))
         value = _fp4_values(((codes_t & 8) > 0).unsqueeze(1), level.unsqueeze(1), t[rows_t]).view(-1)
     out[rows_t * SPARSE_CHUNK + cols_t] = value.to(torch.float32)
     return out[:numel]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -166,3 +167,36 @@ def test_malformed_parts_are_refused():
             sparse_decode(bad, SPARSE_CHUNK)
     with pytest.raises(ValueError):
         sparse_decode(sparse, SPARSE_CHUNK - 100)  # names values past the end
+
+
+def test_scales_no_encoder_sends_are_refused_rather_than_decoded_to_infinities_or_huge_values():
+    # fp4, sent raw (a part as long as its raw size is not inflated): 2 block scales, then 4-bit codes
+    numel = 2 * codecs.FP4_BLOCK
+
+    def fp4_part(scales: list[int], code: int) -> bytes:
+        return np.array(scales, dtype=np.int8).tobytes() + bytes([code | (code << 4)]) * (numel // 2)
+
+    honest = fp4_decode(fp4_part([-3, 0], 7), numel)  # top level everywhere: +2**t
+    assert torch.equal(honest, torch.tensor([2.0**-3] * codecs.FP4_BLOCK + [1.0] * codecs.FP4_BLOCK))
+    assert torch.equal(fp4_decode(fp4_part([codecs.ZERO_EXPONENT] * 2, 0), numel), torch.zeros(numel))
+    # a block marked zero that holds values decodes (unchecked) to -inf or huge magnitudes; a scale below the
+    # smallest an encoder sends wraps around the same way
+    for scales, code in (([codecs.ZERO_EXPONENT, 0], 7), ([codecs.ZERO_EXPONENT, 0], 1), ([-125, 0], 7)):
+        with pytest.raises(ValueError):
+            fp4_decode(fp4_part(scales, code), numel)
+    assert codecs.MIN_EXPONENT - 1 > codecs.ZERO_EXPONENT  # the refused range is not empty
+    # sparse: a reducer's average carries one fp4 scale per chunk after its first byte
+    x = torch.randn(2 * SPARSE_CHUNK)
+    average = bytearray(sparse_encode_average(fp4_quantize(sparse_quantize(x))))
+    assert torch.isfinite(sparse_decode(bytes(average), x.numel())).all()
+    for scale in (codecs.ZERO_EXPONENT, -125):
+        bad = bytearray(average)
+        bad[1] = scale & 0xFF
+        with pytest.raises(ValueError):
+            sparse_decode(bytes(bad), x.numel())
+    # a sender's part: per chunk an exponent a and a gap j; the upper level 2**(a + j) past 2**127 is inf
+    sender = bytearray(sparse_encode(sparse_quantize(x)))
+    bad = bytearray(sender)
+    bad[1], bad[2] = 120, 10
+    with pytest.raises(ValueError):
+        sparse_decode(bytes(bad), x.numel())
