@@ -16,6 +16,7 @@ import platform
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -152,3 +153,16 @@ def save_figure(fig: Any, out: Path, name: str) -> Path:
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+def worker_json(code: Path, repo: Path, module: str, args: Sequence[str], label: str, timeout: float = 1800) -> Any:
+    """Run ``python -m module --worker args`` in a fresh process on one thread, importing swarm from ``code`` (a
+    baseline tree, or the repository itself), and return the JSON its last line of output holds."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(repo)]), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--worker", *args], env=env, cwd=code, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{label}: the worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ from benchmarks.common import (
     pyplot,
     save_figure,
     scratch_dir,
+    worker_json,
     write_json,
 )
 from benchmarks.memory import baseline_tree
@@ -75,12 +74,8 @@ def time_parts(values: int, groups: list[int], repeats: int) -> dict[str, dict[s
 
 def measure(code: Path, label: str, values: int, groups: list[int], repeats: int) -> dict[str, Any]:
     """``time_parts`` in a fresh process importing swarm from ``code``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(REPO)]), OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "benchmarks.reduce", "--worker", str(values), str(repeats), *map(str, groups)]
-    done = subprocess.run(args, env=env, cwd=code, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"{label}: the worker failed:\n{done.stderr[-3000:]}")
-    return dict(label=label, ms_per_part=json.loads(done.stdout.strip().splitlines()[-1]))
+    args = [str(values), str(repeats), *map(str, groups)]
+    return dict(label=label, ms_per_part=worker_json(code, REPO, "benchmarks.reduce", args, label))
 
 
 def per_round_seconds(ms: float, k: int, values: int) -> float:

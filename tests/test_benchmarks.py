@@ -534,6 +534,16 @@ def test_reduce_smoke(tmp_path: Path):
     assert record["baseline_over_current"] is None
 
 
+def test_codec_smoke(tmp_path: Path):
+    # the worker checks that each part decodes to exactly what was quantized before it times anything
+    record = load_result(tmp_path, "codec", run_smoke("codec", tmp_path, timeout=300))
+    (run,) = record["runs"]  # no baseline in the smoke run
+    assert set(run["ms_per_million"]) == {"quantize", "encode", "decode", "fp16 encode", "fp16 decode"}
+    assert all(positive_finite(ms) for ms in run["ms_per_million"].values()), run
+    assert 0.3 < run["fp4_bytes_per_value"] <= 0.5 + 1 / 1024, run  # 4-bit codes and a scale per block, deflated
+    assert record["baseline_over_current"] is None
+
+
 def test_the_lag_split_tells_waiting_for_the_last_groupmate_from_the_protocol_and_the_transfer():
     def row(matchmaking: float, landing: float, time: float, averaged: bool = True, late: int | None = 2) -> dict:
         seconds = dict(matchmaking=matchmaking, allreduce=0.5, landing=landing, outer=0.05, consistency=0.0)
