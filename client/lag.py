@@ -44,7 +44,7 @@ class LagWatch:
             return None
         self._said = True
         damping = (
-            ", or with averaging.in_flight_steps_kept=0.5 (2.5% instead of 13% at half a round, in the simulator)"
+            ", or with averaging.in_flight_steps_kept=0.5 (2% instead of 13% at half a round, in the simulator)"
             if self.steps_kept == 1.0
             else ""
         )

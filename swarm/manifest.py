@@ -120,10 +120,11 @@ class AveragingSpec(_Frozen):
     overlap: bool = False
     stand_in: StandIn = StandIn.share  # overlapped: what the model steps with until the average lands (share:
     # 1.129 of blocking in benchmarks/results/convergence-standin, own 1.168, blend 1.384)
-    # overlapped: the share of the inner steps taken from the stand-in that stays when the average lands; below 1
-    # they are damped (the model becomes the new global one plus that share of them), as Streaming DiLoCo's merge
-    # damps them: in the simulator, landing 5 steps of 10 late, 0.5 took the cost from 12.8% of blocking's
-    # held-out loss to 2.5%, and gained nothing at 1 step (docs/benchmarks.md, section 6). 1 keeps them all
+    # overlapped: the share of the inner steps taken from the stand-in that stays when the average lands 2 or more
+    # steps late; below 1 they are damped (the model becomes the new global one plus that share of them), as
+    # Streaming DiLoCo's merge damps them: in the simulator (five seeds), landing 5 steps of 10 late, 0.5 took the
+    # cost from 12.9% of blocking's held-out loss to 2.0%, at 2 steps from 2.1% to -0.8%, and cost 1.0% at 1 step,
+    # so a landing 1 step late keeps them all (docs/benchmarks.md, section 6). 1 keeps them all at any lag
     in_flight_steps_kept: float = Field(1.0, ge=0.0, le=1.0)
     # how a reducer combines its groupmates' parts (swarm.robust): centered-clip caps weights at the median,
     # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;

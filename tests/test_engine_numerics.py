@@ -17,6 +17,7 @@ from swarm import RunManifest, seeded_init
 from swarm.codecs import apply_error_feedback, fp4_decode, fp4_encode, sparse_decode, sparse_encode_average
 from swarm.manifest import StandIn
 from swarm.outer import OuterState
+from swarm.outer_round import DAMP_FROM_STEPS
 
 ROUNDS = 3
 RANKS = (0, 1, 2)
@@ -56,11 +57,11 @@ def reference_diloco(manifest: RunManifest, ranks, rounds: int) -> list[torch.Te
 SETTLE = 1  # overlapped rounds: the average is applied after this many inner steps of the next round
 
 
-def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torch.Tensor]:
-    """The same algorithm in one process, as the swarm runs it with ``--settle-at-step SETTLE``: at each
+def reference_overlapped(manifest: RunManifest, ranks, rounds: int, settle: int = SETTLE) -> list[torch.Tensor]:
+    """The same algorithm in one process, as the swarm runs it with ``--settle-at-step settle``: at each
     round's end every worker's pseudo-gradient (with error feedback for a lossy codec) is averaged, the
     reducer's average goes through the codec, each worker restarts at once from the global model moved by
-    its own pseudo-gradient's step (its stand-in, in bf16) and keeps training; SETTLE steps later the outer
+    its own pseudo-gradient's step (its stand-in, in bf16) and keeps training; ``settle`` steps later the outer
     step lands on the global model, moves each worker's model by the same amount and takes its stand-in
     back (eager updates)."""
     torch.set_num_threads(1)
@@ -75,7 +76,8 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
         workers.append((model, make_optimizer(model, manifest)))
         residuals.append([torch.zeros_like(p) for p in global_params])
     pending = last_average = None
-    kind, kept = manifest.averaging.stand_in, manifest.averaging.in_flight_steps_kept
+    kind = manifest.averaging.stand_in
+    kept = manifest.averaging.in_flight_steps_kept if settle >= DAMP_FROM_STEPS else 1.0  # damped from 2 late
 
     stand_ins: list[list[torch.Tensor]] = []
 
@@ -96,7 +98,7 @@ def reference_overlapped(manifest: RunManifest, ranks, rounds: int) -> list[torc
 
     while outer.epoch < rounds:
         for step in range(manifest.inner_steps):
-            if step == SETTLE and pending is not None:
+            if step == settle and pending is not None:
                 last_average = land()
                 pending = None
                 if outer.epoch >= rounds:
@@ -239,18 +241,18 @@ def test_fp16_averaging_stays_close_to_reference_and_peers_agree_bitwise(make_sw
 
 
 @pytest.mark.parametrize(
-    "compression, stand_in, kept",
+    "compression, stand_in, kept, settle",
     [
-        ("none", "own", 1.0),
-        ("fp4", "own", 1.0),
-        ("sparse", "own", 1.0),
-        ("fp4", "share", 1.0),
-        ("fp4", "blend", 1.0),
-        ("fp4", "share", 0.5),
+        ("none", "own", 1.0, SETTLE),
+        ("fp4", "own", 1.0, SETTLE),
+        ("sparse", "own", 1.0, SETTLE),
+        ("fp4", "share", 1.0, SETTLE),
+        ("fp4", "blend", 1.0, SETTLE),
+        ("fp4", "share", 0.5, 2),  # damped: landing 2 steps late (1 step late keeps every step)
     ],
 )
 def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwise(
-    make_swarm, compression, stand_in, kept
+    make_swarm, compression, stand_in, kept, settle
 ):
     """Overlapped rounds (the outer step lands while the next round trains) with each codec and stand-in, and with the
     steps taken from the stand-in damped when the average lands, against the same algorithm in one process. The reducer
@@ -265,8 +267,8 @@ def test_overlapped_rounds_and_codecs_match_the_reference_and_peers_agree_bitwis
         stand_in=stand_in,
         in_flight_steps_kept=kept,
     )
-    finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(SETTLE)))
-    reference = reference_overlapped(manifest, RANKS, ROUNDS)
+    finals = run_swarm(make_swarm, manifest, extra_args=("--settle-at-step", str(settle)))
+    reference = reference_overlapped(manifest, RANKS, ROUNDS, settle)
     with seeded_init(manifest):
         initial = [p.detach() for p in make_model(manifest).parameters()]
     movement = max_abs_diff(reference, initial)
