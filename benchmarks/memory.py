@@ -173,7 +173,7 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
     workdir.mkdir(parents=True)
     print(f"[{label}] code {code}", flush=True)
     sets = manifest_sets(args)
-    if code == REPO:  # --set names fields the baseline's code may not have (overlap, codecs)
+    if code == REPO or args.baseline_sets:  # --set may name fields the baseline's code does not have
         sets += [a for s in args.sets for a in ("--set", s)]
     a = Peer(
         code,
@@ -345,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="keep the peers' files here (default: temporary)")
     p.add_argument("--device", default="cpu", help="where the peers train: cpu, or cuda (host memory is measured)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="manifest overrides for the current code")
+    p.add_argument("--baseline-sets", action="store_true", help="apply --set to the baseline's run too")
     args = p.parse_args(argv)
     if args.smoke:  # the tiny model, one round, no baseline: checks the benchmark end to end, not the budget
         args.preset, args.rounds, args.baseline = "tiny", 1, ""
