@@ -13,6 +13,7 @@ round, and ends the peer at once with one line that says what happened.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import time
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 READY_SECONDS = 120.0  # a DHT bootstraps from its initial peers in this time (3-20 s over the internet)
 POLL_SECONDS = 0.5
+LAST_WORD_SECONDS = 2.0  # how long a helper's exception may trail its exit
 
 
 def start_and_wait(helper: mp.Process, what: str) -> None:
@@ -43,6 +45,10 @@ def start_and_wait(helper: mp.Process, what: str) -> None:
             except TimeoutError:
                 pass
             if not helper.is_alive():
+                # a helper that failed sends its exception just before it ends; it may arrive after the end is seen
+                # (a closed run's refusal read as "out of memory", once): take it if it comes, else say it died
+                with contextlib.suppress(TimeoutError):
+                    helper.wait_until_ready(timeout=LAST_WORD_SECONDS)
                 raise HelperError(
                     f"The {what} process ended (exit code {helper.exitcode}) before it was ready. This machine may be "
                     f"out of memory; free some, then start again."

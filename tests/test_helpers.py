@@ -196,3 +196,36 @@ def test_processes_that_reclaim_a_lock_still_exclude_one_another(monkeypatch):
     child.join(30)
     assert child.exitcode == 0
     assert got.value >= released, "the child took its own lock while this process held the spare"
+
+
+class _LateWordHelper:
+    """A helper that failed: it is already seen dead when its exception (sent just before it ended) comes in, the
+    race a real DHT refused by a closed run lost once in CI. A stand-in, since the real race cannot be timed."""
+
+    pid = None
+    exitcode = 0
+
+    def __init__(self, word: BaseException | None):
+        self.word, self.calls = word, 0
+
+    def run_in_background(self, await_ready: bool) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def wait_until_ready(self, timeout: float) -> None:
+        self.calls += 1
+        if self.calls == 1 or self.word is None:
+            raise TimeoutError
+        raise self.word
+
+
+def test_a_helpers_own_error_is_reported_even_when_it_arrives_after_its_end_is_seen():
+    from swarm.errors import HelperError
+    from swarm.helpers import start_and_wait
+
+    with pytest.raises(ValueError, match="refused us"):
+        start_and_wait(_LateWordHelper(ValueError("reachable but refused us")), "DHT")
+    with pytest.raises(HelperError, match="ended"):  # nothing came: it died silently
+        start_and_wait(_LateWordHelper(None), "DHT")
