@@ -74,24 +74,6 @@ def _block_exponents(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, t, torch.full_like(t, ZERO_EXPONENT))
 
 
-def _fp4_levels(values: torch.Tensor, top_exponent: torch.Tensor) -> torch.Tensor:
-    """Level L in [-6, 0] of each value relative to its row's top (values: [rows, n]), or -7 for zero."""
-    bits = values.view(torch.int32)
-    biased = (bits >> 23) & 0xFF
-    top = top_exponent.unsqueeze(1)
-    level = biased - 127 + ((bits >> 22) & 1) - top
-    keep = (biased > 0) & (level >= -FP4_LEVELS) & (top != ZERO_EXPONENT)
-    return torch.where(keep, level, torch.full_like(level, -FP4_LEVELS - 1))
-
-
-def _fp4_values(sign_negative: torch.Tensor, level: torch.Tensor, top_exponent: torch.Tensor) -> torch.Tensor:
-    """+-2**(top + level) as float32 bits (0 where level is -7)."""
-    level = level.to(torch.int32)
-    exponent = (top_exponent.to(torch.int32).unsqueeze(1) + level + 127) << 23
-    bits = torch.where(level >= -FP4_LEVELS, exponent | (sign_negative.to(torch.int32) << 31), 0)
-    return bits.to(torch.int32).view(torch.float32)
-
-
 def _rows(flat: torch.Tensor, width: int) -> torch.Tensor:
     pad = (-flat.numel()) % width
     if pad:
@@ -101,7 +83,7 @@ def _rows(flat: torch.Tensor, width: int) -> torch.Tensor:
 
 def _fp4_codes(blocks: torch.Tensor, t: torch.Tensor) -> np.ndarray:
     """Each value's 4-bit code (uint8, [rows, n]): its level L in [-6, 0] as L + 7 and its sign as bit 3, or 0 for
-    zero; the same as ``_fp4_levels``, in 16-bit numpy passes (several times faster than torch's int32 here)."""
+    zero, in 16-bit numpy passes (several times faster than torch's int32 here)."""
     bits = blocks.numpy().view(np.int32)
     x = (bits >> 22).astype(np.int16) & 0x1FF  # biased exponent and the mantissa's top bit
     top = (t.numpy().astype(np.int16) + 127)[:, None]
@@ -257,17 +239,14 @@ def sparse_encode_average(flat: torch.Tensor) -> bytes:
     nonzero = chunks != 0
     counts = nonzero.sum(dim=1)
     t = _block_exponents(chunks)
-    level = _fp4_levels(chunks, t)
     rows, cols = nonzero.nonzero(as_tuple=True)
-    lv = level[rows, cols]
-    codes = torch.where(lv >= -FP4_LEVELS, lv + 7, torch.zeros_like(lv)).to(torch.uint8)
-    codes |= ((chunks[rows, cols] < 0) & (lv >= -FP4_LEVELS)).to(torch.uint8) << 3
+    codes = _fp4_codes(chunks, t)[rows.numpy(), cols.numpy()]
     return (
         bytes([_AVERAGE])
         + t.to(torch.int8).numpy().tobytes()
         + counts.to(torch.int32).numpy().astype("<u2").tobytes()
         + cols.to(torch.int32).numpy().astype("<u2").tobytes()
-        + _pack(codes.numpy(), 4)
+        + _pack(codes, 4)
     )
 
 
@@ -302,10 +281,9 @@ def sparse_decode(buffer: bytes, numel: int) -> torch.Tensor:
         value = torch.ldexp(torch.ones_like(exponent), exponent)
         value = torch.where((codes_t & 2) > 0, -value, value)
     else:
-        t = torch.from_numpy(header.view(np.int8).astype(np.int64))
-        level = torch.where((codes_t & 7) > 0, (codes_t & 7) - 7, torch.full_like(codes_t, -FP4_LEVELS - 1))
-        _check_fp4_scales(t[rows_t], lambda rows: codes_t[rows] & 7)
-        value = _fp4_values(((codes_t & 8) > 0).unsqueeze(1), level.unsqueeze(1), t[rows_t]).view(-1)
+        t = header.view(np.int8)[rows]
+        _check_fp4_scales(torch.from_numpy(t.astype(np.int32)), lambda rows: codes_t[rows] & 7)
+        value = _fp4_from_codes(codes.reshape(-1, 1), t).view(-1)
     out[rows_t * SPARSE_CHUNK + cols_t] = value.to(torch.float32)
     return out[:numel]
 
