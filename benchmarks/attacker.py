@@ -20,7 +20,10 @@ it claims, is replaced:
 - ``drift``: one fixed random direction with ``factor`` times its honest norm (default 1),
   every round: a steady push that random noise, new each round, would not give;
 - ``nonfinite``: its honest pseudo-gradient with every 1000th value set to infinity, and
-  its fp16 codec's clamp to +-65504 removed, so that the infinities reach the wire;
+  its fp16 codec's clamp to +-65504 removed, so that the infinities reach the wire; fp4
+  cannot carry an infinity (its encoder refuses one), so in fp4 each block holding one goes
+  out with the scale byte that wraps a naive decoder's exponent into infinities (-128, a
+  zero block's, over nonzero codes);
 - ``reducer``: an honest sender, but as a reducer it returns ``-factor`` times the true
   average of its slice to the whole group (default 4), and signs for what it sent;
 - ``few``: the ``reducer`` lie (-4 times the average) in about one part of every ``factor``
@@ -86,6 +89,7 @@ def install(attack: str, factor: float) -> None:
         from hivemind.compression.floating import Float16Compression
 
         Float16Compression.FP16_MIN, Float16Compression.FP16_MAX = float("-inf"), float("inf")
+        _install_nonfinite_fp4()
     from swarm.averaging import PseudoGradientAverager
     from swarm.outer_round import OuterRound
 
@@ -131,6 +135,29 @@ def install(attack: str, factor: float) -> None:
             return start(self, weight=weight * factor, **kwargs)
 
         PseudoGradientAverager.start_averaging = inflated
+
+
+def _install_nonfinite_fp4() -> None:
+    """fp4 parts whose blocks with an infinity carry the zero block's scale byte over nonzero codes (raw, not
+    deflated: a decoder takes a part of the raw size as it is); the other blocks are honest."""
+    import numpy as np
+
+    import swarm.codecs as codecs
+
+    def encode(flat: torch.Tensor) -> bytes:
+        blocks = codecs._rows(flat, codecs.FP4_BLOCK)
+        infinite = torch.isinf(blocks)
+        clean = torch.where(infinite, torch.zeros_like(blocks), blocks)
+        t = codecs._block_exponents(clean)
+        codes = codecs._fp4_codes(clean, t)
+        codes[infinite.numpy()] = 7  # the top level, positive
+        t = torch.where(infinite.any(dim=1), torch.full_like(t, codecs.ZERO_EXPONENT), t)
+        codes = codes.reshape(-1)[: flat.numel()]
+        if codes.size % 2:
+            codes = np.append(codes, np.uint8(0))
+        return t.to(torch.int8).numpy().tobytes() + (codes[0::2] | (codes[1::2] << 4)).tobytes()
+
+    codecs.fp4_encode = encode
 
 
 def _install_few(every: int) -> None:
