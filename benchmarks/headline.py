@@ -54,7 +54,11 @@ SOURCES = {
     # at lags of 1, 2 and 5 steps, and Streaming DiLoCo's merge at 5, over the seeds that ran; blocking FP32 and
     # the client's share+forget copied in from convergence-fit-seeds and convergence-delay-seeds
     "damped": "convergence-merge/seeds.json",
+    # the client's defaults since (overlapped fp4, in-flight steps damped from 2 steps late) landing 2 steps late,
+    # on fresh seeds under a rule fixed before the runs (convergence-merge/plan.txt): the key
+    "fresh": "convergence-fresh-seeds/seeds.json",
 }
+DEFAULT_OVERLAP = f"diloco-h10-fp4-{OVERLAP_MODE}2-share-forget-keep0.5"  # the client's default, 2 steps late
 
 
 DELAYS = (1, 2, 5, 10)  # the lags convergence-delay-seeds simulated, in inner steps of H = 10
@@ -173,7 +177,7 @@ def gather(out: Path) -> dict:
     if convergence is not None:
         ratios = convergence["ratios"]
         for variant, key in (
-            (f"diloco-h10-fp4-{OVERLAP_MODE}5", "loss_ratio_overlap_4bit_vs_blocking_fp32"),
+            (f"diloco-h10-fp4-{OVERLAP_MODE}5", "loss_ratio_overlap_4bit_own_5_steps_late_vs_blocking_fp32"),
             (f"diloco-h10-sparse-{OVERLAP_MODE}5", "loss_ratio_overlap_sparse_vs_blocking_fp32"),
             (f"diloco-h10-fp32-{OVERLAP_MODE}5", "loss_ratio_overlap_fp32_vs_blocking_fp32"),
             (f"diloco-h10-fp4-{OVERLAP_MODE}5-robust", "loss_ratio_overlap_4bit_robust_vs_blocking_fp32"),
@@ -250,6 +254,7 @@ def gather(out: Path) -> dict:
     ]
     merged = ("diloco-h10-fp4-merge5-mix0.5", "loss_ratio_overlap_4bit_5_steps_late_merge")
     put_means("damped", _load(out, "damped"), [(v, f"{k}_mean_of_seeds") for v, k in (*half_kept, merged)])
+    put_means("fresh", _load(out, "fresh"), [(DEFAULT_OVERLAP, "loss_ratio_overlap_4bit_vs_blocking_fp32")])
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)

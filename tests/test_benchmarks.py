@@ -380,10 +380,11 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
             "diloco-h10-fp4-merge5-mix0.5": dict(mean_end=0.99, seeds=2),
         }
     )
+    fresh = dict(variants={"diloco-h10-fp4-eager2-share-forget-keep0.5": dict(mean_end=0.98, seeds=3)})
     records = dict(
         wan=wan, convergence=dict(ratios=ratios), stand_in=stand_in, seeds=seeds, seeds_here=seeds_here, churn=churn,
         slowpeer=slow, delays=delays, walltime=walltime, nice=nice, nice_walltime=nice_walltime, audit_cost=audit_cost,
-        audit_sampled=audit_sampled, fp4_seeds=fp4_seeds, damped=damped,
+        audit_sampled=audit_sampled, fp4_seeds=fp4_seeds, damped=damped, fresh=fresh,
     )  # fmt: skip
     for name, record in records.items():
         path = tmp_path / SOURCES.get(name, f"{name}.json")
@@ -420,7 +421,10 @@ def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):
     assert headline["utilization_100mbit_overlap"] == 0.98 and headline["utilization_100mbit_blocking_fp16"] == 0.7
     assert headline["bytes_per_param_per_round_4bit"] == pytest.approx((0.5 + 0.52 + 0.5) / 3)
     assert headline["bytes_per_param_per_round_sparse"] == pytest.approx(0.07)
-    assert headline["loss_ratio_overlap_4bit_vs_blocking_fp32"] == 1.004
+    # the key: the client's default overlap (damped, 2 steps late) on the fresh seeds; the eager stand-in as
+    # published, 5 steps late, under its own key
+    assert headline["loss_ratio_overlap_4bit_vs_blocking_fp32"] == 0.98
+    assert headline["loss_ratio_overlap_4bit_own_5_steps_late_vs_blocking_fp32"] == 1.004
     assert headline["loss_ratio_overlap_fp32_vs_blocking_fp32"] == 1.001
     assert "loss_ratio_overlap_sparse_vs_blocking_fp32" not in headline  # not measured: not made up
     assert headline["loss_ratio_overlap_4bit_share_vs_blocking_fp32"] == 1.1

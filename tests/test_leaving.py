@@ -159,7 +159,8 @@ def test_sigterm_while_starting_up(donor):
 
 def test_sigterm_after_catching_up_by_replaying_the_lone_donors_local_rounds(donor):
     """The donor, alone, makes local rounds. A joiner that comes within ``replay_rounds`` of the seed replays
-    their steps (2 bytes per parameter each, fp16) instead of downloading the state (8), then leaves."""
+    their steps (under half a byte per parameter each in fp4, the default) instead of downloading the state
+    (8), then leaves."""
     root, _, join, run_id = donor
     peer = Peer(root, "replaying", *join)
     caught_up = re.compile(r"caught up to epoch \d+ by replaying|downloading the training state")
