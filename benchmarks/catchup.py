@@ -6,8 +6,9 @@ before the joiner's first one ends, the joiner is a round behind. Until local ro
 that round's step (2 with fp16, 0.44 with fp4).
 
 Two real ``swarm-client`` peers on 127.0.0.1, a model of over 100M parameters (the 150m preset's shape with 3
-layers, the byte tokenizer and the built-in corpus), the run's defaults otherwise (blocking, fp16). Three
-cases, in one run:
+layers, the byte tokenizer and the built-in corpus), the run's defaults otherwise (overlapped fp4 since
+2026-11-28; ``benchmarks/results/catchup`` was measured with blocking fp16, the defaults then). Three cases, in
+one run:
 
 - ``late``: the joiner comes once the donor is past ``replay_rounds`` epochs, so its first catch-up must be a
   download; whatever it needs after that (the donor's next local round) it replays;

@@ -43,16 +43,14 @@ class LagWatch:
         if median < COSTLY_SHARE * self.inner_steps:
             return None
         self._said = True
-        damping = (
-            ", or with averaging.in_flight_steps_kept=0.5 (2% instead of 13% at half a round, in the simulator)"
-            if self.steps_kept == 1.0
-            else ""
-        )
+        undamped = self.steps_kept == 1.0
+        damping = ", or with averaging.in_flight_steps_kept=0.5 (2% instead of 13% at half a round, in the simulator)"
+        cost = "13% at half a round" if undamped else "2% at half a round with the steps taken meanwhile damped"
         return (
             f"Overlapped averages land a median {median:g} of {self.inner_steps} inner steps into the next round: "
-            "at a quarter of a round or more the overlap costs held-out loss (13% at half a round in "
-            "docs/benchmarks.md, section 6). A run started with a larger inner_steps would hide the same lag cheaper"
-            f"{damping}."
+            f"at a quarter of a round or more the overlap costs held-out loss ({cost}, in docs/benchmarks.md, "
+            "section 6). A run started with a larger inner_steps would hide the same lag cheaper"
+            f"{damping if undamped else ''}."
         )
 
 

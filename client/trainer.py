@@ -193,6 +193,8 @@ class Trainer:
         except LeaveRequested:  # a stop signal: leave below
             if self.peer.abandoned_round:
                 self.note("log", "round abandoned: this peer is leaving")
+            elif self.peer.flight is not None:  # overlapped: the signal came in a step, its round still averaging
+                self.note("log", "the round averaging in the background is dropped: this peer is leaving")
         finally:
             with self.stop.shielded():
                 self._leave()

@@ -70,6 +70,9 @@ class OuterRound:
         why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
             return self._resync_round(seconds, str(why), reason=why.reason)
+        # no longer training from here: the hand-over below takes seconds at 100M+ in fp4 (error feedback); the
+        # record goes out with the next refresh, and at once once the averager has the round
+        peer.set_state(PeerState.matchmaking)
         t0 = time.monotonic()
         plan = self._stand_in_plan()  # before our own pseudo-gradient overwrites the last average
         if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead

@@ -207,9 +207,13 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
     assert round_lines, text[-2000:]
     timing = re.compile(
         r"compute (\d+\.\d)s matchmaking (\d+\.\d)s all-reduce (\d+\.\d)s (\(audits \d+\.\ds\) )?"
-        r"outer (\d+\.\d\d)s sent (\d+\.\d\d)MB received (\d+\.\d\d)MB checksum [0-9a-f]{10}"
+        r"outer (\d+\.\d\d)s sent (\d+\.\d\d)MB received (\d+\.\d\d)MB (landed \d+/\d+ steps late )?"
+        r"checksum [0-9a-f]{10}"
     )
     assert all(timing.search(line) for line in round_lines), round_lines
+    # overlapped rounds (the default) say how many inner steps into the next round their average landed
+    averaged_lines = [line for line in round_lines if "averaged with" in line]  # some: see the records below
+    assert all(re.search(r"landed \d+/5 steps late", line) for line in averaged_lines), averaged_lines
     # reducers are checked by default: a round averaged with others says what its audits took
     assert all("(audits " in line for line in round_lines if "averaged with" in line), round_lines
     assert re.search(r"^swarm: \d+ peers alive, global epoch \d+", text, re.M), text[-2000:]

@@ -133,8 +133,9 @@ def test_replay_is_used_instead_of_a_download_when_nothing_goes_wrong(make_swarm
 def test_a_local_round_is_replayed_like_an_averaged_one(make_swarm):
     """Peer 1 leaves at epoch 2; peer 0, alone, makes local rounds (no group) until it is back. Restarted from
     its checkpoint, peer 1 replays those local rounds' steps instead of downloading the whole state again: the
-    case of every joiner to a lone donor that makes a round while the joiner's first one runs. Blocking fp16,
-    the defaults: the local step is rounded to fp16, as a group's average is, so the replay gives its checksum."""
+    case of every joiner to a lone donor that makes a round while the joiner's first one runs. Blocking fp16 (the
+    defaults until overlapped fp4 rounds): the local step is rounded to fp16, as a group's average is, so the
+    replay gives its checksum."""
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, replay_rounds=7)
     swarm = make_swarm(manifest)
     epochs = 7

@@ -23,8 +23,9 @@ def test_the_line_names_the_damping_only_to_a_run_that_does_not_damp_yet():
         for _ in range(WINDOW):
             watch.add(5)
         lines.append(watch.advice())
-    assert "in_flight_steps_kept=0.5" in lines[0]
-    assert lines[1] is not None and "in_flight_steps_kept" not in lines[1]
+    assert "in_flight_steps_kept=0.5" in lines[0] and "13% at half a round" in lines[0]
+    # a damping run (the default) is told the damped cost, not the undamped one
+    assert lines[1] is not None and "in_flight_steps_kept" not in lines[1] and "2% at half a round" in lines[1]
 
 
 def test_short_lags_and_blocking_rounds_say_nothing():

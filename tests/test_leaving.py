@@ -228,5 +228,8 @@ def test_sigterm_in_a_round(donor):
     peer.wait(round_just_began, "a round", poll=0.02)
     peer.terminate()
     text = peer.log.read_text()
-    assert "round abandoned: this peer is leaving" in text and "Traceback" not in text
+    # the donor's rounds are overlapped (the default): the signal comes while the round is handed over, or in a
+    # step while it averages in the background; either way the peer says the round is given up
+    said = ("round abandoned: this peer is leaving", "the round averaging in the background is dropped")
+    assert any(line in text for line in said) and "Traceback" not in text, text[-3000:]
     peer.assert_checkpoint_is_what_it_left_with(run_id)
