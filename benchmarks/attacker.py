@@ -140,8 +140,6 @@ def install(attack: str, factor: float) -> None:
 def _install_nonfinite_fp4() -> None:
     """fp4 parts whose blocks with an infinity carry the zero block's scale byte over nonzero codes (raw, not
     deflated: a decoder takes a part of the raw size as it is); the other blocks are honest."""
-    import numpy as np
-
     import swarm.codecs as codecs
 
     def encode(flat: torch.Tensor) -> bytes:
@@ -152,10 +150,7 @@ def _install_nonfinite_fp4() -> None:
         codes = codecs._fp4_codes(clean, t)
         codes[infinite.numpy()] = 7  # the top level, positive
         t = torch.where(infinite.any(dim=1), torch.full_like(t, codecs.ZERO_EXPONENT), t)
-        codes = codes.reshape(-1)[: flat.numel()]
-        if codes.size % 2:
-            codes = np.append(codes, np.uint8(0))
-        return t.to(torch.int8).numpy().tobytes() + (codes[0::2] | (codes[1::2] << 4)).tobytes()
+        return codecs.fp4_raw(t, codes, flat.numel())
 
     codecs.fp4_encode = encode
 
