@@ -15,6 +15,7 @@ import torch
 from client.hardware import Hardware, Precision
 from client.microbatch import is_out_of_memory
 from swarm import RunManifest, SwarmError
+from swarm.outer import OuterState
 
 
 @dataclass
@@ -94,6 +95,26 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: str) -
             losses.append(float(model(input_ids=x, labels=x).loss))
     model.train()
     return sum(losses) / len(losses)
+
+
+def evaluate_outer(model: torch.nn.Module, outer: OuterState | None, batches: list[torch.Tensor], device: str) -> float:
+    """The held-out loss of the outer state (the round's global model, what the checksum and the checkpoint
+    hold). After a blocking round the model is that state (``outer`` None: the model is scored as it is).
+    After an overlapped one it also holds the inner steps taken while the average was in flight, which the
+    figure leaves out, so that groupmates report one loss: the model's parameters wait on the host (one copy
+    of the model, only while the figure is taken), the outer state's are scored, and the model's go back
+    exactly."""
+    if outer is None:
+        return evaluate(model, batches, device)
+    params = list(model.parameters())
+    with torch.no_grad():
+        kept = [p.detach().to("cpu", copy=True) for p in params]
+        try:
+            outer.write_to(params)
+            return evaluate(model, batches, device)
+        finally:
+            for p, k in zip(params, kept):
+                p.copy_(k)
 
 
 def lr_at(manifest: RunManifest, step: int) -> float:

@@ -33,7 +33,7 @@ from client.peer_events import describe
 from client.priority import lower_priority
 from client.round_line import round_line
 from client.signals import STOP, Stopper
-from client.step import InnerStep, evaluate, lr_at
+from client.step import InnerStep, evaluate, evaluate_outer, lr_at
 from client.telemetry import Telemetry
 from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
 
@@ -325,10 +325,14 @@ class Trainer:
                 self.note("log", advice)
         every = self.settings.eval_every
         if every and self.eval_set is not None and self.result.rounds % every == 0:
-            loss = evaluate(self.model, self.eval_set, self.hardware.device)  # the model is the round's outer state
+            loss = self._held_out()
             self.result.eval_losses.append((report.epoch, loss))
             self.telemetry.evaluation(report.epoch, loss)
             self.note("log", f"held-out loss at epoch {report.epoch}: {loss:.4f}")
+
+    def _held_out(self) -> float:  # the outer state's loss: peers with one checksum report one figure
+        outer = self.peer.outer if self.manifest.averaging.overlap else None  # blocking: the model is that state
+        return evaluate_outer(self.model, outer, self.eval_set, self.hardware.device)
 
     def _check_last_round(self) -> None:
         """A run that ends (``--max-epochs``) after an overlapped round, or a round that found no group: its
@@ -352,9 +356,7 @@ class Trainer:
                 if self.eval_set is not None and not self.stop.requested:
                     latest = self.result.eval_losses[-1] if self.result.eval_losses else None
                     self.result.eval_loss_end = (  # the last round's figure, if it was just taken
-                        latest[1]
-                        if latest and latest[0] == peer.epoch
-                        else evaluate(self.model, self.eval_set, self.hardware.device)
+                        latest[1] if latest and latest[0] == peer.epoch else self._held_out()
                     )
                     self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
                 self._save_inner(budget())

@@ -1,0 +1,49 @@
+"""``client.step.evaluate_outer``: the held-out figure of an overlapped peer is its outer state's (what its
+groupmates and its checkpoint hold), not the model it trains, which also holds the steps taken in flight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.model import build_model
+from client.presets import build_manifest
+from client.step import evaluate, evaluate_outer
+from swarm.outer import OuterState
+
+
+def setup():
+    manifest = build_manifest("tiny", overrides=["seq_len=16"])
+    model = build_model(manifest)
+    outer = OuterState(list(model.parameters()), manifest.outer)
+    torch.manual_seed(0)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 16)) for _ in range(2)]
+    return manifest, model, outer, batches
+
+
+def test_the_figure_is_the_outer_states_and_the_model_comes_back_bitwise():
+    manifest, model, outer, batches = setup()
+    global_loss = evaluate(model, batches, "cpu")
+    with torch.no_grad():  # the steps taken while the average was in flight
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    trained = [p.detach().clone() for p in model.parameters()]
+    local_loss = evaluate(model, batches, "cpu")
+    assert abs(local_loss - global_loss) > 1e-3  # the two models score apart: the test can tell them apart
+
+    assert evaluate_outer(model, outer, batches, "cpu") == global_loss
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))  # training goes on from there
+    assert model.training
+    assert evaluate_outer(model, None, batches, "cpu") == local_loss  # blocking: the model is that state
+
+
+def test_the_model_comes_back_when_scoring_fails():
+    manifest, model, outer, batches = setup()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    trained = [p.detach().clone() for p in model.parameters()]
+    bad = [torch.full((2, 16), model.config.vocab_size + 7)]  # an index past the vocabulary: the forward fails
+    with pytest.raises(IndexError):
+        evaluate_outer(model, outer, bad, "cpu")
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))
