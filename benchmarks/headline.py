@@ -57,6 +57,9 @@ SOURCES = {
     # the client's defaults since (overlapped fp4, in-flight steps damped from 2 steps late) landing 2 steps late,
     # on fresh seeds under a rule fixed before the runs (convergence-merge/plan.txt): the issue's key
     "fresh": "convergence-fresh-seeds/seeds.json",
+    # the same default under the 150m/1b presets' Nesterov outer step, fresh seeds 5-7 (convergence-nesterov-seeds/
+    # plan.txt: reported only, no default rode on it)
+    "fresh_nesterov": "convergence-nesterov-damped/seeds.json",
 }
 DEFAULT_OVERLAP = f"diloco-h10-fp4-{OVERLAP_MODE}2-share-forget-keep0.5"  # the client's default, 2 steps late
 
@@ -255,6 +258,9 @@ def gather(out: Path) -> dict:
     merged = ("diloco-h10-fp4-merge5-mix0.5", "loss_ratio_overlap_4bit_5_steps_late_merge")
     put_means("damped", _load(out, "damped"), [(v, f"{k}_mean_of_seeds") for v, k in (*half_kept, merged)])
     put_means("fresh", _load(out, "fresh"), [(DEFAULT_OVERLAP, "loss_ratio_overlap_4bit_vs_blocking_fp32")])
+    put_means("fresh_nesterov", _load(out, "fresh_nesterov"), [
+        (DEFAULT_OVERLAP.replace("-share", "-outer0.7m0.9-share"), "loss_ratio_overlap_4bit_vs_blocking_fp32_nesterov")
+    ])  # fmt: skip
     churn = _load(out, "churn")
     if churn is not None:
         join = next((j for j in churn["joins"] if j["rate_mbit"] == 10.0), None)
