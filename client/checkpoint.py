@@ -4,8 +4,10 @@ After every round the peer writes the outer state (global parameters and momentu
 8 bytes per parameter) to ``WORKDIR/runs/RUN/checkpoints/state-SEQ.safetensors`` in
 the background (``swarm.state_store``), with this peer's data position and gradient
 scaler in ``state-SEQ.json`` beside it; the newest two are kept. That is what a
-restart resumes from, and the model is rebuilt from it: after a round the model
-*is* the outer parameters, so it is not saved again.
+restart resumes from, and the model is rebuilt from it: after a blocking round the
+model *is* the outer parameters, so it is not saved again (after an overlapped one
+it also holds the few inner steps taken while the average was in flight, which a
+restart does without).
 
 On a graceful exit, time allowing, the inner AdamW state is saved too
 (``inner.pt``), tagged with the checksum of the outer state it goes with; a restart
@@ -15,6 +17,7 @@ its inner optimizer afresh, as every joiner does.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,8 @@ import torch
 from swarm.state_store import FoundState, find_latest
 
 INNER_FILE = "inner.pt"
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_dir(workdir: Path, run_id: str) -> Path:
@@ -61,6 +66,32 @@ def save_inner(directory: Path, checksum: str, optimizer: dict, scaler: dict, da
         tmp.unlink(missing_ok=True)
         raise
     return final
+
+
+def save_inner_in_time(
+    directory: Path,
+    checksum: str,
+    state: InnerState,
+    seconds_expected: float,
+    seconds_left: float | None,
+) -> str | None:
+    """``save_inner``, when the disk can write it in half the time left (``seconds_left`` None: no hurry);
+    otherwise, or when the write fails (a full disk), the one line that says so. The outer checkpoint is what
+    matters: without this file a restart begins its inner optimizer afresh, as a joiner does."""
+    if seconds_left is not None and seconds_expected >= seconds_left / 2:
+        return (
+            f"Inner optimizer state not saved: ~{seconds_expected:.0f} s to write, {seconds_left:.0f} s left; "
+            "a restart begins it afresh, as a joiner does."
+        )
+    try:
+        save_inner(directory, checksum, state.optimizer, state.scaler, state.data)
+    except (OSError, RuntimeError) as e:
+        logger.debug("saving the inner optimizer state failed", exc_info=True)
+        return (
+            f"Inner optimizer state not saved ({type(e).__name__}: {str(e)[:120]}); free disk space in "
+            f"{directory}. A restart begins it afresh, as a joiner does."
+        )
+    return None
 
 
 def load_inner(directory: Path, checksum: str, warn=lambda message: None) -> InnerState | None:

@@ -11,7 +11,6 @@ deadline.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
@@ -36,8 +35,6 @@ from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate, evaluate_outer, lr_at
 from client.telemetry import Telemetry
 from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
-
-logger = logging.getLogger(__name__)
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -377,30 +374,13 @@ class Trainer:
 
     def _save_inner(self, seconds_left: float) -> None:
         """The inner AdamW state (2 tensors per parameter), when this disk can write it in the time left."""
-        size = 2 * 4 * self.parameters
-        expected = size / self._disk_rate
-        if not self.stop.requested or expected < seconds_left / 2:
-            try:
-                checkpoint.save_inner(
-                    self.ckpt_dir,
-                    self.peer.outer.checksum(),
-                    self.optimizer.state_dict(),
-                    self.scaler.state_dict(),
-                    self._state_extra()["data"],
-                )
-            except (OSError, RuntimeError) as e:  # a full disk: the outer checkpoint is what matters
-                logger.debug("saving the inner optimizer state failed", exc_info=True)
-                self.note(
-                    "log",
-                    f"Inner optimizer state not saved ({type(e).__name__}: {str(e)[:120]}); free disk space in "
-                    f"{self.ckpt_dir}. A restart begins it afresh, as a joiner does.",
-                )
-        else:
-            self.note(
-                "log",
-                f"Inner optimizer state not saved: ~{expected:.0f} s to write, {seconds_left:.0f} s left; "
-                "a restart begins it afresh, as a joiner does.",
-            )
+        extra = self._state_extra()["data"]
+        state = checkpoint.InnerState(self.optimizer.state_dict(), self.scaler.state_dict(), extra)
+        expected = 2 * 4 * self.parameters / self._disk_rate
+        hurry = seconds_left if self.stop.requested else None
+        line = checkpoint.save_inner_in_time(self.ckpt_dir, self.peer.outer.checksum(), state, expected, hurry)
+        if line is not None:
+            self.note("log", line)
 
     def _on_event(self, kind: PeerEvent, data: dict[str, Any]) -> None:
         """The peer's events (on the training thread, the state writer's, or the peer's own while it catches up)."""

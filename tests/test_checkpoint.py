@@ -223,6 +223,31 @@ def test_inner_state_is_used_only_with_the_outer_state_it_was_saved_with(tmp_pat
     assert checkpoint.load_inner(tmp_path, "abc", warn=messages.append) is None and "unreadable" in messages[0]
 
 
+def test_inner_state_is_saved_only_when_the_disk_can_write_it_in_time_and_a_failure_is_one_line(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = checkpoint.InnerState(optimizer.state_dict(), {}, dict(order_index=1, sequences=2))
+    # after a stop signal, a write expected to take more than half the time left is not started
+    line = checkpoint.save_inner_in_time(tmp_path, "abc", state, seconds_expected=6.0, seconds_left=10.0)
+    assert line is not None and "~6 s to write, 10 s left" in line and "afresh" in line
+    assert not (tmp_path / checkpoint.INNER_FILE).exists()
+    assert checkpoint.save_inner_in_time(tmp_path, "abc", state, seconds_expected=4.0, seconds_left=10.0) is None
+    assert checkpoint.load_inner(tmp_path, "abc").data == state.data
+    # unhurried (no stop signal), however slow the disk
+    (tmp_path / checkpoint.INNER_FILE).unlink()
+    assert checkpoint.save_inner_in_time(tmp_path, "abc", state, seconds_expected=1e6, seconds_left=None) is None
+    assert (tmp_path / checkpoint.INNER_FILE).exists()
+    # a directory that cannot be written (here: a file in its place): one line, no traceback, no temp file left
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_bytes(b"")
+    line = checkpoint.save_inner_in_time(blocked, "abc", state, seconds_expected=0.1, seconds_left=None)
+    assert line is not None and "\n" not in line
+    assert line.startswith("Inner optimizer state not saved (NotADirectoryError")
+    assert {p.name for p in tmp_path.iterdir()} == {checkpoint.INNER_FILE, "not-a-directory"}
+
+
 def test_a_rounds_update_file_gives_back_the_parts_as_they_came_off_the_wire(tmp_path):
     from hivemind.compression import serialize_torch_tensor
 
