@@ -63,24 +63,32 @@ def test_peer_joining_mid_run_downloads_state_and_converges(make_swarm):
         assert_rounds_bounded(swarm.reports(rank), manifest)
 
 
+def wait_for_victim(swarm, state: str, epochs: int, timeout: float, what: str, poll: float = 0.05) -> int:
+    """The epoch of rank 2's first ``state`` from epoch 1 on, never in the last round (a kill there leaves no
+    next round's checksum check to bring the survivors together); fails with its log if it ended first."""
+    epoch = wait_for(
+        lambda: (
+            next((e for e in range(1, epochs - 1) if swarm.marker(2, state, e).exists()), None)
+            or swarm.procs[2].poll() is not None
+        ),
+        timeout,
+        f"the victim to start {what}",
+        poll=poll,
+    )
+    assert epoch is not True, f"the victim ended with no {what} to interrupt: {swarm.reports(2)}\n{swarm.log(2)}"
+    return epoch
+
+
 def test_peer_killed_during_matchmaking(make_swarm):
     manifest = tiny_manifest(compression="fp16", matchmaking_timeout=15.0, allreduce_timeout=15.0)
     swarm = make_swarm(manifest)
     epochs = 4
     for rank in range(3):  # all three train from round 0 together (see below)
         swarm.start(rank, epochs, wait_ready=rank == 0, extra_args=("--start-with", "3"))
-    # its first matchmaking from epoch 1 on, and never in the last round: a wait for epoch 1's alone ran out in a
-    # loaded local CI run (its logs were not kept). One way there: the other two end round 1 without the victim
-    # (min_group_size 2) and it re-syncs to epoch 2 as left behind, never matchmaking at epoch 1
-    epoch = wait_for(
-        lambda: (
-            next((e for e in range(1, epochs - 1) if swarm.marker(2, "matchmaking", e).exists()), None)
-            or swarm.procs[2].poll() is not None
-        ),
-        120,
-        "the victim to start matchmaking",
-    )
-    assert epoch is not True, f"the victim ended with no matchmaking to interrupt: {swarm.reports(2)}\n{swarm.log(2)}"
+    # not only epoch 1's: a wait for that alone ran out in a loaded local CI run (its logs were not kept). One way
+    # there: the other two end round 1 without the victim (min_group_size 2) and it re-syncs to epoch 2 as left
+    # behind, never matchmaking at epoch 1
+    wait_for_victim(swarm, "matchmaking", epochs, 120, "matchmaking")
     swarm.kill(2)
     for rank in (0, 1):
         assert swarm.wait_exit(rank, 180) == 0, swarm.log(rank)
@@ -98,19 +106,9 @@ def test_peer_killed_during_allreduce(make_swarm):
     # while the others started, the victim joined past epoch 3, and no all-reduce of it was left to interrupt
     for rank in range(3):
         swarm.start(rank, epochs, extra_params=20_000_000, wait_ready=rank == 0, extra_args=("--start-with", "3"))
-    # the victim's first all-reduce from epoch 1 on (a round may finish without it, so not always epoch 1), and
-    # never the last round: a kill can leave one survivor with the victim's slice and the other without it, and
-    # it is the next round's checksum check that brings them together again
-    epoch = wait_for(
-        lambda: (
-            next((e for e in range(1, epochs - 1) if swarm.marker(2, "averaging", e).exists()), None)
-            or swarm.procs[2].poll() is not None
-        ),
-        240,
-        "the victim to start an all-reduce",
-        poll=0.005,
-    )
-    assert epoch is not True, f"the victim ended with no all-reduce to interrupt: {swarm.reports(2)}\n{swarm.log(2)}"
+    # a round may finish without the victim, so not always epoch 1; and not the last: a kill can leave one survivor
+    # with the victim's slice and the other without it, and the next round's checksum check brings them together
+    epoch = wait_for_victim(swarm, "averaging", epochs, 240, "an all-reduce", poll=0.005)
     swarm.kill(2)
     assert all(r["epoch"] <= epoch for r in swarm.reports(2)), "the victim finished its round before it was killed"
     for rank in (0, 1):
