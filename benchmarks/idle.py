@@ -42,9 +42,10 @@ NAME = "idle"
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_REF = "41d4000"  # main before swarm/pace.py
 SETS = [
-    # blocking rounds: an overlapped peer's status says "matchmaking" while its round is in flight, and it trains
-    # the next round's steps meanwhile; only when those are done does it wait. A blocking peer in matchmaking waits,
-    # and the search whose pacing this measures is the same in both modes (a CI run caught the training: 0.70)
+    # blocking rounds: an overlapped peer trains the next round's steps while its round is in flight, and waits
+    # only when those are done (its status said "matchmaking" meanwhile until 2026-11-28; it says "training" now,
+    # and the round's stage in "round"). A blocking peer in matchmaking waits, and the search whose pacing this
+    # measures is the same in both modes (a CI run caught the training: 0.70)
     "averaging.overlap=false",
     "inner_steps=3",
     "averaging.matchmaking_time=5.0",

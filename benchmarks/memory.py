@@ -103,8 +103,11 @@ class Peer:
         self.sampler = TreeSampler(self.proc.pid, self.phase).start()
 
     def state(self) -> str:
+        """The status file's state, or the stage of a round averaging in the background while the peer trains:
+        the averager's buffers are what that phase measures."""
         try:
-            return json.loads((self.workdir / "status.json").read_text())["state"]
+            status = json.loads((self.workdir / "status.json").read_text())
+            return status.get("round") or status["state"]
         except (OSError, ValueError, KeyError):
             return "starting"
 

@@ -27,6 +27,7 @@ class PeerStatus(BaseModel):
     peer_id: str
     run_id: str
     state: str
+    round: str | None = None  # an overlapped round's stage while the peer trains (``client.idle.shown_state``)
     epoch: int
     inner_step: int
     updated_at: float  # unix time of this rewrite

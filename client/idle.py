@@ -23,6 +23,22 @@ class OwnState:
     download_donor: str | None = None
     has_initial_peers: bool = False
     samples_per_second: float = 0.0
+    # an overlapped round's stage (matchmaking, averaging) while this peer trains the next round's steps; its
+    # record says that stage, for the others' matchmaking, and ``state`` says training (``shown_state``)
+    round_in_background: str | None = None
+
+
+_ROUND_STAGES = (PeerState.matchmaking, PeerState.averaging)
+
+
+def shown_state(published: str, round_in_flight: bool, in_round: bool) -> tuple[str, str | None]:
+    """What this peer is doing, for its own status file and dashboard, and its round's stage if that runs in the
+    background: (state, round_in_background). An overlapped peer publishes matchmaking from a round's first moment
+    until its average lands, while it trains the next round's steps; it waits (``in_round``) only when those are
+    done and the round is still in the air."""
+    if round_in_flight and not in_round and published in _ROUND_STAGES:
+        return PeerState.training.value, published
+    return published, None
 
 
 def why_idle(me: OwnState, view: SwarmView | None) -> str:
@@ -57,7 +73,8 @@ def why_idle(me: OwnState, view: SwarmView | None) -> str:
     if me.state == PeerState.training:
         eta = _eta([me], me.inner_steps, me.samples_per_step)
         when = f", round in ~{eta:.0f} s" if eta is not None else ""
-        return f"not idle: training step {me.inner_step}/{me.inner_steps}{when}"
+        behind = f"; the last round is {me.round_in_background} in the background" if me.round_in_background else ""
+        return f"not idle: training step {me.inner_step}/{me.inner_steps}{when}{behind}"
     return me.state
 
 

@@ -15,7 +15,7 @@ import torch
 
 from client.hardware import Hardware
 from client.health import status_fields, stuck_after, write_status
-from client.idle import OwnState, why_idle
+from client.idle import OwnState, shown_state, why_idle
 from client.swarm_watch import SwarmSnapshot
 from client.trainer import Trainer
 from swarm import PeerState
@@ -26,9 +26,11 @@ PLAIN_SWARM_EVERY = 30.0  # seconds between the swarm summary lines without a da
 def own_state(trainer: Trainer, has_initial_peers: bool) -> OwnState:
     m, tel, peer = trainer.manifest, trainer.telemetry, trainer.peer
     started = peer is not None and peer.outer is not None
+    state, background = shown_state(tel.state, started and peer.flight is not None, started and peer.in_round)
     return OwnState(
         peer_id=trainer.dht.peer_id.to_base58(),
-        state=tel.state,
+        state=state,
+        round_in_background=background,
         epoch=peer.epoch if started else 0,
         inner_step=peer.inner_step if started else 0,
         inner_steps=m.inner_steps,
@@ -92,6 +94,7 @@ class TrainingTick:
                 peer_id=own.peer_id or "",
                 run_id=self.trainer.manifest.run_id,
                 state=own.state,
+                round=own.round_in_background,
                 epoch=own.epoch,
                 inner_step=own.inner_step,
                 progress_at=tel.progress_at,

@@ -48,6 +48,27 @@ def test_an_overlapped_peer_takes_the_stand_in_steps_out_of_its_first_moment_as_
     assert result["first_moment_corrections"] == 2, result
 
 
+def test_an_overlapped_peer_training_while_its_round_matchmakes_says_training_in_its_status_file(tmp_path):
+    """Its record says matchmaking, for the others' matchmaking, from the round's first moment until the average
+    lands; the volunteer's status file and dashboard say it trains, and what the round is doing meanwhile."""
+    log, workdir = tmp_path / "peer.log", tmp_path / "w"
+    slow_round = ["--set", "inner_steps=15", "--set", "averaging.matchmaking_timeout=60.0"]  # alone: it times out
+    proc = spawn("start", "--preset", "tiny", *FAST, *slow_round, *LOCAL, "--workdir", str(workdir), log=log)
+    seen: set[tuple[str, str | None]] = set()
+    deadline = time.monotonic() + 180
+    while ("training", "matchmaking") not in seen and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            status = json.loads((workdir / "status.json").read_text())
+            seen.add((status["state"], status.get("round")))
+        except (OSError, ValueError):  # not written yet
+            pass
+        time.sleep(0.1)
+    assert ("training", "matchmaking") in seen, (seen, log.read_text()[-3000:])
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert "the round averaging in the background is dropped" in log.read_text()
+
+
 def test_resume_after_sigkill_keeps_identity_and_epoch(tmp_path):
     args = ["start", "--preset", "tiny", *FAST, *LOCAL, "--workdir", str(tmp_path)]
     log = tmp_path / "first.log"

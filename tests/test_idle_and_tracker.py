@@ -8,7 +8,7 @@ import time
 from test_swarm_view import record
 
 from client.health import PeerStatus, check_health, write_status
-from client.idle import OwnState, why_idle
+from client.idle import OwnState, shown_state, why_idle
 from client.swarm_watch import FADE_SECONDS, PeerTracker
 from swarm import PeerState, RoundReport
 from swarm.progress import PeerEntry
@@ -51,6 +51,18 @@ def test_training_is_not_idle_and_gives_the_round_eta():
     view = view_of(record("me", 3, inner_step=100), record("a", 3, inner_step=100, sps=8.0))
     line = why_idle(me(samples_per_second=16.0), view)
     assert line == f"not idle: training step 100/{H}, round in ~200 s"
+
+
+def test_an_overlapped_peer_training_while_its_round_is_in_the_air_shows_training_and_the_round():
+    assert shown_state("matchmaking", round_in_flight=True, in_round=False) == ("training", "matchmaking")
+    assert shown_state("averaging", round_in_flight=True, in_round=False) == ("training", "averaging")
+    # its steps are done and it waits for the round: that is what it does
+    assert shown_state("averaging", round_in_flight=True, in_round=True) == ("averaging", None)
+    assert shown_state("matchmaking", round_in_flight=False, in_round=True) == ("matchmaking", None)  # blocking
+    assert shown_state("leaving", round_in_flight=True, in_round=False) == ("leaving", None)
+    view = view_of(record("me", 3, PeerState.averaging, inner_step=100), record("a", 3, inner_step=100, sps=8.0))
+    line = why_idle(me(samples_per_second=16.0, round_in_background="averaging"), view)
+    assert line == f"not idle: training step 100/{H}, round in ~200 s; the last round is averaging in the background"
 
 
 def test_tracker_reports_joins_departures_and_fades_them_out():
