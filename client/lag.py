@@ -9,7 +9,7 @@ a smaller share of the round. Only the run's creator can change that, so the pee
 
 A peer slower than the rest can also be left behind for good: the others end each round before it can take part,
 and every one of its rounds ends in a re-sync that throws its steps away. It notices at its next step and re-syncs
-at once (``Peer._round_over``), but its volunteer is told too, once, since only a faster device helps.
+at once (``swarm.early_end``), but its volunteer is told too, once, since only a faster device helps.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from swarm.access import check_access
 from swarm.averaging import PseudoGradientAverager, averager_options
 from swarm.bans import BanList, Guard
 from swarm.checkpoints import Checkpoints
+from swarm.early_end import EarlyEnd
 from swarm.errors import LeaveRequested
 from swarm.flight import Flight
 from swarm.helpers import check_alive
@@ -48,12 +49,7 @@ from swarm.records import PeerState, run_prefix, run_validator
 from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
 from swarm.state_store import StateStore
 from swarm.state_sync import StateSync
-from swarm.swarm_view import (
-    SwarmView,
-    build_view,
-    left_behind,
-    round_due,
-)
+from swarm.swarm_view import SwarmView, build_view
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +116,7 @@ class Peer:
         self.rounds = OuterRound(self)
         self._buffers: list[torch.Tensor] = []
         self._connected = self._started = self._stopped = self._stop_requested = False
-        self._next_round_check = 0.0
-        self._ended_behind_at: int | None = None  # the swarm's epoch a round was last ended early behind
+        self.early_end = EarlyEnd(self)  # joining rounds early (averaging.join_rounds_early)
         self.last_round_local = False
         self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
         self.flight: Flight | None = None  # a round averaging in the background (overlapped)
@@ -288,37 +283,9 @@ class Peer:
         self.presence.update(**fields)
         if self.flight is not None and self.rounds.poll(self.flight):  # an overlapped round's average arrived
             self._finish_flight()
-        if self.inner_step >= self.manifest.inner_steps or self._round_over(now):
+        if self.inner_step >= self.manifest.inner_steps or self.early_end.due(now):
             self.run_outer_round()
         return self._reports.popleft() if self._reports else None
-
-    def _round_over(self, now: float) -> bool:
-        """When joining rounds early, end the round before its last step, at most once a second, on the records
-        ``PeerFeed`` reads in the background: ``swarm_view.left_behind``, or ``round_due``."""
-        avg, m = self.manifest.averaging, self.manifest
-        if not avg.join_rounds_early or now < self._next_round_check or self.inner_step == 0:
-            return False  # not joining early: every round is H steps (the numerics tests compare with a reference)
-        if self.flight is not None:  # our part of this epoch's round is already in the air (overlapped)
-            return False
-        self._next_round_check = now + 1.0
-        view = self.recent_view()
-        if view is None:  # no copy of the records has arrived yet
-            return False
-        if left_behind(view, self.epoch, self._ended_behind_at):
-            self._ended_behind_at = view.global_epoch
-            return True
-        step_seconds = self.compute_seconds / self.inner_step
-        return round_due(
-            view,
-            self.peer_id,
-            self.epoch,
-            avg.min_group_size,
-            m.inner_steps,
-            m.samples_per_step,
-            step_seconds,
-            get_dht_time(),
-            my_steps_left=m.inner_steps - self.inner_step,
-        )
 
     def run_outer_round(self) -> None:
         """End the current round: wait for the previous one if it is still averaging (overlapped), then
