@@ -239,6 +239,8 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
                 rounds=len(p.records("round")),
                 # where each averaged round's time went (all-reduce, audit, ...): the reducer's work is in them
                 averaged_round_seconds=[r["seconds"] for r in p.records("round") if r["averaged"]],
+                # what its audits of the other reducers' slices downloaded (averaging.audit_parts: all, or a sample)
+                averaged_round_audit_bytes=[r.get("audit_bytes", 0) for r in p.records("round") if r["averaged"]],
             )
             for p in peers
         },
