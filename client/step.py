@@ -101,12 +101,23 @@ def evaluate_outer(model: torch.nn.Module, outer: OuterState | None, batches: li
     """The held-out loss of the outer state (the round's global model, what the checksum and the checkpoint
     hold). After a blocking round the model is that state (``outer`` None: the model is scored as it is).
     After an overlapped one it also holds the inner steps taken while the average was in flight, which the
-    figure leaves out, so that groupmates report one loss: the model's parameters wait on the host (one copy
-    of the model, only while the figure is taken), the outer state's are scored, and the model's go back
-    exactly."""
+    figure leaves out, so that groupmates report one loss; the model's parameters come back exactly.
+
+    A model in fp32 on the CPU reads the outer tensors in place for the figure (nothing is copied: they change
+    only on this, the training thread, and the forward pass only reads them). Any other model (a GPU's, or
+    bf16) gets them written in, and its own parameters wait on the host meanwhile: one copy of the model."""
     if outer is None:
         return evaluate(model, batches, device)
     params = list(model.parameters())
+    if all(p.dtype == g.dtype and p.device == g.device and p.shape == g.shape for p, g in zip(params, outer.params)):
+        own = [p.data for p in params]
+        try:
+            for p, g in zip(params, outer.params):
+                p.data = g
+            return evaluate(model, batches, device)
+        finally:
+            for p, d in zip(params, own):
+                p.data = d
     with torch.no_grad():
         kept = [p.detach().to("cpu", copy=True) for p in params]
         try:
