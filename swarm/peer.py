@@ -120,6 +120,7 @@ class Peer:
         self.last_round_local = False
         self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
         self.flight: Flight | None = None  # a round averaging in the background (overlapped)
+        self.landing = False  # a round's average being applied (its record still says matchmaking or averaging)
         self._reports: deque[RoundReport] = deque()
         self.abandoned_round = False  # a stop signal arrived in the middle of a round
 
@@ -329,8 +330,12 @@ class Peer:
         return self.rounds.checks.check_unchecked()
 
     def _finish_flight(self, waited: float = 0.0) -> None:
+        self.landing = True  # before the flight goes: a reader of the two never sees neither
         flight, self.flight = self.flight, None
-        report = self.rounds.finish(flight)
+        try:
+            report = self.rounds.finish(flight)
+        finally:
+            self.landing = False
         report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
         if self.rounds.overlapped and report.outcome in _LANDED:  # steps since it took off (a re-sync: none)
             report.steps_late = self.inner_step

@@ -65,6 +65,29 @@ def test_an_overlapped_peer_training_while_its_round_is_in_the_air_shows_trainin
     assert line == f"not idle: training step 100/{H}, round in ~200 s; the last round is averaging in the background"
 
 
+def test_own_state_reads_a_landing_round_as_training_and_a_wait_for_it_as_the_round():
+    """``client.monitoring.own_state`` on a fake trainer: the moments of an overlapped round as the watcher's thread
+    sees them (a CI run caught "matchmaking" in the instant between the flight's end and its landing)."""
+    from types import SimpleNamespace
+
+    from client.monitoring import own_state
+    from client.presets import build_manifest
+
+    def seen(state, flight, landing, in_round):
+        peer = SimpleNamespace(outer=object(), epoch=3, inner_step=2, flight=flight, landing=landing, in_round=in_round)
+        peer.averager, peer.download_progress = object(), 0.0
+        telemetry = SimpleNamespace(state=state, download_donor=None, tokens_per_second=0.0)
+        dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+        trainer = SimpleNamespace(manifest=build_manifest("tiny"), telemetry=telemetry, peer=peer, dht=dht)
+        own = own_state(trainer, has_initial_peers=False)
+        return own.state, own.round_in_background
+
+    assert seen("averaging", flight=object(), landing=False, in_round=False) == ("training", "averaging")
+    assert seen("averaging", flight=None, landing=True, in_round=False) == ("training", "averaging")  # landing
+    assert seen("matchmaking", flight=object(), landing=False, in_round=True) == ("matchmaking", None)  # waits
+    assert seen("training", flight=None, landing=False, in_round=False) == ("training", None)
+
+
 def test_tracker_reports_joins_departures_and_fades_them_out():
     tracker = PeerTracker(self_id="me")
     now = time.time()

@@ -214,7 +214,9 @@ def test_sigterm_while_downloading_the_state(donor):
 def test_sigterm_in_a_round(donor):
     _, peer, _, run_id = donor
     # alone, a round spends averaging.matchmaking_timeout (5 s) looking for a group: the moment the state turns
-    # from training to matchmaking is mid-round (a "matchmaking" seen later may be a round already ending)
+    # from training to matchmaking is mid-round (a "matchmaking" seen later may be a round already ending). The
+    # donor's rounds are overlapped: its status says training while one is in the air and while it lands, and
+    # matchmaking while it hands one over or waits for one (a CI run once sent the signal on a landing instead)
     seen = []
 
     def round_just_began() -> bool:
