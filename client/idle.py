@@ -31,12 +31,11 @@ class OwnState:
 _ROUND_STAGES = (PeerState.matchmaking, PeerState.averaging)
 
 
-def shown_state(published: str, round_in_flight: bool, in_round: bool) -> tuple[str, str | None]:
+def shown_state(published: str, round_in_background: bool) -> tuple[str, str | None]:
     """What this peer is doing, for its own status file and dashboard, and its round's stage if that runs in the
-    background: (state, round_in_background). An overlapped peer publishes matchmaking from a round's first moment
-    until its average lands, while it trains the next round's steps; it waits (``in_round``) only when those are
-    done and the round is still in the air."""
-    if round_in_flight and not in_round and published in _ROUND_STAGES:
+    background (``Peer.round_in_background``): (state, round_in_background). An overlapped peer publishes
+    matchmaking from a round's first moment until its average lands, while it trains the next round's steps."""
+    if round_in_background and published in _ROUND_STAGES:
         return PeerState.training.value, published
     return published, None
 

@@ -26,9 +26,7 @@ PLAIN_SWARM_EVERY = 30.0  # seconds between the swarm summary lines without a da
 def own_state(trainer: Trainer, has_initial_peers: bool) -> OwnState:
     m, tel, peer = trainer.manifest, trainer.telemetry, trainer.peer
     started = peer is not None and peer.outer is not None
-    # landing: the average is applied between two steps, its record saying matchmaking or averaging until done
-    in_flight = started and (peer.flight is not None or peer.landing)
-    state, background = shown_state(tel.state, in_flight, started and peer.in_round)
+    state, background = shown_state(tel.state, started and peer.round_in_background)
     return OwnState(
         peer_id=trainer.dht.peer_id.to_base58(),
         state=state,

@@ -346,6 +346,12 @@ class Peer:
         return self.sync.resync(reason)
 
     @property
+    def round_in_background(self) -> bool:
+        """An overlapped round is in the air, or landing between two steps, while the loop trains: its record says
+        matchmaking or averaging (for the others' matchmaking), though this peer is not waiting for it."""
+        return (self.flight is not None or self.landing) and not self.in_round
+
+    @property
     def download_progress(self) -> float:
         return self.averager.download_progress if self.averager is not None else 0.0
 

@@ -54,37 +54,42 @@ def test_training_is_not_idle_and_gives_the_round_eta():
 
 
 def test_an_overlapped_peer_training_while_its_round_is_in_the_air_shows_training_and_the_round():
-    assert shown_state("matchmaking", round_in_flight=True, in_round=False) == ("training", "matchmaking")
-    assert shown_state("averaging", round_in_flight=True, in_round=False) == ("training", "averaging")
-    # its steps are done and it waits for the round: that is what it does
-    assert shown_state("averaging", round_in_flight=True, in_round=True) == ("averaging", None)
-    assert shown_state("matchmaking", round_in_flight=False, in_round=True) == ("matchmaking", None)  # blocking
-    assert shown_state("leaving", round_in_flight=True, in_round=False) == ("leaving", None)
+    assert shown_state("matchmaking", round_in_background=True) == ("training", "matchmaking")
+    assert shown_state("averaging", round_in_background=True) == ("training", "averaging")
+    # waiting for its round (its steps are done, or the round is blocking): that is what it does
+    assert shown_state("averaging", round_in_background=False) == ("averaging", None)
+    assert shown_state("leaving", round_in_background=True) == ("leaving", None)
     view = view_of(record("me", 3, PeerState.averaging, inner_step=100), record("a", 3, inner_step=100, sps=8.0))
     line = why_idle(me(samples_per_second=16.0, round_in_background="averaging"), view)
     assert line == f"not idle: training step 100/{H}, round in ~200 s; the last round is averaging in the background"
 
 
-def test_own_state_reads_a_landing_round_as_training_and_a_wait_for_it_as_the_round():
-    """``client.monitoring.own_state`` on a fake trainer: the moments of an overlapped round as the watcher's thread
-    sees them (a CI run caught "matchmaking" in the instant between the flight's end and its landing)."""
+def test_own_state_reads_a_landing_round_as_training_and_a_wait_for_it_as_the_round(tmp_path):
+    """``client.monitoring.own_state`` on a fake trainer holding a real (unconnected) ``swarm.Peer``: the moments of
+    an overlapped round as the watcher's thread sees them (a CI run caught "matchmaking" in the instant between
+    the flight's end and its landing)."""
     from types import SimpleNamespace
 
     from client.monitoring import own_state
     from client.presets import build_manifest
+    from swarm import Peer
+
+    manifest = build_manifest("tiny")
+    dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+    peer = Peer(manifest, dht=dht, state_dir=tmp_path)
+    peer.outer, peer.averager, peer.inner_step = SimpleNamespace(epoch=3), SimpleNamespace(download_progress=0.0), 2
 
     def seen(state, flight, landing, in_round):
-        peer = SimpleNamespace(outer=object(), epoch=3, inner_step=2, flight=flight, landing=landing, in_round=in_round)
-        peer.averager, peer.download_progress = object(), 0.0
+        peer.flight, peer.landing, peer.in_round = flight, landing, in_round
         telemetry = SimpleNamespace(state=state, download_donor=None, tokens_per_second=0.0)
-        dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
-        trainer = SimpleNamespace(manifest=build_manifest("tiny"), telemetry=telemetry, peer=peer, dht=dht)
+        trainer = SimpleNamespace(manifest=manifest, telemetry=telemetry, peer=peer, dht=dht)
         own = own_state(trainer, has_initial_peers=False)
         return own.state, own.round_in_background
 
     assert seen("averaging", flight=object(), landing=False, in_round=False) == ("training", "averaging")
     assert seen("averaging", flight=None, landing=True, in_round=False) == ("training", "averaging")  # landing
     assert seen("matchmaking", flight=object(), landing=False, in_round=True) == ("matchmaking", None)  # waits
+    assert seen("matchmaking", flight=None, landing=False, in_round=True) == ("matchmaking", None)  # blocking
     assert seen("training", flight=None, landing=False, in_round=False) == ("training", None)
 
 
