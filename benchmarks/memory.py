@@ -182,7 +182,7 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
         code,
         workdir,
         "a",
-        ["start", "--preset", args.preset, *sets, "--micro-batch", str(args.micro_batch)],
+        ["start", "--preset", args.preset, *sets, "--micro-batch", str(args.micro_batch), *args.peer_args],
         args.device,
     )
     peers = [a]
@@ -191,7 +191,7 @@ def run_scenario(code: Path, label: str, args: argparse.Namespace, root: Path) -
         a.wait_for(lambda: a.records("round"), args.timeout, "first round")
         print(f"[{label}] a finished its first round; b joins", flush=True)
         join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"]]
-        b = Peer(code, workdir, "b", [*join, "--micro-batch", str(args.micro_batch)], args.device)
+        b = Peer(code, workdir, "b", [*join, "--micro-batch", str(args.micro_batch), *args.peer_args], args.device)
         peers.append(b)
 
         def b_downloaded() -> bool:
@@ -351,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="where the peers train: cpu, or cuda (host memory is measured)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="manifest overrides for the current code")
     p.add_argument("--baseline-sets", action="store_true", help="apply --set to the baseline's run too")
+    p.add_argument(
+        "--peer-arg", dest="peer_args", action="append", default=[], help="a client flag for every peer of both runs"
+    )
     args = p.parse_args(argv)
     # the tiny model, no baseline: checks the benchmark end to end, not the budget. Three rounds, not one: the
     # joiner's whole life was then about a second, and the status file it is labelled by is rewritten once a
