@@ -73,12 +73,12 @@ def install(attack: str, factor: float) -> None:
         _install_few(int(factor))
         return
     if attack in ("reducer", "hide"):
-        import swarm.allreduce
+        import swarm.averager.allreduce
 
-        encode = swarm.allreduce.encode_average
-        swarm.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
+        encode = swarm.averager.allreduce.encode_average
+        swarm.averager.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
         if attack == "hide":
-            from swarm.audit_serving import AuditRound
+            from swarm.averager.audit_serving import AuditRound
 
             sent_to = AuditRound.sent_to
             AuditRound.sent_to = lambda self, reducer: (
@@ -90,8 +90,8 @@ def install(attack: str, factor: float) -> None:
 
         Float16Compression.FP16_MIN, Float16Compression.FP16_MAX = float("-inf"), float("inf")
         _install_nonfinite_fp4()
-    from swarm.averaging import PseudoGradientAverager
-    from swarm.outer_round import OuterRound
+    from swarm.averager.process import PseudoGradientAverager
+    from swarm.round.pipeline import OuterRound
 
     feedback = OuterRound._apply_error_feedback  # the last change to the buffers before they go on the wire
     first: list[torch.Tensor] = []
@@ -140,7 +140,7 @@ def install(attack: str, factor: float) -> None:
 def _install_nonfinite_fp4() -> None:
     """fp4 parts whose blocks with an infinity carry the zero block's scale byte over nonzero codes (raw, not
     deflated: a decoder takes a part of the raw size as it is); the other blocks are honest."""
-    import swarm.codecs as codecs
+    import swarm.averager.codecs as codecs
 
     def encode(flat: torch.Tensor) -> bytes:
         blocks = codecs._rows(flat, codecs.FP4_BLOCK)
@@ -158,9 +158,9 @@ def _install_nonfinite_fp4() -> None:
 def _install_few(every: int) -> None:
     import zlib
 
-    import swarm.allreduce
+    import swarm.averager.allreduce
 
-    encode = swarm.allreduce.encode_average
+    encode = swarm.averager.allreduce.encode_average
 
     def lying(tensor, compression):
         # a part's average is encoded once for each groupmate's stream: the part lied in is picked by its values,
@@ -170,11 +170,11 @@ def _install_few(every: int) -> None:
             os.write(2, f"few: lied in an averaged part of {tensor.numel()} values\n".encode())
         return encode(tensor * -ATTACKS["reducer"] if lie else tensor, compression)
 
-    swarm.allreduce.encode_average = lying
+    swarm.averager.allreduce.encode_average = lying
 
 
 def _install_cut(share: float) -> None:
-    from swarm.allreduce import ExactAllReduceRunner
+    from swarm.averager.allreduce import ExactAllReduceRunner
 
     stream = ExactAllReduceRunner._accumulate_parts_streaming
 

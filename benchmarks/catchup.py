@@ -2,7 +2,7 @@
 
 A lone peer makes local rounds (no group). A joiner downloads its state; if the donor finishes a round
 before the joiner's first one ends, the joiner is a round behind. Until local rounds were kept for replay
-(``swarm/local_update.py``) it then downloaded the whole state again (8 bytes per parameter); now it replays
+(``swarm/round/local_update.py``) it then downloaded the whole state again (8 bytes per parameter); now it replays
 that round's step (2 with fp16, 0.44 with fp4).
 
 Two real ``swarm-client`` peers on 127.0.0.1, a model of over 100M parameters (the 150m preset's shape with 3

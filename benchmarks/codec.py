@@ -50,7 +50,7 @@ def time_steps(values: int, parts: int, repeats: int) -> dict[str, Any]:
     from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
     from hivemind.proto import runtime_pb2
 
-    from swarm.codecs import CODECS, fp4_quantize
+    from swarm.averager.codecs import CODECS, fp4_quantize
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args(argv)
-    from swarm.codecs import SLICE
+    from swarm.averager.codecs import SLICE
 
     values, parts = SLICE, PARTS
     if args.smoke:

@@ -6,7 +6,7 @@ disjoint shard of the built-in corpus (as real peers do), and
 - ``ddp`` takes one step on the concatenation of the M workers' batches (the DDP
   equivalent: M times the batch, one gradient average per step);
 - ``diloco-*`` lets each worker take H AdamW steps on its own batches, then applies
-  the swarm's own outer step (``swarm.outer.OuterState``) to the averaged
+  the swarm's own outer step (``swarm.state.outer.OuterState``) to the averaged
   pseudo-gradient; each ``--variants`` entry sets H, the wire (FP16 round-trips every
   pseudo-gradient and their average through hivemind's Float16Compression; fp4 and
   sparse use the swarm's codecs with error feedback and re-encode the average, as a

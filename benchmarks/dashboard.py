@@ -46,7 +46,7 @@ from client.swarm_watch import SwarmWatch
 from client.telemetry import Telemetry
 from client.trainer import Trainer, TrainerSettings
 from swarm import NetworkConfig, start_dht
-from swarm.progress import read_peers
+from swarm.dht.progress import read_peers
 
 NAME = "dashboard"
 PHASES = ("bare", "plain", "dashboard")

@@ -1,5 +1,5 @@
 """DiLoCo's rounds in one process (``run_diloco``): M simulated workers, H inner steps each, the swarm's own
-outer step (``swarm.outer.OuterState``), blocking or overlapped, through a chosen wire. Each ``Variant`` is one
+outer step (``swarm.state.outer.OuterState``), blocking or overlapped, through a chosen wire. Each ``Variant`` is one
 configuration; ``benchmarks.convergence`` runs them side by side at equal tokens."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from benchmarks.simulation import (
 )
 from client.model import build_model
 from client.step import lr_at
-from swarm import codecs
-from swarm.outer import OuterState
+from swarm.averager import codecs
+from swarm.state.outer import OuterState
 
 
 class Mode(enum.StrEnum):

@@ -4,7 +4,7 @@ A `tiny` peer starts a run alone (nobody ever joins) with a long matchmaking tim
 first H steps it sits in matchmaking, as a volunteer's peer does while slower peers finish their
 steps. Once its status says so, the CPU time of the trainer, the DHT and averager processes and
 p2pd is read over a window. The same is done with the code of ``--baseline`` (before hivemind's
-search for a leader was paced, ``swarm/pace.py``), one after the other on the same machine.
+search for a leader was paced, ``swarm/hivemind_fixes/pace.py``), one after the other on the same machine.
 
     python -m benchmarks.idle                 # writes results/idle.json, idle.png
     python -m benchmarks.idle --smoke         # a short window, no baseline
@@ -40,7 +40,7 @@ from benchmarks.pss import tree_by_role
 
 NAME = "idle"
 REPO = Path(__file__).resolve().parent.parent
-BASELINE_REF = "41d4000"  # main before swarm/pace.py
+BASELINE_REF = "41d4000"  # main before swarm/hivemind_fixes/pace.py
 SETS = [
     # blocking rounds: an overlapped peer trains the next round's steps while its round is in flight, and waits
     # only when those are done (its status said "matchmaking" meanwhile until 2026-11-28; it says "training" now,

@@ -1,12 +1,12 @@
 """What a reducer's robust mean costs: milliseconds per all-reduce part, the current code against ``--baseline``.
 
 Each sender's part of hivemind's default size (2^19 bytes of FP16: 262,144 values) is
-combined by ``swarm.robust.robust_mean``, on the averager's event loop, one part after the
+combined by ``swarm.defence.robust.robust_mean``, on the averager's event loop, one part after the
 other; an auditor recomputes another reducer's parts the same way. This times it for groups
 of k senders (correlated pseudo-gradients: a shared direction plus each sender's own noise),
 with the plain mean and with the client's default (capped weights, norm clipping,
 CenteredClip, the inner range), on one torch thread and with the averager's allocator
-settings (``swarm/heap.py``: part-sized blocks are mapped and unmapped each time). Each code tree runs
+settings (``swarm/averager/heap.py``: part-sized blocks are mapped and unmapped each time). Each code tree runs
 in its own process, one after the other on the same machine, and the same inputs.
 
     python -m benchmarks.reduce                  # writes results/reduce.json, reduce.png
@@ -49,9 +49,9 @@ def time_parts(values: int, groups: list[int], repeats: int) -> dict[str, dict[s
     """Median milliseconds of ``robust_mean`` per part, by aggregation and group size (run in a worker)."""
     import torch
 
-    from swarm import heap
+    from swarm.averager import heap
+    from swarm.defence.robust import robust_mean
     from swarm.manifest import Aggregation
-    from swarm.robust import robust_mean
 
     torch.set_num_threads(1)
     heap.limit_retention()  # as in the averager: every block of 1 MiB or more mapped on its own

@@ -16,9 +16,10 @@ from client.data import SequenceStream, eval_batches, load_tokenizer, shard_orde
 from client.model import build_model
 from client.presets import build_manifest
 from client.step import lr_at
-from swarm import RunManifest, codecs
+from swarm import RunManifest
+from swarm.averager import codecs
+from swarm.defence.robust import robust_mean
 from swarm.manifest import Aggregation
-from swarm.robust import robust_mean
 
 
 class Wire(enum.StrEnum):
@@ -169,7 +170,7 @@ def run_sequential(setup: Setup, name: str, kind: str, batch_at: Callable[[int],
 
 
 def fp16_round_trip(tensor: torch.Tensor) -> torch.Tensor:
-    """What one pass over the swarm's FP16 wire does to a tensor (swarm.allreduce ExactAllReduceRunner)."""
+    """What one pass over the swarm's FP16 wire does to a tensor (swarm.averager.allreduce ExactAllReduceRunner)."""
     kind = Float16Compression().compression_type
     return deserialize_torch_tensor(serialize_torch_tensor(tensor, kind))
 
@@ -189,7 +190,7 @@ def through_wire(tensor: torch.Tensor, wire: Wire, average: bool) -> torch.Tenso
 
 def average(pseudo_gradients: list[list[torch.Tensor]], wire: Wire, robust: bool = False) -> list[torch.Tensor]:
     """Equal-weight mean of the workers' pseudo-gradients, summed in fp32, through the wire both ways; or, with
-    ``robust``, the swarm reducer's robust mean (swarm.robust), here per tensor (the swarm's reducers take it per
+    ``robust``, the swarm reducer's robust mean (swarm.defence.robust), per tensor (the reducers take it per
     all-reduce part, slices of the same flat vector)."""
     averaged = []
     for parts in zip(*pseudo_gradients):

@@ -2,7 +2,7 @@
 
 After every round the peer writes the outer state (global parameters and momentum,
 8 bytes per parameter) to ``WORKDIR/runs/RUN/checkpoints/state-SEQ.safetensors`` in
-the background (``swarm.state_store``), with this peer's data position and gradient
+the background (``swarm.state.store``), with this peer's data position and gradient
 scaler in ``state-SEQ.json`` beside it; the newest two are kept. That is what a
 restart resumes from, and the model is rebuilt from it: after a blocking round the
 model *is* the outer parameters, so it is not saved again (after an overlapped one
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from swarm.state_store import FoundState, find_latest
+from swarm.state.store import FoundState, find_latest
 
 INNER_FILE = "inner.pt"
 

@@ -22,7 +22,7 @@ from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
 from swarm import PeerState, RunManifest, SwarmView
-from swarm.bans import accused
+from swarm.defence.bans import accused
 
 REFRESH_PER_SECOND = 2
 SPARK = "▁▂▃▄▅▆▇█"

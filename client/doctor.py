@@ -20,9 +20,9 @@ import psutil
 from rich.console import Console
 
 from swarm import NetworkConfig, SwarmError, claim_port, list_runs, start_dht
-from swarm.access import RunSecret
+from swarm.dht.access import RunSecret
+from swarm.dht.network import DEFAULT_PORT, probe_peers
 from swarm.errors import PortTakenError
-from swarm.network import DEFAULT_PORT, probe_peers
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_SHM = 1 << 30

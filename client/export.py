@@ -11,7 +11,8 @@ import torch
 
 from client import checkpoint
 from client.model import build_model, parameter_shapes
-from swarm import RunManifest, SwarmError, state_file
+from swarm import RunManifest, SwarmError
+from swarm.state import file as state_file
 
 
 def export_model(workdir: Path, out: Path, run_id: str | None = None) -> Path:

@@ -9,7 +9,7 @@ a smaller share of the round. Only the run's creator can change that, so the pee
 
 A peer slower than the rest can also be left behind for good: the others end each round before it can take part,
 and every one of its rounds ends in a re-sync that throws its steps away. It notices at its next step and re-syncs
-at once (``swarm.early_end``), but its volunteer is told too, once, since only a faster device helps.
+at once (``swarm.round.early_end``), but its volunteer is told too, once, since only a faster device helps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from swarm.rounds import ResyncReason, RoundReport
+from swarm.events import ResyncReason, RoundReport
 
 WINDOW = 5  # rounds the median is taken over
 COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a half)

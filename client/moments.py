@@ -1,6 +1,6 @@
 """The inner optimizer's memory of the steps taken while an overlapped round is in flight.
 
-In an overlapped round the model goes on training from a stand-in (``swarm.outer_round``): the global model moved
+In an overlapped round the model goes on training from a stand-in (``swarm.round.pipeline``): the global model moved
 by a guess of the group's step. When the average lands the stand-in's step is swapped for the group's and the inner
 steps taken meanwhile are kept. Their gradients, though, were measured where the model turned out not to be, and
 AdamW's first moment would carry them on through the rest of the round (beta1 = 0.9: about 60% of one step's

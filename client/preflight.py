@@ -102,7 +102,7 @@ def _try_lock(handle: IO) -> bool:
 
 def owner_alive(owner: str) -> bool:
     """Whether the pid written in a workdir's lock file is a running process (unreadable: assume it is). A dead
-    one's lock is held by its forked helpers (DHT, averager), which leave within seconds (swarm.orphans)."""
+    one's lock is held by its forked helpers (DHT, averager), leaving within seconds (swarm.hivemind_fixes.orphans)."""
     return not owner.isdecimal() or psutil.pid_exists(int(owner))
 
 

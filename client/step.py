@@ -15,7 +15,7 @@ import torch
 from client.hardware import Hardware, Precision
 from client.microbatch import is_out_of_memory
 from swarm import RunManifest, SwarmError
-from swarm.outer import OuterState
+from swarm.state.outer import OuterState
 
 
 @dataclass

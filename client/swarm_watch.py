@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from client.telemetry import Telemetry
 from swarm import ProgressRecord, RunManifest, SwarmView
+from swarm.dht.progress import PeerEntry
+from swarm.dht.view import GONE_STATES
 from swarm.observer import view_of
-from swarm.progress import PeerEntry
-from swarm.swarm_view import GONE_STATES
 
 FADE_SECONDS = 60.0  # how long a departed peer stays (dimmed) in the table
 POLL_INTERVAL = 1.0

@@ -22,8 +22,8 @@ _EXPORTS = {
         "StateDownloadError",
         "SwarmError",
     ],
-    "swarm.access": ["RunSecret"],
-    "swarm.init": ["seeded_init"],
+    "swarm.dht.access": ["RunSecret"],
+    "swarm.seeding": ["seeded_init"],
     "swarm.manifest": [
         "AveragingSpec",
         "DatasetSpec",
@@ -32,12 +32,12 @@ _EXPORTS = {
         "RunManifest",
         "TokenizerSpec",
     ],
-    "swarm.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
+    "swarm.dht.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
     "swarm.peer": ["Peer"],
-    "swarm.rounds": ["PeerEvent", "PeerStats", "RoundOutcome", "RoundReport"],
-    "swarm.records": ["PeerState", "ProgressRecord"],
-    "swarm.registry": ["choose_run", "fetch_manifest", "list_runs", "publish_manifest"],
-    "swarm.swarm_view": ["Consensus", "SwarmView", "consensus"],
+    "swarm.events": ["PeerEvent", "PeerStats", "RoundOutcome", "RoundReport"],
+    "swarm.dht.records": ["PeerState", "ProgressRecord"],
+    "swarm.dht.registry": ["choose_run", "fetch_manifest", "list_runs", "publish_manifest"],
+    "swarm.dht.view": ["Consensus", "SwarmView", "consensus"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = [
@@ -93,7 +93,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from swarm.access import RunSecret
+    from swarm.dht.access import RunSecret
+    from swarm.dht.network import NetworkConfig, claim_port, parse_initial_peer, start_dht, visible_maddrs
+    from swarm.dht.records import PeerState, ProgressRecord
+    from swarm.dht.registry import choose_run, fetch_manifest, list_runs, publish_manifest
+    from swarm.dht.view import Consensus, SwarmView, consensus
     from swarm.errors import (
         BootstrapError,
         LeaveRequested,
@@ -104,7 +108,7 @@ if TYPE_CHECKING:
         StateDownloadError,
         SwarmError,
     )
-    from swarm.init import seeded_init
+    from swarm.events import PeerEvent, PeerStats, RoundOutcome, RoundReport
     from swarm.manifest import (
         AveragingSpec,
         DatasetSpec,
@@ -113,9 +117,5 @@ if TYPE_CHECKING:
         RunManifest,
         TokenizerSpec,
     )
-    from swarm.network import NetworkConfig, claim_port, parse_initial_peer, start_dht, visible_maddrs
     from swarm.peer import Peer
-    from swarm.records import PeerState, ProgressRecord
-    from swarm.registry import choose_run, fetch_manifest, list_runs, publish_manifest
-    from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
-    from swarm.swarm_view import Consensus, SwarmView, consensus
+    from swarm.seeding import seeded_init

@@ -1,8 +1,8 @@
 """What a volunteer types that the engine checks: initial peers' multiaddrs, IP addresses, a closed run's secret file.
 
 Each check says what a good value looks like. Nothing here imports torch or hivemind (seconds), so the client
-runs these checks on its command line before it loads either (``client.preflight``); ``swarm.network`` and
-``swarm.access`` run the same functions where they build the DHT and the run's keys.
+runs these checks on its command line before it loads either (``client.preflight``); ``swarm.dht.network`` and
+``swarm.dht.access`` run the same functions where they build the DHT and the run's keys.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def check_initial_peer(text: str, multiaddr: Callable[[str], Any]) -> Any:
 def light_multiaddr() -> Callable[[str], Any] | None:
     """hivemind's own Multiaddr class (hivemind/utils/multiaddr, its copy of py-multiaddr), loaded from its files
     without running ``import hivemind``, which imports torch. None where this hivemind keeps no copy there: then
-    only ``swarm.network`` checks the addresses (a test checks that the pinned hivemind has it)."""
+    only ``swarm.dht.network`` checks the addresses (a test checks that the pinned hivemind has it)."""
     hivemind = importlib.util.find_spec("hivemind")  # locates the package without importing it
     if hivemind is None or not hivemind.submodule_search_locations:
         return None

@@ -91,7 +91,7 @@ class OuterOptimizerSpec(_Frozen):
 
 
 class Aggregation(enum.StrEnum):
-    """How a reducer combines its groupmates' parts (``swarm.robust``)."""
+    """How a reducer combines its groupmates' parts (``swarm.defence.robust``)."""
 
     mean = "mean"  # the plain weighted mean, as hivemind does (parts still checked)
     centered_clip = "centered-clip"
@@ -128,11 +128,11 @@ class AveragingSpec(_Frozen):
     # cost from 12.9% of blocking's held-out loss to 2.0%, at 2 steps from 2.1% to -0.8%, and cost 1.0% at 1 step,
     # so a landing 1 step late keeps them all (docs/benchmarks.md, section 6). 1 keeps them all at any lag
     in_flight_steps_kept: float = Field(0.5, ge=0.0, le=1.0)
-    # how a reducer combines its groupmates' parts (swarm.robust): centered-clip caps weights at the median,
+    # how a reducer combines its groupmates' parts (swarm.defence.robust): centered-clip caps weights at the median,
     # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;
     # mean is hivemind's plain weighted mean (parts are checked for size and finiteness either way)
     aggregation: Aggregation = Aggregation.centered_clip
-    # checked reducers (swarm.audit): each reducer signs what it received and returned, a groupmate recomputes its
+    # checked reducers (swarm.defence.audit): a reducer signs what it received and returned, a groupmate recomputes its
     # average, and a reducer caught lying has its slice dropped from the round and is banned; the audits take
     # up to allreduce_timeout more per round (half for audits, half for re-checking accusations)
     checked_reducers: bool = True
@@ -194,7 +194,7 @@ class RunManifest(_Frozen):
     averaging: AveragingSpec = AveragingSpec()
     mixed_precision: Literal["fp16", "bf16"] = "fp16"  # on GPUs; bf16 only where the GPU supports it
     init_seed: int = 0
-    # a closed run's access tag (swarm.access): derived from its secret, which is never in here; None: open run
+    # a closed run's access tag (swarm.dht.access): derived from its secret, which is never in here; None: open run
     access: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
     version: Literal[1] = 1
 

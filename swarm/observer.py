@@ -11,13 +11,13 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from swarm.bans import accused
+from swarm.defence.bans import accused
+from swarm.dht.network import NetworkConfig, start_dht
+from swarm.dht.progress import PeerEntry, read_peers
+from swarm.dht.records import run_validator
+from swarm.dht.registry import choose_run
+from swarm.dht.view import SwarmView, build_view
 from swarm.manifest import RunManifest
-from swarm.network import NetworkConfig, start_dht
-from swarm.progress import PeerEntry, read_peers
-from swarm.records import run_validator
-from swarm.registry import choose_run
-from swarm.swarm_view import SwarmView, build_view
 
 
 class Observer:
@@ -59,7 +59,7 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
     "samples_per_second", "checksum": {"epoch", "checksum"} | null, "last_seen"}]}``, where
     ``last_seen`` is the unix time of the peer's latest record. Only live peers are listed.
     ``"banned": [{"peer_id", "reasons", "by", "epoch", "quorum"}]`` lists every peer a live peer
-    banned (``swarm.bans.accused``): why, who says so, since which round, and whether enough
+    banned (``swarm.defence.bans.accused``): why, who says so, since which round, and whether enough
     of its groupmates say so for every peer to refuse it.
     """
     view = view_of(manifest, entries)

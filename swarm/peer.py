@@ -30,26 +30,26 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm.access import check_access
-from swarm.averaging import PseudoGradientAverager, averager_options
-from swarm.bans import BanList, Guard
-from swarm.checkpoints import Checkpoints
-from swarm.early_end import EarlyEnd
+from swarm.averager.process import PseudoGradientAverager, averager_options
+from swarm.defence.bans import BanList, Guard
+from swarm.dht.access import check_access
+from swarm.dht.network import NetworkConfig, start_dht
+from swarm.dht.presence import Presence
+from swarm.dht.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
+from swarm.dht.records import PeerState, run_prefix, run_validator
+from swarm.dht.view import SwarmView, build_view
 from swarm.errors import LeaveRequested
-from swarm.flight import Flight
-from swarm.helpers import check_alive
+from swarm.events import PeerEvent, PeerStats, RoundOutcome, RoundReport
+from swarm.hivemind_fixes.helpers import check_alive
+from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.manifest import RunManifest
-from swarm.network import NetworkConfig, start_dht
-from swarm.orphans import install_orphan_reaper
-from swarm.outer import OuterState
-from swarm.outer_round import ERROR_FEEDBACK, OuterRound
-from swarm.presence import Presence
-from swarm.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
-from swarm.records import PeerState, run_prefix, run_validator
-from swarm.rounds import PeerEvent, PeerStats, RoundOutcome, RoundReport
-from swarm.state_store import StateStore
-from swarm.state_sync import StateSync
-from swarm.swarm_view import SwarmView, build_view
+from swarm.round.early_end import EarlyEnd
+from swarm.round.flight import Flight
+from swarm.round.pipeline import ERROR_FEEDBACK, OuterRound
+from swarm.state.checkpoints import Checkpoints
+from swarm.state.outer import OuterState
+from swarm.state.store import StateStore
+from swarm.state.sync import StateSync
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Peer:
         self.outer: OuterState | None = None
         self.averager: PseudoGradientAverager | None = None
         self.presence: Presence | None = None
-        self.guard: Guard | None = None  # bans (swarm.bans): set up in connect
+        self.guard: Guard | None = None  # bans (swarm.defence.bans): set up in connect
         self.feed: PeerFeed | None = None  # everyone's records, read in the background: set up in connect
         self.store: StateStore | None = None
         self.sync = StateSync(self)

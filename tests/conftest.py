@@ -10,7 +10,7 @@ import image_build  # noqa: E402
 from client_helpers import SPAWNED, kill_spawned  # noqa: E402
 from swarm_harness import WorkerSwarm  # noqa: E402
 
-from swarm import hivemind_locks  # noqa: E402
+from swarm.hivemind_fixes import locks as hivemind_locks  # noqa: E402
 
 IMAGE_BUILD = pytest.StashKey[object]()  # the image's background build (tests/image_build.py), or None
 

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
-from swarm.rounds import RoundOutcome  # noqa: E402
-from swarm.state_store import find_latest  # noqa: E402
+from swarm.events import RoundOutcome  # noqa: E402
+from swarm.state.store import find_latest  # noqa: E402
 
 
 def as_json(report) -> dict:

@@ -30,9 +30,9 @@ from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
 
 from client.model import parameter_shapes  # noqa: E402
 from client.presets import build_manifest  # noqa: E402
-from swarm.access import RunSecret  # noqa: E402
-from swarm.averaging import PseudoGradientAverager, epoch_group_bits  # noqa: E402
-from swarm.records import run_prefix  # noqa: E402
+from swarm.averager.process import PseudoGradientAverager, epoch_group_bits  # noqa: E402
+from swarm.dht.access import RunSecret  # noqa: E402
+from swarm.dht.records import run_prefix  # noqa: E402
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

@@ -14,7 +14,7 @@ import asyncio
 import torch
 from hivemind.p2p import P2P
 
-from swarm.allreduce import Dropped, ExactAllReduceRunner, check_parts, decode_into
+from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, check_parts, decode_into
 from swarm.manifest import Aggregation
 
 HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim (the runners have no timeout of their own)

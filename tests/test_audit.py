@@ -10,8 +10,9 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.allreduce import encode_average
-from swarm.audit import (
+from swarm.averager.allreduce import encode_average
+from swarm.averager.codecs import CODECS, apply_error_feedback
+from swarm.defence.audit import (
     Receipt,
     Verdict,
     auditor_of,
@@ -23,11 +24,10 @@ from swarm.audit import (
     sample_parts,
     suspect_parts,
 )
-from swarm.bans import QUORUM, Ban, BanList, BanReason, Guard, accusation_entry, quorum_bans
-from swarm.codecs import CODECS, apply_error_feedback
-from swarm.identity import peer_id_of_owner
+from swarm.defence.bans import QUORUM, Ban, BanList, BanReason, Guard, accusation_entry, quorum_bans
+from swarm.dht.identity import peer_id_of_owner
+from swarm.dht.records import Accusation, ProgressRecord
 from swarm.manifest import Aggregation
-from swarm.records import Accusation, ProgressRecord
 
 CODEC_TYPES = {
     "none": runtime_pb2.CompressionType.NONE,
@@ -313,8 +313,8 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
 
     from client.dashboard import _peers_table
     from client.swarm_watch import TrackedPeer
+    from swarm.dht.progress import PeerEntry
     from swarm.observer import snapshot
-    from swarm.progress import PeerEntry
 
     liar, a, b, _ = keys
     names, _, entry = lying_reducers_accusation(liar, a, b, 2)

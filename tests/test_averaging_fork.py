@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from swarm.averaging import rebuild_torch_thread_pool
+from swarm.averager.process import rebuild_torch_thread_pool
 
 FORKS, THREADS = 100, 8
 

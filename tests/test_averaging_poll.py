@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from hivemind.averaging.control import AveragingStage
 
-import swarm.averaging as averaging_module
-from swarm.averaging import Averaging, PseudoGradientAverager, RoundAborted, epoch_group_bits, group_epoch
+import swarm.averager.process as averaging_module
+from swarm.averager.process import Averaging, PseudoGradientAverager, RoundAborted, epoch_group_bits, group_epoch
 from swarm.errors import HelperError
-from swarm.flight import Flight
-from swarm.outer_round import OuterRound
+from swarm.round.flight import Flight
+from swarm.round.pipeline import OuterRound
 
 
 class FakeControl:

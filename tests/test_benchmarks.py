@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.headline import SOURCES
 from benchmarks.lag_split import split
-from swarm.auditing import RepairFailure
+from swarm.averager.auditing import RepairFailure
 
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
@@ -42,7 +42,7 @@ def left_behind(out: Path) -> list[str]:
     filled the disk after a few runs. Only the byzantine benchmark keeps a folder (its logs and identities,
     for ``--identities``), and nothing of the peers' own folders in it but their logs (``swarm-client.log``:
     a failed repair's reason is only there). ``swarm-ports`` is the host's port claims
-    (``swarm.network.claim_port``): shared by every peer on the host, and meant to stay."""
+    (``swarm.dht.network.claim_port``): shared by every peer on the host, and meant to stay."""
     tmp = out / "tmp"
     kept = [
         p
@@ -568,11 +568,13 @@ def test_the_few_parts_liar_lies_in_about_one_part_in_16_and_the_same_to_every_g
     from hivemind.compression import deserialize_torch_tensor
     from hivemind.proto import runtime_pb2
 
-    import swarm.allreduce
+    import swarm.averager.allreduce
     from benchmarks import attacker
 
-    monkeypatch.setattr(swarm.allreduce, "encode_average", swarm.allreduce.encode_average)  # restored after
-    honest = swarm.allreduce.encode_average
+    monkeypatch.setattr(
+        swarm.averager.allreduce, "encode_average", swarm.averager.allreduce.encode_average
+    )  # restored after
+    honest = swarm.averager.allreduce.encode_average
     monkeypatch.setattr(os, "write", lambda fd, data: len(data))  # its "lied" lines, to the test's stderr
     attacker.install("few", attacker.ATTACKS["few"])
     generator = torch.Generator().manual_seed(0)
@@ -580,7 +582,10 @@ def test_the_few_parts_liar_lies_in_about_one_part_in_16_and_the_same_to_every_g
     fp16 = runtime_pb2.CompressionType.FLOAT16
     lied = 0
     for values in parts:
-        first, again = swarm.allreduce.encode_average(values, fp16), swarm.allreduce.encode_average(values, fp16)
+        first, again = (
+            swarm.averager.allreduce.encode_average(values, fp16),
+            swarm.averager.allreduce.encode_average(values, fp16),
+        )
         assert first.SerializeToString() == again.SerializeToString()  # to every groupmate the same
         sent = deserialize_torch_tensor(first)
         if not torch.equal(sent, deserialize_torch_tensor(honest(values, fp16))):

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 
 from client import checkpoint
-from swarm import state_file
 from swarm.manifest import OuterOptimizerSpec
-from swarm.outer import OuterState
-from swarm.state_file import StateFileError
-from swarm.state_store import SavedState, StateStore, find_latest, state_files
+from swarm.state import file as state_file
+from swarm.state.file import StateFileError
+from swarm.state.outer import OuterState
+from swarm.state.store import SavedState, StateStore, find_latest, state_files
 
 SHAPES = [(5, 3), (7,)]
 
@@ -251,9 +251,9 @@ def test_inner_state_is_saved_only_when_the_disk_can_write_it_in_time_and_a_fail
 def test_a_rounds_update_file_gives_back_the_parts_as_they_came_off_the_wire(tmp_path):
     from hivemind.compression import serialize_torch_tensor
 
-    from swarm.allreduce import Dropped, check_parts, decode_into
-    from swarm.codecs import CODECS, fp4_quantize
-    from swarm.transfer import read_update, update_path, write_update
+    from swarm.averager.allreduce import Dropped, check_parts, decode_into
+    from swarm.averager.codecs import CODECS, fp4_quantize
+    from swarm.averager.transfer import read_update, update_path, write_update
 
     values = [fp4_quantize(torch.randn(3000)), fp4_quantize(torch.randn(1000))]
     codec = CODECS["fp4"]
@@ -281,7 +281,7 @@ def test_a_rounds_update_file_gives_back_the_parts_as_they_came_off_the_wire(tmp
 
 
 def test_the_error_feedback_residual_is_saved_beside_its_state_and_used_only_with_it(tmp_path):
-    from swarm.state_store import residual_path
+    from swarm.state.store import residual_path
 
     store = StateStore(tmp_path, "r")
     outer = make_outer()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
-from swarm import codecs
-from swarm.codecs import (
+from swarm.averager import codecs
+from swarm.averager.codecs import (
     CODECS,
     FP4_BLOCK,
     SPARSE_CHUNK,

@@ -28,8 +28,8 @@ from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch
 from client.telemetry import Telemetry
 from swarm import NetworkConfig
+from swarm.dht.progress import RECORD_TTL
 from swarm.observer import Observer
-from swarm.progress import RECORD_TTL
 
 MAX_EPOCHS = "200"  # they train until the module is done with them
 SNAPSHOT_FIELDS = {"peer_id", "name", "epoch", "inner_step", "state", "samples_per_second", "checksum", "last_seen"}

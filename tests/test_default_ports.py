@@ -22,7 +22,7 @@ import psutil
 import pytest
 from client_helpers import FAST, cli, spawn, wait_for_line
 
-from swarm.network import DEFAULT_PORT
+from swarm.dht.network import DEFAULT_PORT
 
 HIVEMIND_DHT = Path(sys.executable).parent / "hivemind-dht"
 MOVED = re.compile(rf"Port {DEFAULT_PORT} is in use on this machine \(another peer\?\); listening on (\d+) instead")

@@ -17,7 +17,7 @@ from client_helpers import FAST
 
 from client.cli import build_parser
 from client.options import ENV_VARS
-from swarm.network import DEFAULT_PORT
+from swarm.dht.network import DEFAULT_PORT
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"

@@ -1,4 +1,4 @@
-"""``swarm.early_end``: when a peer joining rounds early ends its round before step H, with a fake peer."""
+"""``swarm.round.early_end``: when a peer joining rounds early ends its round before step H, with a fake peer."""
 
 import time
 from types import SimpleNamespace
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 from diloco_helpers import tiny_manifest
 from test_swarm_view import A, B, C, record
 
-from swarm.early_end import CHECK_EVERY, EarlyEnd
-from swarm.progress import PeerEntry
-from swarm.swarm_view import build_view
+from swarm.dht.progress import PeerEntry
+from swarm.dht.view import build_view
+from swarm.round.early_end import CHECK_EVERY, EarlyEnd
 
 
 def fake_peer(view, epoch=3, inner_step=2, flight=None, join_rounds_early=True):

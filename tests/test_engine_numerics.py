@@ -14,10 +14,10 @@ import torch
 from diloco_helpers import inner_step, make_batch, make_model, make_optimizer, tiny_manifest
 
 from swarm import RunManifest, seeded_init
-from swarm.codecs import apply_error_feedback, fp4_decode, fp4_encode, sparse_decode, sparse_encode_average
+from swarm.averager.codecs import apply_error_feedback, fp4_decode, fp4_encode, sparse_decode, sparse_encode_average
 from swarm.manifest import StandIn
-from swarm.outer import OuterState
-from swarm.outer_round import DAMP_FROM_STEPS
+from swarm.round.pipeline import DAMP_FROM_STEPS
+from swarm.state.outer import OuterState
 
 ROUNDS = 3
 RANKS = (0, 1, 2)

@@ -1,4 +1,4 @@
-"""swarm.heap: a process that sets it gives a round's freed buffers back to the system."""
+"""swarm.averager.heap: a process that sets it gives a round's freed buffers back to the system."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 CHILD = """
 import sys, psutil, torch
-from swarm import heap
+from swarm.averager import heap
 limited = heap.limit_retention() if sys.argv[1] == "limited" else False
 rss = lambda: psutil.Process().memory_info().rss
 torch.ones(1)  # torch's own start-up allocations, before the baseline

@@ -9,7 +9,7 @@ import torch
 from client.model import build_model
 from client.presets import build_manifest
 from client.step import evaluate, evaluate_outer
-from swarm.outer import OuterState
+from swarm.state.outer import OuterState
 
 
 def setup(dtype=torch.float32):

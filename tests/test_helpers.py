@@ -20,19 +20,19 @@ import pytest
 from client_helpers import FAST, LOCAL, run_script, wait_for_line
 from worker_fork import die_holding_hivemind_locks
 
-from swarm import hivemind_locks
-from swarm.network import NetworkConfig, start_dht
+from swarm.dht.network import NetworkConfig, start_dht
+from swarm.hivemind_fixes import locks as hivemind_locks
 
 SCRIPT = r"""
 import json, os, sys, time
 import psutil
 import torch
-import swarm.helpers
-from swarm.averaging import PseudoGradientAverager
+import swarm.hivemind_fixes.helpers
+from swarm.averager.process import PseudoGradientAverager
 from swarm.errors import HelperError
-from swarm.network import NetworkConfig, start_dht
+from swarm.dht.network import NetworkConfig, start_dht
 
-swarm.helpers.READY_SECONDS = 5.0
+swarm.hivemind_fixes.helpers.READY_SECONDS = 5.0
 what, fault = sys.argv[1], sys.argv[2]
 me = psutil.Process()
 break_forks = lambda: os.register_at_fork(
@@ -133,7 +133,7 @@ def test_a_helper_that_dies_holding_hiveminds_locks_mid_run_does_not_hang_the_pe
         assert {"MPFuture._update_lock", "SharedBytes._lock"} <= set(hivemind_locks.stuck_locks(wait=0.2))
         found: dict = {}
         reader = threading.Thread(target=lambda: found.update(value=dht.get("no-such-key", latest=True)), daemon=True)
-        with caplog.at_level(logging.WARNING, logger="swarm.hivemind_locks"):
+        with caplog.at_level(logging.WARNING, logger="swarm.hivemind_fixes.locks"):
             reader.start()
             reader.join(60)
         assert not reader.is_alive(), "the peer's DHT read hung on a lock its dead helper held"
@@ -223,7 +223,7 @@ class _LateWordHelper:
 
 def test_a_helpers_own_error_is_reported_even_when_it_arrives_after_its_end_is_seen():
     from swarm.errors import HelperError
-    from swarm.helpers import start_and_wait
+    from swarm.hivemind_fixes.helpers import start_and_wait
 
     with pytest.raises(ValueError, match="refused us"):
         start_and_wait(_LateWordHelper(ValueError("reachable but refused us")), "DHT")

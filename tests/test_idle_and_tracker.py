@@ -11,8 +11,8 @@ from client.health import PeerStatus, check_health, write_status
 from client.idle import OwnState, shown_state, why_idle
 from client.swarm_watch import FADE_SECONDS, PeerTracker
 from swarm import PeerState, RoundReport
-from swarm.progress import PeerEntry
-from swarm.swarm_view import build_view
+from swarm.dht.progress import PeerEntry
+from swarm.dht.view import build_view
 
 H, SAMPLES = 500, 8
 

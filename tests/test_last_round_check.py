@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from test_swarm_view import A, B, C, record
 
-from swarm.consistency import RoundChecks
-from swarm.outer_round import OuterRound
-from swarm.progress import PeerEntry
-from swarm.records import PeerState
-from swarm.rounds import RoundOutcome, RoundReport
-from swarm.swarm_view import build_view, mates_finishing, resync_needed
+from swarm.dht.progress import PeerEntry
+from swarm.dht.records import PeerState
+from swarm.dht.view import build_view, mates_finishing, resync_needed
+from swarm.events import RoundOutcome, RoundReport
+from swarm.round.consistency import RoundChecks
+from swarm.round.pipeline import OuterRound
 
 MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
 

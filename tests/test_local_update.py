@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from swarm import local_update
-from swarm.allreduce import check_parts, decode_into
-from swarm.averaging import COMPRESSIONS
-from swarm.codecs import apply_error_feedback
-from swarm.local_update import encode_update, keep_local_update, round_to_codec
-from swarm.transfer import FileTransfer, read_update, update_path
+from swarm.averager.allreduce import check_parts, decode_into
+from swarm.averager.codecs import apply_error_feedback
+from swarm.averager.process import COMPRESSIONS
+from swarm.averager.transfer import FileTransfer, read_update, update_path
+from swarm.round import local_update
+from swarm.round.local_update import encode_update, keep_local_update, round_to_codec
 
 RUN = "run-local"
 

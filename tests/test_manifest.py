@@ -61,8 +61,8 @@ def test_an_averaging_attempt_is_bounded_by_its_timeouts_and_the_audits_double_t
 
 
 def test_the_averagers_options_follow_the_manifest():
-    from swarm.averaging import averager_options
-    from swarm.codecs import CODECS
+    from swarm.averager.codecs import CODECS
+    from swarm.averager.process import averager_options
 
     checked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=10.0, compression="fp4"))
     # the audits get half the all-reduce's time, and re-checking accusations the other half: on top of it

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from swarm import BootstrapError, NetworkConfig, NetworkConfigError, parse_initial_peer, start_dht
-from swarm.network import DEFAULT_PORT, dht_kwargs
+from swarm.dht.network import DEFAULT_PORT, dht_kwargs
 
 A_PEER_ID = "12D3KooWMgLAsHqV95yhKK1Chk3q2GRsUsfnukFcEN4U5RqpfDt5"
 

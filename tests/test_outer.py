@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from swarm.manifest import OuterOptimizerSpec
-from swarm.outer import OuterState, checksum
+from swarm.state.outer import OuterState, checksum
 
 
 def test_outer_step_matches_torch_sgd_with_nesterov():

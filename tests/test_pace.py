@@ -10,7 +10,7 @@ import pytest
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.p2p import PeerID
 
-from swarm import pace
+from swarm.hivemind_fixes import pace
 
 WAIT = 1.0  # seconds a follower waits for a leader that never comes
 

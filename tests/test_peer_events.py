@@ -6,7 +6,7 @@ import pytest
 
 from client.peer_events import describe
 from swarm import PeerEvent
-from swarm.bans import Ban, BanReason
+from swarm.defence.bans import Ban, BanReason
 
 DONOR = "QmSomeDonorPeerIdAbCdEfGh12345678"
 DATA = dict(

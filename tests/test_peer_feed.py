@@ -10,8 +10,8 @@ from diloco_helpers import tiny_manifest
 from test_records import progress_value
 
 from swarm import NetworkConfig, start_dht
-from swarm.progress import PeerFeed, ProgressReporter, read_peers
-from swarm.records import run_validator
+from swarm.dht.progress import PeerFeed, ProgressReporter, read_peers
+from swarm.dht.records import run_validator
 
 
 class FakeDHT:

@@ -137,7 +137,7 @@ def test_a_lock_file_owner_is_alive_unless_its_pid_is_gone():
 
 @pytest.mark.parametrize("owner_gone", [True, False])
 def test_a_killed_peers_helpers_are_waited_for_and_a_live_peer_is_not(tmp_path, owner_gone):
-    """SIGKILL leaves the peer's forked helpers holding its lock for a few seconds (swarm.orphans): a restart
+    """SIGKILL leaves the peer's forked helpers holding its lock a few seconds (swarm.hivemind_fixes.orphans): a restart
     that comes sooner waits for them; a peer that is still running is refused at once."""
     (tmp_path / "w").mkdir()
     owner = _dead_pid() if owner_gone else os.getpid()

@@ -21,9 +21,9 @@ from swarm import (
     publish_manifest,
     start_dht,
 )
-from swarm.identity import peer_id_of_owner
-from swarm.progress import ProgressReporter, read_peers
-from swarm.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
+from swarm.dht.identity import peer_id_of_owner
+from swarm.dht.progress import ProgressReporter, read_peers
+from swarm.dht.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
 
 
 @pytest.fixture

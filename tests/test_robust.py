@@ -1,4 +1,4 @@
-"""Robust aggregation (swarm.robust) as pure functions, and the reducer that uses them, in process."""
+"""Robust aggregation (swarm.defence.robust) as pure functions, and the reducer that uses them, in process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
 
-from swarm.allreduce import decode_part
-from swarm.manifest import Aggregation
-from swarm.robust import (
+from swarm.averager.allreduce import decode_part
+from swarm.defence.robust import (
     RefusedPart,
     RobustPartReducer,
     _against_the_grain_left_out,
@@ -22,6 +21,7 @@ from swarm.robust import (
     robust_mean,
     sorted_rows,
 )
+from swarm.manifest import Aggregation
 
 N = 4096
 

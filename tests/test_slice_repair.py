@@ -17,11 +17,11 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.allreduce import Dropped
-from swarm.audit import Receipt, digest_parts
-from swarm.audit_serving import AuditRound, kept_for
-from swarm.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure, slices_to_repair
-from swarm.identity import peer_id_of_owner
+from swarm.averager.allreduce import Dropped
+from swarm.averager.audit_serving import AuditRound, kept_for
+from swarm.averager.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure, slices_to_repair
+from swarm.defence.audit import Receipt, digest_parts
+from swarm.dht.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
 

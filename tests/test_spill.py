@@ -8,7 +8,7 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from swarm.spill import SpilledParts
+from swarm.averager.spill import SpilledParts
 
 
 def part(seed: int, n: int = 1000) -> runtime_pb2.Tensor:

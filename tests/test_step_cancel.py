@@ -13,7 +13,7 @@ from client_helpers import run_script
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.averaging import Averaging, RoundAborted, cancel_step
+from swarm.averager.process import Averaging, RoundAborted, cancel_step
 
 
 class Watch:
@@ -78,9 +78,9 @@ SCRIPT = r"""
 import concurrent.futures, json, os, sys, time
 import torch
 from hivemind.averaging.control import StepControl
-import swarm.averaging as averaging
-from swarm.averaging import PseudoGradientAverager, RoundAborted, epoch_group_bits
-from swarm.network import NetworkConfig, start_dht
+import swarm.averager.process as averaging
+from swarm.averager.process import PseudoGradientAverager, RoundAborted, epoch_group_bits
+from swarm.dht.network import NetworkConfig, start_dht
 
 if sys.argv[1] == "hivemind":
     averaging.cancel_step = lambda control: control.cancel()  # hivemind's own order

@@ -1,8 +1,8 @@
 import time
 
-from swarm.progress import PeerEntry
-from swarm.records import EpochChecksum, PeerState, ProgressRecord
-from swarm.swarm_view import (
+from swarm.dht.progress import PeerEntry
+from swarm.dht.records import EpochChecksum, PeerState, ProgressRecord
+from swarm.dht.view import (
     ResyncReason,
     build_view,
     consensus,

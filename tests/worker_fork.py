@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarm import hivemind_locks
+from swarm.hivemind_fixes import locks as hivemind_locks
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["worker_warmup"])

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from swarm.rounds import PeerEvent
-from swarm.state_store import SavedState, StateStore
+from swarm.events import PeerEvent
+from swarm.state.store import SavedState, StateStore
 
 if TYPE_CHECKING:
     from swarm.peer import Peer

@@ -1,6 +1,6 @@
 """Bans: peers caught by checked reducers, kept out for the rest of the run, and accusations others can check.
 
-A peer bans a groupmate when its own audit (``swarm.auditing``) caught it returning a wrong
+A peer bans a groupmate when its own audit (``swarm.averager.auditing``) caught it returning a wrong
 average (or accusing an honest reducer), or when, as its reducer, it received parts from it that
 no honest client sends (NaN or infinite values, a wrong size, bytes that do not decode). It then
 publishes an accusation in its progress record, with the reducer's own signed receipt inside
@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
-from swarm.progress import PeerEntry
-from swarm.records import ProgressRecord
+from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
+from swarm.dht.progress import PeerEntry
+from swarm.dht.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
 

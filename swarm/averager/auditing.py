@@ -1,4 +1,4 @@
-"""The averager process's side of checked reducers (``swarm.audit``) and bans.
+"""The averager process's side of checked reducers (``swarm.defence.audit``) and bans.
 
 After every all-reduce, before anything is written into the buffers, each groupmate
 serves what it sent each reducer and, as a reducer, its signed receipt; it audits the
@@ -7,7 +7,7 @@ accusation itself, and drops the slice of a reducer it caught (read as zeros, as
 vanished reducer's). Every fetch and every wait is bounded: the audits and the verdicts by
 ``audit_timeout``, and re-checks of accusations by another ``audit_timeout`` after that.
 
-A reducer caught here is banned: ``swarm.refusals`` refuses it from then on.
+A reducer caught here is banned: ``swarm.averager.refusals`` refuses it from then on.
 
 This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the
 coroutines run in the averager process.
@@ -28,8 +28,9 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
-from swarm.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
-from swarm.audit import (
+from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
+from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRound, AuditServing
+from swarm.defence.audit import (
     FALSE_ACCUSATION,
     GUILTY,
     UNCHECKABLE,
@@ -44,7 +45,6 @@ from swarm.audit import (
     served_as_signed,
     suspect_parts,
 )
-from swarm.audit_serving import MAX_ACCUSED_PARTS, AuditRound, AuditServing
 
 logger = logging.getLogger(__name__)
 

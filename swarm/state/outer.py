@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from swarm import state_file
 from swarm.manifest import OuterOptimizerSpec
-from swarm.state_file import StateHeader
+from swarm.state import file as state_file
+from swarm.state.file import StateHeader
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> str:

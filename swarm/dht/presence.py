@@ -14,10 +14,10 @@ from typing import Any
 
 import hivemind
 
+from swarm.dht.progress import ProgressReporter
+from swarm.dht.records import PeerState
+from swarm.dht.registry import MANIFEST_TTL, publish_manifest
 from swarm.manifest import RunManifest
-from swarm.progress import ProgressReporter
-from swarm.records import PeerState
-from swarm.registry import MANIFEST_TTL, publish_manifest
 
 logger = logging.getLogger(__name__)
 

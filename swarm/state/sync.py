@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm import state_file
-from swarm.allreduce import check_parts, decode_into
+from swarm.averager.allreduce import check_parts, decode_into
+from swarm.averager.transfer import DownloadStopped, read_update
+from swarm.dht.records import PeerState
+from swarm.dht.view import Resync, SwarmView, consensus, resync_needed
 from swarm.errors import LeaveRequested, StateDownloadError
-from swarm.records import PeerState
-from swarm.rounds import PeerEvent, short_reason
-from swarm.state_file import StateFileError
-from swarm.state_store import residual_path
-from swarm.swarm_view import Resync, SwarmView, consensus, resync_needed
-from swarm.transfer import DownloadStopped, read_update
+from swarm.events import PeerEvent, short_reason
+from swarm.state import file as state_file
+from swarm.state.file import StateFileError
+from swarm.state.store import residual_path
 
 if TYPE_CHECKING:
     from swarm.peer import Peer

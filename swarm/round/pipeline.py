@@ -1,5 +1,5 @@
 """One outer round, as a pipeline: ``begin`` (check, pseudo-gradient, start averaging), ``poll`` or ``wait``
-while it runs, ``finish`` (apply, save, announce), and the consistency checks of ``swarm.consistency``.
+while it runs, ``finish`` (apply, save, announce), and the consistency checks of ``swarm.round.consistency``.
 
 ``begin``: a late consistency check of the epoch we are leaving; the pseudo-gradient
 written into the averager's buffer (never sent when not finite), with error feedback
@@ -14,7 +14,7 @@ when the swarm finished the round without us, and bounded by the manifest's time
 
 ``finish``: the outer step with the group's average or, failing a group, our own
 pseudo-gradient (a "local" round, whose step is kept for replay as a group's average is:
-``swarm.local_update``); a group whose values cannot be used (groupmates at
+``swarm.round.local_update``); a group whose values cannot be used (groupmates at
 another epoch, non-finite values) is skipped. An overlapped round moves the model by
 the same step and takes the stand-in back, so the inner steps taken meanwhile are kept
 on top of the group's step. Then the new state's file,
@@ -30,16 +30,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.averaging import RoundAborted, epoch_group_bits
-from swarm.codecs import apply_error_feedback
-from swarm.consistency import RoundChecks
+from swarm.averager.codecs import apply_error_feedback
+from swarm.averager.process import RoundAborted, epoch_group_bits
+from swarm.dht.records import PeerState
+from swarm.dht.view import mates_coming, swarm_moved_on
 from swarm.errors import LeaveRequested
-from swarm.flight import EXPECTED_FAILURES, Flight
-from swarm.local_update import keep_local_update, round_to_codec
+from swarm.events import PeerEvent, ResyncReason, RoundOutcome, RoundReport, short_reason
 from swarm.manifest import StandIn
-from swarm.records import PeerState
-from swarm.rounds import PeerEvent, ResyncReason, RoundOutcome, RoundReport, short_reason
-from swarm.swarm_view import mates_coming, swarm_moved_on
+from swarm.round.consistency import RoundChecks
+from swarm.round.flight import EXPECTED_FAILURES, Flight
+from swarm.round.local_update import keep_local_update, round_to_codec
 
 if TYPE_CHECKING:
     from swarm.peer import Peer

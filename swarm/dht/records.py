@@ -48,7 +48,7 @@ class EpochChecksum(pv1.BaseModel):
 
 
 class Accusation(pv1.BaseModel):
-    """A groupmate caught as a lying reducer, with its own signed receipt of that round (``swarm.bans``)."""
+    """A groupmate caught as a lying reducer, with its own signed receipt of that round (``swarm.defence.bans``)."""
 
     accused: pv1.StrictStr
     verdict: pv1.StrictStr

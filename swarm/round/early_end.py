@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from hivemind.utils import get_dht_time
 
-from swarm.swarm_view import left_behind, round_due
+from swarm.dht.view import left_behind, round_due
 
 if TYPE_CHECKING:
     from swarm.peer import Peer

@@ -34,14 +34,14 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.access import RunSecret, SecretAuthorizer
+from swarm.dht.access import RunSecret, SecretAuthorizer
+from swarm.dht.identity import adopt_identity, temporary_identity
+from swarm.dht.records import global_validators
 from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
-from swarm.helpers import start_and_wait
-from swarm.hivemind_locks import free_stuck_locks
-from swarm.identity import adopt_identity, temporary_identity
+from swarm.hivemind_fixes.helpers import start_and_wait
+from swarm.hivemind_fixes.locks import free_stuck_locks
+from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.inputs import check_initial_peer, check_ip
-from swarm.orphans import install_orphan_reaper
-from swarm.records import global_validators
 
 DEFAULT_PORT = 31337
 PORT_SEARCH = 64  # with the default port, look this far for a free one
@@ -61,7 +61,7 @@ class NetworkConfig(BaseModel):
     use_relay: bool = True
     use_auto_relay: bool = False
     startup_timeout: float = 30.0
-    secret: RunSecret | None = None  # a closed run's keys (swarm.access); None: an open run
+    secret: RunSecret | None = None  # a closed run's keys (swarm.dht.access); None: an open run
 
 
 def parse_initial_peer(text: str) -> Multiaddr:

@@ -47,9 +47,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.identity import peer_id_of_owner
+from swarm.defence.robust import RefusedPart, check_part, robust_mean
+from swarm.dht.identity import peer_id_of_owner
 from swarm.manifest import Aggregation
-from swarm.robust import RefusedPart, check_part, robust_mean
 
 logger = logging.getLogger(__name__)
 RECEIPT_VERSION = 2  # 2: digests of the parts' digests (1: of the parts' bytes in one run)

@@ -8,7 +8,7 @@ before using it.
 After each averaged round a peer also keeps the round's average exactly as it came
 off the wire (``update-EPOCH.bin``: the reducers' serialized parts), the last
 ``keep_updates`` of them; after a local round, its own step, as a group of one would
-have received it (``swarm.local_update``). A peer a few epochs behind fetches those few updates (half
+have received it (``swarm.round.local_update``). A peer a few epochs behind fetches those few updates (half
 a byte per parameter each with fp4) and applies them, instead of the whole state
 (eight bytes per parameter).
 
@@ -34,8 +34,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from swarm.access import RunSecret
-from swarm.allreduce import Dropped, HeldPart
+from swarm.averager.allreduce import Dropped, HeldPart
+from swarm.dht.access import RunSecret
 
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
 STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file

@@ -11,7 +11,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from swarm.averaging import AllReduceOutcome, Averaging, RoundAborted
+from swarm.averager.process import AllReduceOutcome, Averaging, RoundAborted
 
 # what other machines and the network do to a round; anything else is a bug of ours
 EXPECTED_FAILURES = (

@@ -19,9 +19,9 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from swarm import dht_calls
-from swarm.identity import peer_id_of_owner
-from swarm.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
+from swarm.dht import calls as dht_calls
+from swarm.dht.identity import peer_id_of_owner
+from swarm.dht.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ProgressReporter:
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
-    """Every well-formed, unexpired progress record of a run whose ``peer_id`` is its signer's (``swarm.identity``);
+    """Every well-formed, unexpired progress record of a run whose ``peer_id`` is its signer's (``swarm.dht.identity``);
     malformed and mismatched ones are dropped."""
     return parse_peers(dht_calls.get(dht, progress_key(run_id)))
 

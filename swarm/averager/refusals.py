@@ -1,8 +1,8 @@
 """The averager process refuses banned peers: in matchmaking, as groupmates, and as requesters.
 
-Banned peers are ours (``swarm.auditing`` bans a reducer it caught) and the host's (``swarm.bans``,
+Banned peers are ours (``swarm.averager.auditing`` bans a reducer it caught) and the host's (``swarm.defence.bans``,
 sent over with ``set_bans``). They are refused as followers and as leaders in matchmaking, as
-groupmates, and as requesters of state, updates and audit data (``swarm.transfer``).
+groupmates, and as requesters of state, updates and audit data (``swarm.averager.transfer``).
 
 This is a mixin of ``PseudoGradientAverager``; ``set_bans`` is called from the host.
 """

@@ -79,7 +79,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     """The reducer's result for one part from each sender's checked values (same length, finite).
 
     Few part-sized buffers are allocated, and none in a loop: in the averager every block of 1 MiB or more is
-    mapped from the system on its own and returned when freed (swarm/heap.py), so each costs page faults.
+    mapped from the system on its own and returned when freed (swarm/averager/heap.py), so each costs page faults.
     Whatever depends on a sum over a whole part (norms, cosines, CenteredClip's distances) comes from float64
     Gram matrices, and the values are combined elementwise, one row after another, not by float32 BLAS: an
     auditor on another CPU recomputes this, and float32 reductions ordered by the CPU's vector width would

@@ -1,6 +1,6 @@
 """The parts a peer sent each reducer, kept for that reducer's auditor, on disk rather than in memory.
 
-A checked round (``swarm.audit``) must be able to serve, for a few seconds after it, every
+A checked round (``swarm.defence.audit``) must be able to serve, for a few seconds after it, every
 part this peer sent: a whole pseudo-gradient as it went on the wire (2 bytes per parameter
 in FP16). Held as protobufs, that was the largest single copy in the averager process at a
 round's peak. Here their bytes go to an unlinked temporary file as they are sent (written

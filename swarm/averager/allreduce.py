@@ -33,11 +33,11 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm.audit import part_digest
-from swarm.codecs import CODECS
+from swarm.averager.codecs import CODECS
+from swarm.averager.spill import SpilledParts
+from swarm.defence.audit import part_digest
+from swarm.defence.robust import RefusedPart, RobustPartReducer
 from swarm.manifest import Aggregation
-from swarm.robust import RefusedPart, RobustPartReducer
-from swarm.spill import SpilledParts
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         plain.num_senders = 0  # so finalizing it unused does not log "Reducer: received 0.0% of input tensors"
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0
-        # for checked reducers (swarm.audit): the exact parts sent to each reducer, by its index in the group, and
+        # checked reducers (swarm.defence.audit): the exact parts sent to each reducer, by its index in the group, and
         # as a reducer, the digest of each part each sender sent us, and each sender's weight
         self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]

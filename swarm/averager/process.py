@@ -28,19 +28,19 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm import heap
-from swarm.access import RunSecret
-from swarm.allreduce import ExactAllReduceRunner, check_parts, decode_into
-from swarm.audit import MALFORMED
-from swarm.auditing import Auditing
-from swarm.codecs import CODECS
+from swarm.averager import heap
+from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.averager.auditing import Auditing
+from swarm.averager.codecs import CODECS
+from swarm.averager.refusals import Refusals
+from swarm.averager.transfer import FileTransfer
+from swarm.defence.audit import MALFORMED
+from swarm.dht.access import RunSecret
 from swarm.errors import HelperError
-from swarm.helpers import check_alive, start_and_wait
-from swarm.hivemind_locks import free_stuck_locks
+from swarm.hivemind_fixes.helpers import check_alive, start_and_wait
+from swarm.hivemind_fixes.locks import free_stuck_locks
+from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.manifest import Aggregation, AveragingSpec
-from swarm.pace import pace_matchmaking
-from swarm.refusals import Refusals
-from swarm.transfer import FileTransfer
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.allreduce import decode_into, encode_average
-from swarm.averaging import COMPRESSIONS
-from swarm.codecs import SLICE
+from swarm.averager.allreduce import decode_into, encode_average
+from swarm.averager.codecs import SLICE
+from swarm.averager.process import COMPRESSIONS
 
 if TYPE_CHECKING:
-    from swarm.averaging import PseudoGradientAverager
+    from swarm.averager.process import PseudoGradientAverager
 
 logger = logging.getLogger(__name__)
 

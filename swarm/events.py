@@ -25,7 +25,7 @@ class PeerEvent(enum.StrEnum):
     replay_failed = "replay_failed"  # epoch, reason
     state_saved = "state_saved"  # path, epoch, bytes, seconds
     state_save_failed = "state_save_failed"  # reason
-    banned = "banned"  # ban: a swarm.bans.Ban (caught by our audits, or by a quorum of a peer's groupmates)
+    banned = "banned"  # ban: a swarm.defence.bans.Ban (caught by our audits, or by a quorum of a peer's groupmates)
 
 
 class ResyncReason(enum.Enum):

@@ -1,4 +1,4 @@
-"""The averager process's side of its groupmates' audits (``swarm.auditing``): what it keeps of each round, and
+"""The averager process's side of its groupmates' audits (``swarm.averager.auditing``): what it keeps of each round, and
 the RPCs that serve it.
 
 For each group's all-reduce it keeps the parts it sent each reducer and, as a reducer, its signed receipt with
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from swarm.allreduce import ExactAllReduceRunner, HeldPart
-from swarm.audit import Verdict, auditor_of
+from swarm.averager.allreduce import ExactAllReduceRunner, HeldPart
+from swarm.defence.audit import Verdict, auditor_of
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
-"""Did our groupmates end a round on our state? The checks after an outer round (``swarm.outer_round``).
+"""Did our groupmates end a round on our state? The checks after an outer round (``swarm.round.pipeline``).
 
 A blocking round waits briefly for its groupmates' checksums of the new epoch and re-syncs if the majority
 holds another state. An overlapped round leaves that to the next round's begin, so that training goes on; a
 peer that ends its run after a round checks it before leaving (``check_unchecked``), and keeps its averager
 up for the groupmates still auditing or repairing that round (``serve_last_round``). The rules read the swarm
-view (``swarm.swarm_view``); what is here is when to wait for them, and how long.
+view (``swarm.dht.view``); what is here is when to wait for them, and how long.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from swarm.rounds import RoundOutcome, RoundReport
-from swarm.swarm_view import groupmates_published, mates_finishing
+from swarm.dht.view import groupmates_published, mates_finishing
+from swarm.events import RoundOutcome, RoundReport
 
 if TYPE_CHECKING:
     from swarm.peer import Peer

@@ -14,10 +14,10 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from swarm import dht_calls
+from swarm.dht import calls as dht_calls
+from swarm.dht.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
 from swarm.errors import ManifestError
 from swarm.manifest import RunManifest
-from swarm.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
 
 MANIFEST_TTL = 120.0
 RETRY_INTERVAL = 2.0  # seconds between reads of the runs key while it shows no run

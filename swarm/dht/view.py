@@ -11,9 +11,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarm.progress import PeerEntry
-from swarm.records import PeerState, ProgressRecord
-from swarm.rounds import ResyncReason
+from swarm.dht.progress import PeerEntry
+from swarm.dht.records import PeerState, ProgressRecord
+from swarm.events import ResyncReason
 
 GONE_STATES = frozenset({PeerState.left.value, PeerState.leaving.value})  # said goodbye
 _ACTIVE = {PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value}

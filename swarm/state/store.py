@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarm import state_file
-from swarm.outer import OuterState
-from swarm.state_file import StateFileError, StateHeader
+from swarm.state import file as state_file
+from swarm.state.file import StateFileError, StateHeader
+from swarm.state.outer import OuterState
 
 logger = logging.getLogger(__name__)
 
