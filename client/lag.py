@@ -17,7 +17,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from swarm.events import ResyncReason, RoundReport
+from swarm.dht.view import ResyncReason
+from swarm.events import RoundReport
 
 WINDOW = 5  # rounds the median is taken over
 COSTLY_SHARE = 0.25  # of a round: between the measured 2% (a fifth) and 13% (a half)

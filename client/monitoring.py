@@ -35,7 +35,7 @@ def own_state(trainer: Trainer, has_initial_peers: bool) -> OwnState:
         inner_step=peer.inner_step if started else 0,
         inner_steps=m.inner_steps,
         samples_per_step=m.samples_per_step,
-        download_fraction=peer.download_progress if peer is not None and peer.averager is not None else 0.0,
+        download_fraction=peer.download_progress if peer is not None else 0.0,
         download_donor=tel.download_donor,
         has_initial_peers=has_initial_peers,
         samples_per_second=tel.tokens_per_second / m.seq_len,

@@ -59,7 +59,7 @@ def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
     from client.trainer import Trainer, TrainerSettings
     from swarm import choose_run, claim_port, start_dht, visible_maddrs
     from swarm.dht.network import DEFAULT_PORT
-    from swarm.dht.progress import read_peers
+    from swarm.dht.peers import read_peers
 
     workdir, manifest, creating = inputs.workdir, inputs.manifest, inputs.manifest is not None
     setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from client.telemetry import Telemetry
 from swarm import ProgressRecord, RunManifest, SwarmView
-from swarm.dht.progress import PeerEntry
+from swarm.dht.records import PeerEntry
 from swarm.dht.view import GONE_STATES
 from swarm.observer import view_of
 

@@ -34,7 +34,8 @@ from client.round_line import round_line
 from client.signals import STOP, Stopper
 from client.step import InnerStep, evaluate, evaluate_outer, lr_at
 from client.telemetry import Telemetry
-from swarm import LeaveRequested, Peer, PeerEvent, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
+from swarm import LeaveRequested, Peer, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
+from swarm.events import DownloadStarted, Left, PeerEvent, StateChanged, StateSaved
 
 NAN_STREAK_TO_RESYNC = 3
 LOG_EVERY_SECONDS = 10.0
@@ -103,7 +104,7 @@ class Trainer:
         self._disk_rate = ASSUMED_DISK_BYTES_PER_SECOND
         stopper.on_stop(self._on_stop_signal)
         stopper.on_leave_after_round(self._on_leave_after_round)
-        stopper.checkpoint_done = lambda: self.peer is None or self.peer.store is None or self.peer.store.idle
+        stopper.checkpoint_done = lambda: self.peer is None or self.peer.checkpoint_idle
 
     def note(self, kind: str, message: str) -> None:
         """An event: into the dashboard's event log, --log-json, and the plain log lines."""
@@ -172,7 +173,7 @@ class Trainer:
                 self._resumed_extra = found.extra
                 self.note("log", f"Resuming from {found.path.name} (epoch {found.header.epoch}).")
             self.peer.start(self.model, resume=found.path if found else None)
-            self.peer.presence.update(micro_batch=self.micro_batch)
+            self.peer.set_micro_batch(self.micro_batch)
             if self.settings.eval_sequences:  # read before the prefetch thread starts reading the training shards
                 self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
             self._build_optimizer()
@@ -233,7 +234,7 @@ class Trainer:
 
     def _on_micro_batch(self, size: int, why: str) -> None:
         self.micro_batch = self.telemetry.micro_batch = size
-        self.peer.presence.update(micro_batch=size)
+        self.peer.set_micro_batch(size)
         self.note("log", f"Out of memory: micro-batch halved to {size}; the step is retried.")
 
     def _loop(self) -> None:
@@ -361,15 +362,15 @@ class Trainer:
             if peer.outer is not None:
                 self.result.epoch = peer.epoch
                 self.result.checksum = peer.outer.checksum()
-            written = peer.leave(timeout=max(1.0, budget() + 3.0)) if peer.averager is not None else True
-            if peer.store is not None and peer.store.latest is not None:
-                self.result.checkpoint = peer.store.latest.path
+            written = peer.leave(timeout=max(1.0, budget() + 3.0)) if peer.connected else True
+            latest = peer.latest_checkpoint
+            if latest is not None:
+                self.result.checkpoint = latest
                 self.note(
                     "log",
-                    f"Checkpoint written: {peer.store.latest.path}"
+                    f"Checkpoint written: {latest}"
                     if written
-                    else f"The newest checkpoint was not finished in time; the last complete one is "
-                    f"{peer.store.latest.path}",
+                    else f"The newest checkpoint was not finished in time; the last complete one is {latest}",
                 )
 
     def _save_inner(self, seconds_left: float) -> None:
@@ -382,18 +383,19 @@ class Trainer:
         if line is not None:
             self.note("log", line)
 
-    def _on_event(self, kind: PeerEvent, data: dict[str, Any]) -> None:
+    def _on_event(self, event: PeerEvent) -> None:
         """The peer's events (on the training thread, the state writer's, or the peer's own while it catches up)."""
-        if kind == PeerEvent.state:
-            self.telemetry.set_state(data["state"])
-        elif kind == PeerEvent.left:
-            self.telemetry.set_state(PeerState.left)
-        elif kind == PeerEvent.download_started:
-            self.telemetry.download_donor = data["donor"]
-        elif kind == PeerEvent.state_saved:
-            if data["seconds"] > 0:
-                self._disk_rate = data["bytes"] / data["seconds"]
-            self.telemetry.checkpoint(data["epoch"], data["bytes"], data["seconds"])
-        line = describe(kind, data)
+        match event:
+            case StateChanged(state=state):
+                self.telemetry.set_state(state.value)
+            case Left():
+                self.telemetry.set_state(PeerState.left)
+            case DownloadStarted(donor=donor):
+                self.telemetry.download_donor = donor
+            case StateSaved(epoch=epoch, bytes=size, seconds=seconds):
+                if seconds > 0:
+                    self._disk_rate = size / seconds
+                self.telemetry.checkpoint(epoch, size, seconds)
+        line = describe(event)
         if line is not None:
             self.note(*line)

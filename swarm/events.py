@@ -1,39 +1,23 @@
-"""What an outer round reports: its outcome, as a type the loop branches on, and its figures."""
+"""What a peer tells the program that runs it: typed events, and what an outer round reports.
+
+A listener (``Peer(listener=...)``) gets one ``PeerEvent`` at a time, a frozen dataclass whose type says what
+happened and whose fields say the rest; the loop branches on the type (``match event: case DownloadStarted(
+donor=d): ...``). Each type's ``kind`` is the name ``--log-json`` and older listeners know it by.
+
+Where this module stands: above ``dht`` (a peer's state, why it re-synced) and ``defence`` (a ban), below
+``averager``, ``state`` and ``round``, which emit these events.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
 
-
-class PeerEvent(enum.StrEnum):
-    """What a peer tells its listener (``Peer(listener=...)``), with a dict of details."""
-
-    state = "state"  # state: the PeerState value
-    left = "left"  # checkpoint_written
-    round = "round"  # report: the RoundReport
-    averaging_error = "averaging_error"  # reason: a bug in averaging (the round went local); details in the log
-    resync = "resync"  # reason, epoch
-    initialized = "initialized"  # epoch, reason
-    checkpoint_unusable = "checkpoint_unusable"  # path, reason
-    download_deferred = "download_deferred"  # eta, expected
-    download_started = "download_started"  # donor
-    download_failed = "download_failed"  # donor, reason
-    state_loaded = "state_loaded"  # donor, epoch, checksum
-    replay_started = "replay_started"  # epoch, target
-    replayed = "replayed"  # epoch, target
-    replay_failed = "replay_failed"  # epoch, reason
-    state_saved = "state_saved"  # path, epoch, bytes, seconds
-    state_save_failed = "state_save_failed"  # reason
-    banned = "banned"  # ban: a swarm.defence.bans.Ban (caught by our audits, or by a quorum of a peer's groupmates)
-
-
-class ResyncReason(enum.Enum):
-    """Why a round was replaced by the swarm's state (``swarm_view.resync_needed``)."""
-
-    behind = "behind the swarm"
-    ran_ahead = "ran ahead of the swarm on local rounds"
-    disagreed = "disagreed with the majority's checksum"
+from swarm.defence.bans import Ban
+from swarm.dht.records import PeerState
+from swarm.dht.view import ResyncReason
 
 
 class RoundOutcome(enum.Enum):
@@ -65,7 +49,7 @@ class RoundReport:
     audit_bytes: int = 0  # checked reducers: parts downloaded to recompute a groupmate's average (seconds["audit"])
     repair_failures: tuple[dict, ...] = ()  # checked reducers: slices that came in part and stayed so (dropped)
     # overlapped: the inner steps taken from the stand-in while the round was in flight (H when it landed at the next
-    # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
+    # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md). None: blocking
     steps_late: int | None = None
     resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
 
@@ -83,3 +67,139 @@ def short_reason(error: BaseException) -> str:
     """The first line of an error, for a report or an event."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text[:200]
+
+
+# ---- events ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    """Something that happened to a peer; the subclasses below are every kind there is."""
+
+    kind: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class StateChanged(PeerEvent):
+    kind: ClassVar[str] = "state"
+    state: PeerState
+
+
+@dataclass(frozen=True)
+class Left(PeerEvent):
+    kind: ClassVar[str] = "left"
+    checkpoint_written: bool
+
+
+@dataclass(frozen=True)
+class RoundFinished(PeerEvent):
+    kind: ClassVar[str] = "round"
+    report: RoundReport
+
+
+@dataclass(frozen=True)
+class AveragingFailed(PeerEvent):
+    """A bug in averaging (the round went local); the details are in the log."""
+
+    kind: ClassVar[str] = "averaging_error"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resyncing(PeerEvent):
+    kind: ClassVar[str] = "resync"
+    reason: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Initialized(PeerEvent):
+    kind: ClassVar[str] = "initialized"
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class CheckpointUnusable(PeerEvent):
+    kind: ClassVar[str] = "checkpoint_unusable"
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class DownloadDeferred(PeerEvent):
+    """The state download waits for the swarm's round to end: at the last download's speed it takes ``expected``
+    seconds, more than the ``eta`` left of the round."""
+
+    kind: ClassVar[str] = "download_deferred"
+    eta: float
+    expected: float
+
+
+@dataclass(frozen=True)
+class DownloadStarted(PeerEvent):
+    kind: ClassVar[str] = "download_started"
+    donor: str
+
+
+@dataclass(frozen=True)
+class DownloadFailed(PeerEvent):
+    kind: ClassVar[str] = "download_failed"
+    donor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StateLoaded(PeerEvent):
+    kind: ClassVar[str] = "state_loaded"
+    donor: str
+    epoch: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ReplayStarted(PeerEvent):
+    kind: ClassVar[str] = "replay_started"
+    epoch: int
+    target: int
+
+
+@dataclass(frozen=True)
+class Replayed(PeerEvent):
+    kind: ClassVar[str] = "replayed"
+    epoch: int
+    target: int
+    kept_steps: bool  # one round adopted while the next one's inner steps went on (overlapped)
+
+
+@dataclass(frozen=True)
+class ReplayFailed(PeerEvent):
+    kind: ClassVar[str] = "replay_failed"
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StateSaved(PeerEvent):
+    kind: ClassVar[str] = "state_saved"
+    path: Path
+    epoch: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StateSaveFailed(PeerEvent):
+    kind: ClassVar[str] = "state_save_failed"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Banned(PeerEvent):
+    """A peer banned by us: caught by our audits, or proven guilty by others' accusations (``swarm.defence.bans``)."""
+
+    kind: ClassVar[str] = "banned"
+    ban: Ban
+
+
+EVENT_TYPES: tuple[type[PeerEvent], ...] = tuple(PeerEvent.__subclasses__())

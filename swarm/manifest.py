@@ -90,6 +90,27 @@ class OuterOptimizerSpec(_Frozen):
         return self
 
 
+class Compression(enum.StrEnum):
+    """What pseudo-gradients look like on the wire; each member says what else it means. The values are the
+    manifest's words, so a run's id does not depend on this type. The codec objects themselves are
+    ``swarm.averager.codecs.codec(compression)``'s."""
+
+    error_feedback: bool  # it keeps what it did not send (fp32, per peer) and sends it with the next round
+    on_grid: bool  # values already on its grid come back exactly from encoding (a local round's step as is)
+
+    def __new__(cls, value: str, error_feedback: bool, on_grid: bool) -> Compression:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.error_feedback, member.on_grid = error_feedback, on_grid
+        return member
+
+    none = "none", False, True
+    fp16 = "fp16", False, False
+    scaled_fp16 = "scaled-fp16", False, False
+    fp4 = "fp4", True, True  # FP4 E3M0 in blocks of 1024, deflated: about 0.44 B/value
+    sparse = "sparse", True, True  # top-k of each chunk of 4096 with two levels: about 0.04 B/value
+
+
 class Aggregation(enum.StrEnum):
     """How a reducer combines its groupmates' parts (``swarm.defence.robust``)."""
 
@@ -112,7 +133,7 @@ class AveragingSpec(_Frozen):
 
     # on the wire: fp4 (E3M0, deflated: about 0.44 B/value) and sparse (top-k, about 0.04 B/value) keep what they
     # did not send (error feedback) and send it with the next round; fp4 by default, with overlapped rounds
-    compression: Literal["none", "fp16", "scaled-fp16", "fp4", "sparse"] = "fp4"
+    compression: Compression = Compression.fp4
     sparse_k: int = Field(64, ge=1, le=128)  # sparse: values sent per chunk of 4096
     # overlapped: after H steps the pseudo-gradient is averaged in the background while the next round's inner
     # steps run, from the global model moved by our own pseudo-gradient's step; when the average lands (at the

@@ -13,8 +13,8 @@ from hivemind.utils import get_dht_time
 
 from swarm.defence.bans import accused
 from swarm.dht.network import NetworkConfig, start_dht
-from swarm.dht.progress import PeerEntry, read_peers
-from swarm.dht.records import run_validator
+from swarm.dht.peers import read_peers
+from swarm.dht.records import PeerEntry, run_validator
 from swarm.dht.registry import choose_run
 from swarm.dht.view import SwarmView, build_view
 from swarm.manifest import RunManifest

@@ -6,6 +6,14 @@ every H inner steps, keeping the global model consistent with the swarm, its
 state files, and leaving. Every network wait in here is bounded, so a volunteer
 who vanishes at any moment costs the others at most the timeouts of the manifest.
 
+The peer composes the engine's parts and none of them holds it: ``connect`` builds the
+DHT side (the averager process, this peer's record, its bans, the swarm reader), ``start``
+the state side (the outer state, checkpoints, the state download, the outer round), each
+given a ``PeerContext`` with just what it uses. One round, from here: ``report_step``
+counts a step; at the H-th, ``run_outer_round`` lands the round still in flight (if any)
+and ``OuterRound.begin``s the next; ``OuterRound.poll`` advances it between steps, and
+``OuterRound.finish`` applies it in named phases (``swarm.round.pipeline``).
+
 Memory, per parameter: the global copy and its momentum (8 bytes), the shared
 pseudo-gradient buffer (4), and while a round runs the averaged values as they
 came off the wire (2 in FP16). ``connect`` forks the averager process before the
@@ -28,27 +36,27 @@ from typing import Any
 
 import hivemind
 import torch
-from hivemind.utils import get_dht_time
 
 from swarm.averager.process import PseudoGradientAverager, averager_options
 from swarm.defence.bans import BanList, Guard
 from swarm.dht.access import check_access
 from swarm.dht.network import NetworkConfig, start_dht
-from swarm.dht.presence import Presence
-from swarm.dht.progress import PUBLISH_INTERVAL, RECORD_TTL, PeerEntry, PeerFeed, read_peers
-from swarm.dht.records import PeerState, run_prefix, run_validator
-from swarm.dht.view import SwarmView, build_view
+from swarm.dht.peers import SwarmReader
+from swarm.dht.presence import PUBLISH_INTERVAL, RECORD_TTL, Presence
+from swarm.dht.records import PeerEntry, PeerState, run_prefix, run_validator
+from swarm.dht.view import SwarmView
 from swarm.errors import LeaveRequested
-from swarm.events import PeerEvent, PeerStats, RoundOutcome, RoundReport
+from swarm.events import Banned, Left, PeerEvent, PeerStats, RoundOutcome, RoundReport, StateChanged
 from swarm.hivemind_fixes.helpers import check_alive
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.manifest import RunManifest
 from swarm.round.early_end import EarlyEnd
 from swarm.round.flight import Flight
-from swarm.round.pipeline import ERROR_FEEDBACK, OuterRound
+from swarm.round.pipeline import OuterRound
+from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
+from swarm.state.context import PeerContext
 from swarm.state.outer import OuterState
-from swarm.state.store import StateStore
 from swarm.state.sync import StateSync
 
 logger = logging.getLogger(__name__)
@@ -57,8 +65,7 @@ LEAVE_SECONDS = 10.0  # the most leave() spends telling others and stopping its 
 # an overlapped round's outcomes that leave the steps taken meanwhile in place (a re-sync replaces them)
 _LANDED = (RoundOutcome.averaged, RoundOutcome.local, RoundOutcome.skipped, RoundOutcome.adopted)
 
-
-Listener = Callable[[PeerEvent, dict[str, Any]], None]
+Listener = Callable[[PeerEvent], None]
 
 
 class Peer:
@@ -94,37 +101,33 @@ class Peer:
         self._network, self._dht, self._owns_dht = network, dht, dht is None
         self._owns_state_dir = not state_dir  # a temporary one goes when the peer leaves
         self.state_dir = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix=f"swarm-{self.run_id}-"))
-        self._shield = shield
-        self.checkpoints = Checkpoints(self, state_extra)
+        self._shield, self._state_extra = shield, state_extra
         self.name, self.device = name, device
-        self._listener = listener or (lambda kind, data: None)
+        self._listener = listener or (lambda event: None)
         self._progress_interval, self._progress_ttl = progress_interval, progress_ttl
-        self.params: list[torch.Tensor] = []
         self.stats = PeerStats()
-        self.inner_step = 0
-        self.round_samples = 0
-        self.round_started = time.monotonic()
-        self.compute_seconds = 0.0
+        self._steps = RoundSteps()
         self._speed = 0.0  # samples per second, smoothed
-        self.outer: OuterState | None = None
-        self.averager: PseudoGradientAverager | None = None
-        self.presence: Presence | None = None
-        self.guard: Guard | None = None  # bans (swarm.defence.bans): set up in connect
-        self.feed: PeerFeed | None = None  # everyone's records, read in the background: set up in connect
-        self.store: StateStore | None = None
-        self.sync = StateSync(self)
-        self.rounds = OuterRound(self)
         self._buffers: list[torch.Tensor] = []
         self._connected = self._started = self._stopped = self._stop_requested = False
-        self.early_end = EarlyEnd(self)  # joining rounds early (averaging.join_rounds_early)
-        self.last_round_local = False
-        self.in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
-        self.flight: Flight | None = None  # a round averaging in the background (overlapped)
-        self.landing = False  # a round's average being applied (its record still says matchmaking or averaging)
+        # set up by connect: the averager process, this peer's record, its bans, everyone's records
+        self.averager: PseudoGradientAverager | None = None
+        self._presence: Presence | None = None
+        self._guard: Guard | None = None
+        self._reader: SwarmReader | None = None
+        self._early_end: EarlyEnd | None = None
+        # set up by start: the global model, its files, the state download and the outer round
+        self._outer: OuterState | None = None
+        self._checkpoints: Checkpoints | None = None
+        self._sync: StateSync | None = None
+        self._rounds: OuterRound | None = None
+        self._flight: Flight | None = None  # a round averaging in the background (overlapped)
+        self._landing = False  # a round's average being applied (its record still says matchmaking or averaging)
+        self._in_round = False  # inside run_outer_round: matchmaking, all-reduce, outer step or consistency check
         self._reports: deque[RoundReport] = deque()
         self.abandoned_round = False  # a stop signal arrived in the middle of a round
 
-    # ---- lifecycle -----------------------------------------------------------------------------
+    # ---- what the program running the peer may read --------------------------------------------
 
     @property
     def dht(self) -> hivemind.DHT:
@@ -136,8 +139,22 @@ class Peer:
         return self.dht.peer_id.to_base58()
 
     @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def outer(self) -> OuterState | None:
+        """The global model (parameters, momentum, epoch, checksum) once started; None before."""
+        return self._outer
+
+    @property
     def epoch(self) -> int:
-        return self.outer.epoch if self.outer is not None else 0
+        return self._outer.epoch if self._outer is not None else 0
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps taken in the round under way."""
+        return self._steps.inner_step
 
     @property
     def client_mode(self) -> bool:
@@ -146,6 +163,50 @@ class Peer:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+    @property
+    def flight(self) -> Flight | None:
+        """The overlapped round in the air while the loop trains, or None (its identity marks a round's take-off
+        and landing: ``client.moments``)."""
+        return self._flight
+
+    @property
+    def round_in_background(self) -> bool:
+        """An overlapped round is in the air, or landing between two steps, while the loop trains: its record says
+        matchmaking or averaging (for the others' matchmaking), though this peer is not waiting for it."""
+        return (self._flight is not None or self._landing) and not self._in_round
+
+    @property
+    def download_progress(self) -> float:
+        return self.averager.download_progress if self.averager is not None else 0.0
+
+    @property
+    def checkpoint_idle(self) -> bool:
+        """No state file is being written (or there is no store yet)."""
+        return self._checkpoints is None or self._checkpoints.store.idle
+
+    @property
+    def latest_checkpoint(self) -> Path | None:
+        latest = self._checkpoints.store.latest if self._checkpoints is not None else None
+        return latest.path if latest is not None else None
+
+    def set_micro_batch(self, size: int) -> None:
+        """Say in this peer's record how many samples a forward pass takes here."""
+        self._presence.update(micro_batch=size)
+
+    def view(self) -> SwarmView:
+        """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
+        return self._reader.view()
+
+    def recent_view(self) -> SwarmView | None:
+        """``view`` from the newest copy of the records read in the background (at most about a second old)."""
+        return self._reader.recent_view()
+
+    def entries(self) -> list[PeerEntry]:
+        """Every live record of the run, including peers that are leaving: for dashboards."""
+        return self._reader.entries()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
 
     def connect(self, shapes: Sequence[Sequence[int]]) -> None:
         """Join the DHT, announce the run and start the averager over buffers of these parameter shapes.
@@ -176,9 +237,9 @@ class Peer:
             **averager_options(self.manifest.averaging),
         )
         signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
-        # only now the presence thread: a fork while another thread is inside a DHT call can leave the child
+        # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
-        self.presence = Presence(
+        self._presence = Presence.of_peer(
             self.dht,
             self.manifest,
             name=self.name,
@@ -187,40 +248,47 @@ class Peer:
             ttl=self._progress_ttl,
             download_progress=lambda: self.download_progress,
         )
-        self.guard = Guard(
+        self._guard = Guard(
             BanList(self.state_dir / "bans.json"),
             self.peer_id,
-            publish=lambda accusations: self.presence.update(accusations=accusations, publish_now=True),
+            publish=lambda accusations: self._presence.update(accusations=accusations, publish_now=True),
             refuse=self.averager.set_bans,
-            announce=lambda ban: self._emit(PeerEvent.banned, dict(ban=ban)),
+            announce=lambda ban: self._emit(Banned(ban)),
         )
-        self.feed = PeerFeed(self.dht, self.run_id)
+        m = self.manifest
+        self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=self._guard.filter)
+        self._early_end = EarlyEnd(m, self.peer_id, self._reader.recent_view)  # joining rounds early
         self._connected = True
 
     def start(self, model: torch.nn.Module, resume: Path | None = None) -> None:
         """Catch up with the swarm before the first inner step.
 
-        ``resume`` is a state file from an earlier run of this peer (``state_store.find_latest``):
+        ``resume`` is a state file from an earlier run of this peer (``swarm.state.store.find_latest``):
         it is kept if the swarm is empty or agrees with it, and replaced by a download otherwise.
         """
-        self.params = [p for p in model.parameters()]
-        shapes = [tuple(p.shape) for p in self.params]
+        params = [p for p in model.parameters()]
+        shapes = [tuple(p.shape) for p in params]
         if not self._connected:
             self.connect(shapes)
         if shapes != [tuple(b.shape) for b in self._buffers]:
             raise ValueError("the model's parameters do not have the shapes the peer was connected with")
-        self.outer = OuterState(self.params, self.manifest.outer)
-        if self.manifest.averaging.compression in ERROR_FEEDBACK:
-            self.outer.keep_residual()
-        self.store = self.checkpoints.open_store()
+        outer = OuterState(params, self.manifest.outer)
+        if self.manifest.averaging.compression.error_feedback:
+            outer.keep_residual()
+        ctx = PeerContext(
+            self.manifest, self.peer_id, outer, params, self.averager, self._reader,
+            emit=self._emit, set_state=self._set_state, shield=self._shield, stop_requested=lambda: self.stop_requested,
+        )  # fmt: skip
+        self._outer = outer
+        self._checkpoints = Checkpoints(ctx, self.state_dir, self._presence, self._state_extra, self.client_mode)
+        self._sync = StateSync(ctx, self._checkpoints, begin_round=self._steps.begin)
+        self._rounds = OuterRound(ctx, self._sync, self._checkpoints, self._steps, self.stats, self._guard.on_findings)
         self._started = True
-        resumed = False
-        if resume is not None:
-            resumed = self.sync.load_file(resume)
-        self.sync.catch_up(resumed=resumed)
-        self.checkpoints.announce()  # catching up left the state in a file: ours, or the download
+        resumed = self._sync.load_file(resume) if resume is not None else False
+        self._sync.catch_up(resumed=resumed, expect_others=bool(self.dht.initial_peers))
+        self._checkpoints.announce(self.inner_step)  # catching up left the state in a file: ours, or the download
         self._set_state(PeerState.training, publish=True)
-        self.round_started = time.monotonic()
+        self._steps.started = time.monotonic()
 
     def leave(self, timeout: float = LEAVE_SECONDS) -> bool:
         """Mark this peer as gone, wait (up to ``timeout``) for the newest state file to be on disk, stop the
@@ -230,28 +298,29 @@ class Peer:
         self._stopped = True
         deadline = time.monotonic() + timeout
         remaining = lambda: max(0.5, deadline - time.monotonic())  # noqa: E731
-        if self.flight is not None:  # an overlapped round still averaging: nothing of it was applied
-            self.abandoned_round, self.flight = True, None
-        elif self.averager is not None and not self._stop_requested:  # unhurried: groupmates may need us still
-            self.rounds.checks.serve_last_round(until=deadline - 5.0)
-        if self.presence is not None:
-            self.presence.say_leaving(timeout=min(2.0, remaining()))
+        if self._flight is not None:  # an overlapped round still averaging: nothing of it was applied
+            self.abandoned_round, self._flight = True, None
+        elif self._rounds is not None and not self._stop_requested:  # unhurried: groupmates may need us still
+            self._rounds.checks.serve_last_round(until=deadline - 5.0)
+        if self._presence is not None:
+            self._presence.say_leaving(timeout=min(2.0, remaining()))
         if self.averager is not None:
             try:
                 self.averager.allow_state_sharing = False
             except Exception:
                 logger.debug("could not turn state sharing off", exc_info=True)
             self.averager.shutdown()
-        if self.store is not None:
-            self.store.discard_downloads()
-        saved = self.store.close(timeout=remaining()) if self.store is not None else True
-        if self.presence is not None:
-            self.presence.stop(timeout=min(2.0, remaining()))
+        store = self._checkpoints.store if self._checkpoints is not None else None
+        if store is not None:
+            store.discard_downloads()
+        saved = store.close(timeout=remaining()) if store is not None else True
+        if self._presence is not None:
+            self._presence.stop(timeout=min(2.0, remaining()))
         if self._owns_dht and self._dht is not None:
             self._dht.shutdown()
         if self._owns_state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
-        self._emit(PeerEvent.left, dict(checkpoint_written=saved))
+        self._emit(Left(checkpoint_written=saved))
         return saved
 
     def request_stop(self) -> None:
@@ -266,14 +335,11 @@ class Peer:
         """Count one finished inner step; after the H-th, run the outer round and return its report."""
         assert self._started and not self._stopped, "start() the peer first"
         now = time.monotonic()
-        self.inner_step += 1
-        self.round_samples += samples
+        self._steps.count(samples, compute_seconds)
         self.stats.tokens_processed += samples * self.manifest.seq_len
-        if compute_seconds is not None:
-            self.compute_seconds += compute_seconds
-            if compute_seconds > 0:
-                rate = samples / compute_seconds
-                self._speed = rate if self._speed == 0 else 0.8 * self._speed + 0.2 * rate
+        if compute_seconds is not None and compute_seconds > 0:
+            rate = samples / compute_seconds
+            self._speed = rate if self._speed == 0 else 0.8 * self._speed + 0.2 * rate
         fields: dict[str, Any] = dict(
             inner_step=self.inner_step,
             tokens_processed=self.stats.tokens_processed,
@@ -281,10 +347,11 @@ class Peer:
         )
         if loss is not None and loss == loss:  # not NaN
             fields["last_loss"] = float(loss)
-        self.presence.update(**fields)
-        if self.flight is not None and self.rounds.poll(self.flight):  # an overlapped round's average arrived
+        self._presence.update(**fields)
+        if self._flight is not None and self._rounds.poll(self._flight):  # an overlapped round's average arrived
             self._finish_flight()
-        if self.inner_step >= self.manifest.inner_steps or self.early_end.due(now):
+        in_flight = self._flight is not None
+        if self.inner_step >= self.manifest.inner_steps or self._early_end.due(now, self.epoch, self._steps, in_flight):
             self.run_outer_round()
         return self._reports.popleft() if self._reports else None
 
@@ -292,33 +359,33 @@ class Peer:
         """End the current round: wait for the previous one if it is still averaging (overlapped), then
         begin this one; a blocking round is also waited for and finished here. Reports are queued for
         ``report_step`` to return, one per call."""
-        self.in_round = True
+        self._in_round = True
         epoch = self.epoch
         try:
             check_alive({"DHT": self._dht, "averager": self.averager})  # else a dead one fails the round 30 s later
-            if self.flight is not None:
+            if self._flight is not None:
                 t0 = time.monotonic()
-                self.rounds.wait(self.flight)
+                self._rounds.wait(self._flight)
                 self._finish_flight(waited=time.monotonic() - t0)
-            started = self.rounds.begin()
+            started = self._rounds.begin()
             if isinstance(started, RoundReport):  # replaced by a re-sync
                 self._reports.append(started)
                 return
-            self.flight = started
-            if not self.rounds.overlapped:
-                self.rounds.wait(self.flight)
+            self._flight = started
+            if not self._rounds.overlapped:
+                self._rounds.wait(self._flight)
                 self._finish_flight()
         except LeaveRequested:  # a stop signal cut the round short
-            self.abandoned_round = self.flight is not None or self.epoch == epoch  # nothing of it was applied
+            self.abandoned_round = self._flight is not None or self.epoch == epoch  # nothing of it was applied
             raise
         finally:
-            self.in_round = False
+            self._in_round = False
 
     def settle(self) -> None:
         """Wait for an overlapped round still averaging and apply it now (tests and tools that need the
         outer step at a known point; its report comes out of the next ``report_step``)."""
-        if self.flight is not None:
-            self.rounds.wait(self.flight)
+        if self._flight is not None:
+            self._rounds.wait(self._flight)
             self._finish_flight()
 
     def check_last_round(self) -> RoundReport | None:
@@ -327,75 +394,32 @@ class Peer:
         ``averaging.consistency_timeout`` for their checksums, and re-sync if the majority holds another, so a
         finished run ends on the swarm's model. The round's report, or None when there was nothing unchecked
         (a blocking round that averaged was checked as it finished)."""
-        return self.rounds.checks.check_unchecked()
-
-    def _finish_flight(self, waited: float = 0.0) -> None:
-        self.landing = True  # before the flight goes: a reader of the two never sees neither
-        flight, self.flight = self.flight, None
-        try:
-            report = self.rounds.finish(flight)
-        finally:
-            self.landing = False
-        report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
-        if self.rounds.overlapped and report.outcome in _LANDED:  # steps since it took off (a re-sync: none)
-            report.steps_late = self.inner_step
-        self._reports.append(report)
+        return self._rounds.checks.check_unchecked()
 
     def resync_now(self, reason: str) -> bool:
         """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""
-        return self.sync.resync(reason)
+        return self._rounds.resync(reason)
 
-    @property
-    def round_in_background(self) -> bool:
-        """An overlapped round is in the air, or landing between two steps, while the loop trains: its record says
-        matchmaking or averaging (for the others' matchmaking), though this peer is not waiting for it."""
-        return (self.flight is not None or self.landing) and not self.in_round
+    def _finish_flight(self, waited: float = 0.0) -> None:
+        self._landing = True  # before the flight goes: a reader of the two never sees neither
+        flight, self._flight = self._flight, None
+        try:
+            report = self._rounds.finish(flight)
+        finally:
+            self._landing = False
+        report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
+        if self._rounds.overlapped and report.outcome in _LANDED:  # steps since it took off (a re-sync: none)
+            report.steps_late = self.inner_step
+        self._reports.append(report)
 
-    @property
-    def download_progress(self) -> float:
-        return self.averager.download_progress if self.averager is not None else 0.0
-
-    def view(self) -> SwarmView:
-        """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
-        return self._build_view(read_peers(self.dht, self.run_id))
-
-    def recent_view(self) -> SwarmView | None:
-        """``view`` from the newest copy of the records read in the background (at most about a second old), for
-        the checks the training thread makes between inner steps; None until the first copy has arrived."""
-        entries = self.feed.latest()
-        return None if entries is None else self._build_view(entries)
-
-    def _build_view(self, entries: list[PeerEntry]) -> SwarmView:
-        entries = self.guard.filter(entries)
-        return build_view(entries, get_dht_time(), self.manifest.inner_steps, self.manifest.samples_per_step)
-
-    def entries(self) -> list[PeerEntry]:
-        """Every live record of the run, including peers that are leaving: for dashboards."""
-        return read_peers(self.dht, self.run_id)
-
-    # ---- bookkeeping ---------------------------------------------------------------------------
-
-    def begin_round(self) -> None:
-        self.inner_step = 0
-        self.round_samples = 0
-        self.compute_seconds = 0.0
-        self.round_started = time.monotonic()
-
-    def set_state(self, state: PeerState, publish: bool = False) -> None:
-        self._set_state(state, publish)
-
-    def shield(self) -> AbstractContextManager:
-        return self._shield()
+    # ---- what the parts tell the program -------------------------------------------------------
 
     def _set_state(self, state: PeerState, publish: bool = False) -> None:
-        self.presence.set_state(state, self.epoch, self.inner_step, publish)
-        self._emit(PeerEvent.state, dict(state=state.value))
+        self._presence.set_state(state, self.epoch, self.inner_step, publish)
+        self._emit(StateChanged(state))
 
-    def emit(self, kind: PeerEvent, data: dict[str, Any]) -> None:
-        self._emit(kind, data)
-
-    def _emit(self, kind: PeerEvent, data: dict[str, Any]) -> None:
+    def _emit(self, event: PeerEvent) -> None:
         try:
-            self._listener(kind, data)
+            self._listener(event)
         except Exception:  # a broken listener must not break training
             logger.exception("swarm event listener failed")

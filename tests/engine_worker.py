@@ -8,6 +8,7 @@ a chosen moment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
-from swarm.events import RoundOutcome  # noqa: E402
+from swarm.events import PeerEvent, RoundOutcome, StateChanged  # noqa: E402
 from swarm.state.store import find_latest  # noqa: E402
 
 
@@ -59,11 +60,12 @@ def main() -> int:
     events = (args.out / "events.jsonl").open("a", buffering=1)
     manifest = RunManifest.from_json(args.manifest.read_text())
 
-    def listener(kind: str, data: dict) -> None:
-        if kind == "state":
-            (args.out / f"state-{data['state'].replace(' ', '_')}-{peer.epoch}").touch()
+    def listener(event: PeerEvent) -> None:
+        if isinstance(event, StateChanged):
+            (args.out / f"state-{event.state.value.replace(' ', '_')}-{peer.epoch}").touch()
+        data = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
         payload = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in data.items()}
-        events.write(json.dumps(dict(kind=kind, time=time.time(), **payload), default=str) + "\n")
+        events.write(json.dumps(dict(kind=event.kind, time=time.time(), **payload), default=str) + "\n")
 
     with seeded_init(manifest):
         model = make_model(manifest, args.extra_params)

@@ -313,7 +313,7 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
 
     from client.dashboard import _peers_table
     from client.swarm_watch import TrackedPeer
-    from swarm.dht.progress import PeerEntry
+    from swarm.dht.records import PeerEntry
     from swarm.observer import snapshot
 
     liar, a, b, _ = keys

@@ -13,8 +13,10 @@ from hivemind.averaging.control import AveragingStage
 import swarm.averager.process as averaging_module
 from swarm.averager.process import Averaging, PseudoGradientAverager, RoundAborted, epoch_group_bits, group_epoch
 from swarm.errors import HelperError
+from swarm.events import PeerStats
 from swarm.round.flight import Flight
 from swarm.round.pipeline import OuterRound
+from swarm.round.steps import RoundSteps
 
 
 class FakeControl:
@@ -131,8 +133,8 @@ def test_an_aborted_round_is_over_only_once_its_step_has_ended():
     step = averaging(control, abort_if=lambda: "moved on")
     step._deadline = time.monotonic() + 60
     fake = host(step)
-    peer = SimpleNamespace(averager=fake)
-    rounds = OuterRound(peer)
+    ctx = SimpleNamespace(averager=fake, manifest=SimpleNamespace(averaging=SimpleNamespace(overlap=True)))
+    rounds = OuterRound(ctx, None, None, RoundSteps(), PeerStats(), on_findings=lambda findings, epoch: None)
     flight = Flight(epoch=2, samples=4, seconds={}, wait_until=0.0, attempt=step)
     finish_later(control, 0.3)
     assert rounds.poll(flight) is True

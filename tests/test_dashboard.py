@@ -28,7 +28,7 @@ from client.idle import OwnState, why_idle
 from client.swarm_watch import SwarmWatch
 from client.telemetry import Telemetry
 from swarm import NetworkConfig
-from swarm.dht.progress import RECORD_TTL
+from swarm.dht.presence import RECORD_TTL
 from swarm.observer import Observer
 
 MAX_EPOCHS = "200"  # they train until the module is done with them

@@ -7,7 +7,7 @@ from pprint import pformat
 from diloco_helpers import tiny_manifest
 from swarm_harness import wait_for
 
-from swarm.events import ResyncReason
+from swarm.dht.view import ResyncReason
 
 SLACK = 10.0  # seconds of the training thread's own work allowed on top of the attempt's limit
 

@@ -16,7 +16,7 @@ from diloco_helpers import inner_step, make_batch, make_model, make_optimizer, t
 from swarm import RunManifest, seeded_init
 from swarm.averager.codecs import apply_error_feedback, fp4_decode, fp4_encode, sparse_decode, sparse_encode_average
 from swarm.manifest import StandIn
-from swarm.round.pipeline import DAMP_FROM_STEPS
+from swarm.round.landing import DAMP_FROM_STEPS
 from swarm.state.outer import OuterState
 
 ROUNDS = 3

@@ -11,7 +11,7 @@ from client.health import PeerStatus, check_health, write_status
 from client.idle import OwnState, shown_state, why_idle
 from client.swarm_watch import FADE_SECONDS, PeerTracker
 from swarm import PeerState, RoundReport
-from swarm.dht.progress import PeerEntry
+from swarm.dht.records import PeerEntry
 from swarm.dht.view import build_view
 
 H, SAMPLES = 500, 8
@@ -77,10 +77,10 @@ def test_own_state_reads_a_landing_round_as_training_and_a_wait_for_it_as_the_ro
     manifest = build_manifest("tiny")
     dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
     peer = Peer(manifest, dht=dht, state_dir=tmp_path)
-    peer.outer, peer.averager, peer.inner_step = SimpleNamespace(epoch=3), SimpleNamespace(download_progress=0.0), 2
+    peer._outer, peer._steps.inner_step = SimpleNamespace(epoch=3), 2  # as start() leaves them
 
     def seen(state, flight, landing, in_round):
-        peer.flight, peer.landing, peer.in_round = flight, landing, in_round
+        peer._flight, peer._landing, peer._in_round = flight, landing, in_round
         telemetry = SimpleNamespace(state=state, download_donor=None, tokens_per_second=0.0)
         trainer = SimpleNamespace(manifest=manifest, telemetry=telemetry, peer=peer, dht=dht)
         own = own_state(trainer, has_initial_peers=False)

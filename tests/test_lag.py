@@ -1,7 +1,8 @@
 """client.lag: one plain line when overlapped rounds keep landing a quarter of a round late or more."""
 
 from client.lag import BEHIND_ROUNDS, WINDOW, BehindWatch, LagWatch
-from swarm.events import ResyncReason, RoundOutcome, RoundReport
+from swarm.dht.view import ResyncReason
+from swarm.events import RoundOutcome, RoundReport
 
 
 def test_it_speaks_once_when_the_median_lag_is_a_quarter_of_a_round_or_more():

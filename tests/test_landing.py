@@ -1,8 +1,8 @@
-"""swarm.round.pipeline.share_kept: which share of the steps taken while an average was in flight stays at landing."""
+"""swarm.round.landing.share_kept: which share of the steps taken while an average was in flight stays at landing."""
 
 import pytest
 
-from swarm.round.pipeline import DAMP_FROM_STEPS, share_kept
+from swarm.round.landing import DAMP_FROM_STEPS, share_kept
 
 
 @pytest.mark.parametrize("kept", [0.0, 0.5, 0.9])

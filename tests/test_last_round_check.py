@@ -9,18 +9,19 @@ from types import SimpleNamespace
 
 from test_swarm_view import A, B, C, record
 
-from swarm.dht.progress import PeerEntry
-from swarm.dht.records import PeerState
+from swarm.dht.records import PeerEntry, PeerState
 from swarm.dht.view import build_view, mates_finishing, resync_needed
-from swarm.events import RoundOutcome, RoundReport
+from swarm.events import PeerStats, RoundOutcome, RoundReport
 from swarm.round.consistency import RoundChecks
 from swarm.round.pipeline import OuterRound
+from swarm.round.steps import RoundSteps
 
 MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
 
 
 class FakePeer:
-    """What ``RoundChecks.check`` reads of a peer: its records, epoch and checksum, and a re-sync."""
+    """What the round's checks read of a peer (``PeerContext``): its records, epoch and checksum; and a re-sync,
+    counted."""
 
     def __init__(self, records, epoch: int, checksum: str, overlap: bool = True):
         self.records = records
@@ -32,15 +33,18 @@ class FakePeer:
         self.outer = SimpleNamespace(epoch=epoch, checksum=lambda: checksum)
         self.resyncs: list[str] = []
         self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._resync)
-        self.compute_seconds, self.round_started, self.late = 1.0, 0.0, ()
+        self.late = ()
         self.late_after = float("inf")  # records in ``late`` are seen from this time.monotonic() on
 
-    @property
-    def epoch(self) -> int:
-        return self.outer.epoch
-
-    def begin_round(self) -> None:
-        pass
+    def context(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            manifest=self.manifest,
+            me=self.peer_id,
+            outer=self.outer,
+            reader=SimpleNamespace(view=self.view),
+            stop_requested=lambda: self.stop_requested,
+            set_state=lambda state, publish=False: None,
+        )
 
     def view(self):
         self.views += 1
@@ -51,12 +55,16 @@ class FakePeer:
         records = list(records.values())
         return build_view([PeerEntry(r, now + 10) for r in records], now, inner_steps=10, samples_per_step=4)
 
-    def _resync_needed(self, epoch: int):
-        return resync_needed(self.view(), self.peer_id, epoch, self.outer.checksum(), last_round_local=False)
+    def _resync_needed(self, epoch: int, last_round_local: bool = False):
+        return resync_needed(self.view(), self.peer_id, epoch, self.outer.checksum(), last_round_local)
 
     def _resync(self, why: str) -> bool:
         self.resyncs.append(why)
         return True
+
+
+def checks_of(peer: FakePeer) -> RoundChecks:
+    return RoundChecks(peer.context(), peer._resync_needed, peer._resync)
 
 
 def finished(epoch: int, checksum: str) -> RoundReport:
@@ -64,7 +72,8 @@ def finished(epoch: int, checksum: str) -> RoundReport:
 
 
 def rounds_with_unchecked(peer: FakePeer, epoch: int, checksum: str) -> OuterRound:
-    rounds = OuterRound(peer)
+    steps = RoundSteps(compute_seconds=1.0, started=0.0)
+    rounds = OuterRound(peer.context(), peer.sync, None, steps, PeerStats(), on_findings=lambda findings, epoch: None)
     rounds.checks.unchecked = (finished(epoch, checksum), (A, B, C))  # as ``finish`` leaves an overlapped round
     return rounds
 
@@ -103,7 +112,7 @@ def test_the_check_waits_for_groupmates_that_have_not_published_yet_but_not_for_
 def test_nothing_is_checked_when_no_round_was_left_unchecked_or_the_state_moved_on():
     records = [record(p, epoch=6, checksums=[(6, MINE)]) for p in (A, B, C)]
     peer = FakePeer(records, epoch=6, checksum=MINE)
-    assert RoundChecks(peer).check_unchecked() is None
+    assert checks_of(peer).check_unchecked() is None
     moved = rounds_with_unchecked(peer, 5, OLD).checks  # a re-sync or replay took the state past that round
     assert moved.check_unchecked() is None and peer.resyncs == []
 
@@ -136,7 +145,7 @@ def test_a_blocking_last_round_without_a_group_waits_for_the_peers_still_finishi
     peer = FakePeer(records, epoch=5, checksum=MINE, overlap=False)
     peer.late = (record(B, epoch=5, checksums=[(5, THEIRS)]), record(C, epoch=5, checksums=[(5, THEIRS)]))
     peer.late_after = time.monotonic() + 0.4
-    rounds = RoundChecks(peer)
+    rounds = checks_of(peer)
     rounds.unchecked = (local(5, MINE), (A,))  # as ``finish`` leaves a blocking round that found no group
     report = rounds.check_unchecked()
     assert report is not None and report.resynced and len(peer.resyncs) == 1, peer.resyncs
@@ -160,7 +169,7 @@ def test_a_peer_leaving_after_its_round_serves_its_groupmates_until_they_publish
     peer.late = [record(B, epoch=5, checksums=[(5, MINE)])]  # B publishes a moment later, after its repairs
     peer.late_after = time.monotonic() + 0.5
     peer.manifest.averaging.allreduce_timeout = 60.0  # the window: about 300 reads of the records if waited out
-    rounds = RoundChecks(peer)
+    rounds = checks_of(peer)
     rounds.last_group = (5, (A, B), time.monotonic())
     rounds.serve_last_round(until=time.monotonic() + 60)
     assert time.monotonic() >= peer.late_after  # it did not leave before B was done
@@ -170,7 +179,7 @@ def test_a_peer_leaving_after_its_round_serves_its_groupmates_until_they_publish
 def test_serving_the_last_round_is_bounded_and_a_stop_signal_or_no_group_ends_it_at_once():
     records = [record(A, epoch=5, checksums=[(5, MINE)]), record(B, epoch=4)]  # B never publishes epoch 5
     peer = FakePeer(records, epoch=5, checksum=MINE)
-    rounds = RoundChecks(peer)
+    rounds = checks_of(peer)
     rounds.serve_last_round(until=time.monotonic() + 30)
     assert peer.views == 0  # no averaged round: nobody to serve
     rounds.last_group = (5, (A, B), time.monotonic())

@@ -11,8 +11,8 @@ import torch
 
 from swarm.averager.allreduce import check_parts, decode_into
 from swarm.averager.codecs import apply_error_feedback
-from swarm.averager.process import COMPRESSIONS
 from swarm.averager.transfer import FileTransfer, read_update, update_path
+from swarm.manifest import Compression
 from swarm.round import local_update
 from swarm.round.local_update import encode_update, keep_local_update, round_to_codec
 
@@ -37,12 +37,12 @@ def decoded(held, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("compression", sorted(COMPRESSIONS))
+@pytest.mark.parametrize("compression", list(Compression))
 def test_what_is_kept_decodes_to_the_step_taken(compression):
     """The peer steps with the buffers after ``round_to_codec``; a replayer decodes the kept parts. They must
     be bitwise equal, or the replay's checksum differs and it downloads the whole state after all."""
     buffers = pseudo_gradient(0)
-    if compression in ("fp4", "sparse"):  # as a round leaves them: error feedback puts them on the grid
+    if compression.error_feedback:  # as a round leaves them: error feedback puts them on the grid
         apply_error_feedback(buffers, [torch.zeros_like(t) for t in buffers], compression)
     raw = [t.clone() for t in buffers]
     held = round_to_codec(buffers, compression)
@@ -50,7 +50,7 @@ def test_what_is_kept_decodes_to_the_step_taken(compression):
         kind = local_update.compression_type(compression)
         held = [encode_update(t, kind) for t in buffers]
     assert all(torch.equal(a, b) for a, b in zip(decoded(held, buffers), buffers))
-    if compression in local_update.ON_GRID:  # nothing to round: the step is the pseudo-gradient as it was
+    if compression.on_grid:  # nothing to round: the step is the pseudo-gradient as it was
         assert all(torch.equal(a, b) for a, b in zip(buffers, raw))
     else:  # fp16's rounding did change some values, and only by rounding
         assert not all(torch.equal(a, b) for a, b in zip(buffers, raw))

@@ -2,30 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from client.peer_events import describe
-from swarm import PeerEvent
 from swarm.defence.bans import Ban, BanReason
+from swarm.dht.records import PeerState
+from swarm.events import (
+    EVENT_TYPES,
+    AveragingFailed,
+    Banned,
+    CheckpointUnusable,
+    Left,
+    PeerEvent,
+    Replayed,
+    ReplayFailed,
+    RoundFinished,
+    RoundReport,
+    StateChanged,
+    StateLoaded,
+    StateSaved,
+)
 
 DONOR = "QmSomeDonorPeerIdAbCdEfGh12345678"
-DATA = dict(
+VALUES = dict(  # a value for every field any event has, by its name
     reason="behind the swarm",
     epoch=3,
     target=6,
     donor=DONOR,
     eta=12.0,
     expected=40.0,
-    path="/w/checkpoints/state-000003.safetensors",
+    path=Path("/w/checkpoints/state-000003.safetensors"),
     checksum="ab" * 32,
     ban=Ban("QmLiarPeerIdAbCdEfGh12345678", BanReason.wrong_average, 4, ("self",), 0.0),
+    state=PeerState.training,
+    checkpoint_written=True,
+    report=RoundReport(epoch=3, averaged=True, group_size=2),
+    kept_steps=False,
+    bytes=1000,
+    seconds=0.5,
 )
-SILENT = {PeerEvent.state, PeerEvent.left, PeerEvent.round, PeerEvent.state_saved}  # the loop's state, not lines
+SILENT = {StateChanged, Left, RoundFinished, StateSaved}  # the loop's state, not lines
 
 
-@pytest.mark.parametrize("kind", list(PeerEvent))
-def test_every_event_is_a_line_or_deliberately_silent(kind: PeerEvent):
-    line = describe(kind, DATA)
+def event_of(kind: type[PeerEvent]) -> PeerEvent:
+    return kind(**{f.name: VALUES[f.name] for f in dataclasses.fields(kind)})
+
+
+@pytest.mark.parametrize("kind", EVENT_TYPES, ids=lambda kind: kind.__name__)
+def test_every_event_is_a_line_or_deliberately_silent(kind: type[PeerEvent]):
+    line = describe(event_of(kind))
     if kind in SILENT:
         assert line is None
         return
@@ -36,17 +64,19 @@ def test_every_event_is_a_line_or_deliberately_silent(kind: PeerEvent):
 
 
 def test_lines_name_what_the_volunteer_needs():
-    assert describe(PeerEvent.replayed, DATA) == ("state_loaded", "caught up to epoch 6 by replaying 3 rounds")
-    assert DONOR[-8:] in describe(PeerEvent.state_loaded, DATA)[1]
-    assert "state-000003.safetensors is unusable" in describe(PeerEvent.checkpoint_unusable, DATA)[1]
-    assert "this round is local" in describe(PeerEvent.averaging_error, DATA)[1]
-    assert describe(PeerEvent.banned, DATA) == (
+    assert describe(event_of(Replayed)) == ("state_loaded", "caught up to epoch 6 by replaying 3 rounds")
+    assert DONOR[-8:] in describe(event_of(StateLoaded))[1]
+    assert "state-000003.safetensors is unusable" in describe(event_of(CheckpointUnusable))[1]
+    assert "this round is local" in describe(event_of(AveragingFailed))[1]
+    assert describe(event_of(Banned)) == (
         "banned",
         "banned peer 12345678 for the rest of the run: wrong average (caught by our audit)",
     )
-    assert describe(PeerEvent.replay_failed, DATA)[0] == "download_failed"
+    assert describe(event_of(ReplayFailed))[0] == "download_failed"
 
 
-def test_events_compare_equal_to_their_recorded_names():
-    """--log-json and older listeners see the same names as before."""
-    assert PeerEvent.download_started == "download_started" and str(PeerEvent.replayed) == "replayed"
+def test_every_event_type_keeps_its_recorded_name():
+    """--log-json and older listeners see the same names as before, one per type."""
+    names = [kind.kind for kind in EVENT_TYPES]
+    assert len(EVENT_TYPES) == 17 and len(set(names)) == len(names) and all(names)
+    assert {"download_started", "replayed", "state", "round", "banned", "averaging_error"} <= set(names)

@@ -10,7 +10,8 @@ from diloco_helpers import tiny_manifest
 from test_records import progress_value
 
 from swarm import NetworkConfig, start_dht
-from swarm.dht.progress import PeerFeed, ProgressReporter, read_peers
+from swarm.dht.peers import PeerFeed, read_peers
+from swarm.dht.presence import Presence
 from swarm.dht.records import run_validator
 
 
@@ -84,7 +85,7 @@ def test_on_a_real_dht_the_feed_reads_what_read_peers_reads_and_follows_updates(
     run_id = tiny_manifest().run_id
     dht.add_validators([run_validator(run_id)])
     peer_id = dht.peer_id.to_base58()
-    reporter = ProgressReporter(dht, run_id, progress_value(peer_id, epoch=3))
+    reporter = Presence(dht, run_id, progress_value(peer_id, epoch=3))
     reporter.start()
     try:
         feed = PeerFeed(dht, run_id, max_age=0.2)

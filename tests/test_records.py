@@ -22,7 +22,8 @@ from swarm import (
     start_dht,
 )
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.progress import ProgressReporter, read_peers
+from swarm.dht.peers import read_peers
+from swarm.dht.presence import Presence
 from swarm.dht.records import GLOBAL_PREFIX, RUNS_KEY, GlobalSchema, progress_key, run_subkey, run_validator
 
 
@@ -70,7 +71,7 @@ def test_forged_and_malformed_progress_records_are_refused(honest_and_attacker):
     for dht in (honest, attacker):
         dht.add_validators([run_validator(run_id)])
     honest_id, attacker_id = honest.peer_id.to_base58(), peer_id_of_owner(attacker_public)
-    reporter = ProgressReporter(honest, run_id, progress_value(honest_id))
+    reporter = Presence(honest, run_id, progress_value(honest_id))
     reporter.start()
     honest_public = RSASignatureValidator().local_public_key
     assert peer_id_of_owner(honest_public) == honest_id  # records are signed with the libp2p identity key

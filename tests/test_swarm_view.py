@@ -1,7 +1,6 @@
 import time
 
-from swarm.dht.progress import PeerEntry
-from swarm.dht.records import EpochChecksum, PeerState, ProgressRecord
+from swarm.dht.records import EpochChecksum, PeerEntry, PeerState, ProgressRecord
 from swarm.dht.view import (
     ResyncReason,
     build_view,

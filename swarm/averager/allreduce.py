@@ -33,7 +33,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm.averager.codecs import CODECS
+from swarm.averager.codecs import SPARSE
 from swarm.averager.spill import SpilledParts
 from swarm.defence.audit import part_digest
 from swarm.defence.robust import RefusedPart, RobustPartReducer
@@ -128,8 +128,8 @@ def decode_part(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor | Re
 
 def encode_average(tensor: torch.Tensor, compression_type: int) -> runtime_pb2.Tensor:
     """A reducer's average for every groupmate: the same bytes for all of them."""
-    if compression_type == CODECS["sparse"].compression_type:
-        return CODECS["sparse"].compress_average(tensor)
+    if compression_type == SPARSE.compression_type:  # the only codec whose averages have their own encoding
+        return SPARSE.compress_average(tensor)
     return serialize_torch_tensor(tensor, compression_type)
 
 

@@ -37,9 +37,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    ScaledFloat16Compression,
+)
 from hivemind.compression import serialization as _serialization
 from hivemind.proto import runtime_pb2
+
+from swarm.manifest import Compression
 
 FP4_BLOCK = 1024
 SPARSE_CHUNK = 4096
@@ -315,13 +323,23 @@ def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
 # ---- error feedback ----------------------------------------------------------------------------
 
 
+def quantizer(compression: Compression) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The values ``compression`` sends nearest to a flat float32 tensor, for the codecs with error feedback."""
+    match compression:
+        case Compression.fp4:
+            return fp4_quantize
+        case Compression.sparse:
+            return sparse_quantize
+    raise ValueError(f"{compression} keeps no residual: it has no error feedback")
+
+
 def apply_error_feedback(
-    pseudo_gradients: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor], codec: str
+    pseudo_gradients: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor], compression: Compression
 ) -> None:
     """In place: ``y = pseudo + residual``; ``pseudo <- quantize(y)`` (what will be sent);
     ``residual <- y - quantize(y)`` (kept for next time). Exact in fp32. Slices of ``SLICE`` values line up
     with the averager's parts, so its blocks and chunks are the ones quantized here."""
-    quantize = {"fp4": fp4_quantize, "sparse": sparse_quantize}[codec]
+    quantize = quantizer(Compression(compression))
     with torch.no_grad():
         for grad, residual in zip(pseudo_gradients, residuals):
             flat_g, flat_r = grad.view(-1), residual.view(-1)
@@ -384,6 +402,23 @@ class SparseCodec(CompressionBase):
         return 0.125
 
 
-CODECS = {"fp4": Fp4Codec(), "sparse": SparseCodec()}
-_serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = CODECS["fp4"]
-_serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = CODECS["sparse"]
+FP4, SPARSE = Fp4Codec(), SparseCodec()
+CODECS = {Compression.fp4: FP4, Compression.sparse: SPARSE}  # ours (a StrEnum key: CODECS["fp4"] works too)
+_serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = FP4
+_serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = SPARSE
+
+
+def codec(compression: Compression) -> CompressionBase:
+    """The object that encodes and decodes ``compression`` on the wire (hivemind's, or one of ours)."""
+    match Compression(compression):
+        case Compression.none:
+            return NoCompression()
+        case Compression.fp16:
+            return Float16Compression()
+        case Compression.scaled_fp16:
+            return ScaledFloat16Compression()
+        case Compression.fp4:
+            return FP4
+        case Compression.sparse:
+            return SPARSE
+    raise ValueError(f"no codec for {compression!r}")

@@ -24,14 +24,13 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, ScaledFloat16Compression
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averager import heap
 from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.averager.auditing import Auditing
-from swarm.averager.codecs import CODECS
+from swarm.averager.codecs import codec
 from swarm.averager.refusals import Refusals
 from swarm.averager.transfer import FileTransfer
 from swarm.defence.audit import MALFORMED
@@ -43,14 +42,6 @@ from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.manifest import Aggregation, AveragingSpec
 
 logger = logging.getLogger(__name__)
-
-COMPRESSIONS: dict[str, Callable[[], CompressionBase]] = {
-    "none": NoCompression,
-    "fp16": Float16Compression,
-    "scaled-fp16": ScaledFloat16Compression,
-    "fp4": lambda: CODECS["fp4"],
-    "sparse": lambda: CODECS["sparse"],
-}
 
 
 def averager_options(avg: AveragingSpec) -> dict[str, Any]:
@@ -67,7 +58,7 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
         request_timeout=min(3.0, avg.matchmaking_time / 2),
         allreduce_timeout=avg.allreduce_limit,  # the host's attempt_limit is built on the same bound
         next_chunk_timeout=avg.chunk_timeout,
-        compression=COMPRESSIONS[avg.compression](),
+        compression=codec(avg.compression),
         allow_state_sharing=False,  # until the peer has a state to offer (``Checkpoints.announce``)
         declare_state_period=10,
         shutdown_timeout=3,

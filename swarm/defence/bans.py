@@ -30,8 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
-from swarm.dht.progress import PeerEntry
-from swarm.dht.records import ProgressRecord
+from swarm.dht.records import PeerEntry, ProgressRecord
 
 logger = logging.getLogger(__name__)
 

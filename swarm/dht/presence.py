@@ -1,30 +1,61 @@
-"""This peer as the swarm sees it: its signed progress record and the run's manifest, kept alive.
+"""This peer as the swarm sees it: its signed progress record, and the run's manifest, kept alive.
 
-A background thread refreshes the record every few seconds, so it stays alive
-even while the training thread is blocked in a round, and republishes the
-manifest well before it expires, so the run outlives its creator.
+A background thread re-signs and stores the record every ``interval`` seconds, so it stays alive in the DHT even
+while the training thread is blocked in a round; a peer that stops refreshing simply expires, which is how the
+swarm notices a vanished volunteer. The same thread republishes the manifest well before it expires, so the run
+outlives its creator, and copies the state download's progress into the record.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
 
-from swarm.dht.progress import ProgressReporter
-from swarm.dht.records import PeerState
+from swarm.dht import calls
+from swarm.dht.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
 from swarm.dht.registry import MANIFEST_TTL, publish_manifest
 from swarm.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
 
+PUBLISH_INTERVAL = 2.0
+RECORD_TTL = 15.0
+
 
 class Presence:
+    """Owns this peer's progress record and keeps it fresh in the DHT (and, given one, the run's manifest)."""
+
     def __init__(
         self,
+        dht: hivemind.DHT,
+        run_id: str,
+        initial: dict[str, Any],
+        *,
+        interval: float = PUBLISH_INTERVAL,
+        ttl: float = RECORD_TTL,
+        manifest: RunManifest | None = None,
+        download_progress: Callable[[], float] | None = None,
+    ):
+        self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
+        self._manifest, self._download_progress = manifest, download_progress
+        self._manifest_published_at = 0.0
+        self._subkey = RSASignatureValidator().local_public_key
+        self._lock = threading.Lock()
+        self._fields: dict[str, Any] = dict(initial)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm-progress", daemon=True)
+
+    @classmethod
+    def of_peer(
+        cls,
         dht: hivemind.DHT,
         manifest: RunManifest,
         *,
@@ -33,68 +64,107 @@ class Presence:
         interval: float,
         ttl: float,
         download_progress: Callable[[], float],
-    ):
-        self.dht, self.manifest = dht, manifest
-        self._download_progress = download_progress
-        self._manifest_published_at = 0.0
-        self.publish_manifest()
+    ) -> Presence:
+        """A training peer's presence: the manifest published, the record starting, both refreshed from now on."""
         peer_id = dht.peer_id.to_base58()
-        self.reporter = ProgressReporter(
-            dht,
-            manifest.run_id,
-            dict(
-                peer_id=peer_id,
-                name=name or peer_id[-6:],
-                device=device,
-                epoch=0,
-                inner_step=0,
-                samples_per_second=0.0,
-                tokens_processed=0,
-                state=PeerState.starting.value,
-                last_loss=None,
-                client_mode=bool(dht.client_mode),
-                relayed=self._relayed(),
-                checksums=[],
-                accusations=[],
-            ),
-            interval=interval,
-            ttl=ttl,
-            on_tick=self._on_tick,
+        initial = dict(
+            peer_id=peer_id,
+            name=name or peer_id[-6:],
+            device=device,
+            epoch=0,
+            inner_step=0,
+            samples_per_second=0.0,
+            tokens_processed=0,
+            state=PeerState.starting.value,
+            last_loss=None,
+            client_mode=bool(dht.client_mode),
+            relayed=_relayed(dht),
+            checksums=[],
+            accusations=[],
         )
-        self.reporter.start()
+        presence = cls(dht, manifest.run_id, initial, interval=interval, ttl=ttl, manifest=manifest,
+                       download_progress=download_progress)  # fmt: skip
+        presence.publish_manifest()
+        presence.start()
+        return presence
 
-    def publish_manifest(self) -> None:
-        publish_manifest(self.dht, self.manifest)
-        self._manifest_published_at = time.monotonic()
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    # ---- what the record says ---------------------------------------------------------------------------------
 
     def update(self, *, publish_now: bool = False, **fields: Any) -> None:
-        self.reporter.update(publish_now=publish_now, **fields)
+        with self._lock:
+            self._fields.update(fields)
+        if publish_now:
+            self._wake.set()
 
     def set_state(self, state: PeerState, epoch: int, inner_step: int, publish: bool = False) -> None:
-        self.reporter.update(state=state.value, epoch=epoch, inner_step=inner_step, publish_now=publish)
+        self.update(state=state.value, epoch=epoch, inner_step=inner_step, publish_now=publish)
 
     def add_checksum(self, epoch: int, checksum: str) -> None:
-        self.reporter.add_checksum(epoch, checksum)
+        with self._lock:
+            history = [c for c in self._fields.get("checksums", []) if c["epoch"] != epoch]
+            history.append(EpochChecksum(epoch=epoch, checksum=checksum).dict())
+            self._fields["checksums"] = sorted(history, key=lambda c: c["epoch"])[-CHECKSUM_HISTORY:]
+        self._wake.set()
 
-    def say_leaving(self, timeout: float) -> None:
-        self.reporter.update(state=PeerState.leaving.value)
-        self.reporter.publish_now(timeout=timeout)
+    def snapshot(self) -> ProgressRecord:
+        with self._lock:
+            return ProgressRecord(**{**self._fields, "time": time.time()})
 
-    def stop(self, timeout: float) -> None:
-        """A short-lived final ``left`` record, then no more refreshes."""
-        self.reporter.stop(PeerState.left, timeout=timeout)
+    # ---- publishing -------------------------------------------------------------------------------------------
 
-    def _relayed(self) -> bool:
-        """True when others can reach us only through a relay (a /p2p-circuit/ address)."""
-        try:
-            return any("/p2p-circuit" in str(a) for a in self.dht.get_visible_maddrs())
-        except Exception:
-            logger.debug("could not read our visible addresses", exc_info=True)
-            return False
+    def publish_now(self, timeout: float = calls.DHT_TIMEOUT) -> bool:
+        return self._publish(timeout=timeout)
+
+    def publish_manifest(self) -> None:
+        if self._manifest is not None:
+            publish_manifest(self.dht, self._manifest)
+            self._manifest_published_at = time.monotonic()
+
+    def _publish(self, ttl: float | None = None, timeout: float = calls.DHT_TIMEOUT) -> bool:
+        record = self.snapshot()
+        expiration = get_dht_time() + (ttl or self.ttl)
+        return calls.store(self.dht, progress_key(self.run_id), self._subkey, record.dict(), expiration, timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self._publish()
+                self._on_tick()
 
     def _on_tick(self) -> None:
-        """On the reporter's thread: the manifest stays alive even while a round blocks training, and
-        others see how far a state download has got."""
-        if time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
+        """On the refresh thread: the manifest stays alive even while a round blocks training, and others see how
+        far a state download has got."""
+        if self._manifest is not None and time.monotonic() - self._manifest_published_at > MANIFEST_TTL / 3:
             self.publish_manifest()
-        self.reporter.update(download_progress=min(1.0, max(0.0, self._download_progress())))
+        if self._download_progress is not None:
+            self.update(download_progress=min(1.0, max(0.0, self._download_progress())))
+
+    # ---- leaving ----------------------------------------------------------------------------------------------
+
+    def say_leaving(self, timeout: float) -> None:
+        self.update(state=PeerState.leaving.value)
+        self.publish_now(timeout=timeout)
+
+    def stop(self, final_state: PeerState = PeerState.left, ttl: float = 5.0, timeout: float = 5.0) -> None:
+        """Mark this peer as gone: a short-lived final record, then no more refreshes."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout)
+        self.update(state=final_state.value)
+        self._publish(ttl=ttl, timeout=timeout)
+
+
+def _relayed(dht: hivemind.DHT) -> bool:
+    """True when others can reach us only through a relay (a /p2p-circuit/ address)."""
+    try:
+        return any("/p2p-circuit" in str(a) for a in dht.get_visible_maddrs())
+    except Exception:
+        logger.debug("could not read our visible addresses", exc_info=True)
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import re
+from dataclasses import dataclass
 
 import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
@@ -87,6 +88,14 @@ class ProgressRecord(pv1.BaseModel):
     @property
     def latest_checksum(self) -> EpochChecksum | None:
         return max(self.checksums, key=lambda c: c.epoch) if self.checksums else None
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    """A progress record as read back, with when it expires."""
+
+    record: ProgressRecord
+    expiration: float
 
 
 class GlobalSchema(pv1.BaseModel):

@@ -7,13 +7,21 @@ consensus) are applied identically by every peer, the dashboard and the tests.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swarm.dht.progress import PeerEntry
-from swarm.dht.records import PeerState, ProgressRecord
-from swarm.events import ResyncReason
+from swarm.dht.records import PeerEntry, PeerState, ProgressRecord
+
+
+class ResyncReason(enum.Enum):
+    """Why a round was replaced by the swarm's state (``resync_needed``)."""
+
+    behind = "behind the swarm"
+    ran_ahead = "ran ahead of the swarm on local rounds"
+    disagreed = "disagreed with the majority's checksum"
+
 
 GONE_STATES = frozenset({PeerState.left.value, PeerState.leaving.value})  # said goodbye
 _ACTIVE = {PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value}

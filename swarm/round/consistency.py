@@ -10,19 +10,19 @@ view (``swarm.dht.view``); what is here is when to wait for them, and how long.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
-from swarm.dht.view import groupmates_published, mates_finishing
+from swarm.dht.view import Resync, groupmates_published, mates_finishing
 from swarm.events import RoundOutcome, RoundReport
-
-if TYPE_CHECKING:
-    from swarm.peer import Peer
+from swarm.state.context import PeerContext
 
 
 class RoundChecks:
-    def __init__(self, peer: Peer):
-        self.peer = peer
+    """``resync_needed(epoch)`` says why our state at ``epoch`` is not the swarm's; ``resync(why)`` takes the swarm's
+    instead, and says whether it could (the round's, ``OuterRound``)."""
+
+    def __init__(self, ctx: PeerContext, resync_needed: Callable[[int], Resync | None], resync: Callable[[str], bool]):
+        self.ctx, self._resync_needed, self._resync = ctx, resync_needed, resync
         # the last finished round and its group, until its consistency is checked (at the next begin)
         self.unchecked: tuple[RoundReport, tuple[str, ...]] | None = None
         # the last round we averaged in: (epoch, group, when it ended); its groupmates' audits and repairs fetch
@@ -59,26 +59,26 @@ class RoundChecks:
         if self.unchecked is None:
             return None
         (report, group), self.unchecked = self.unchecked, None
-        if report.resynced or report.epoch != self.peer.outer.epoch:  # a re-sync or a replay moved the state on
+        if report.resynced or report.epoch != self.ctx.outer.epoch:  # a re-sync or a replay moved the state on
             return None
         if report.outcome == RoundOutcome.local:
-            group = (*group, *mates_finishing(self.peer.view(), self.peer.peer_id, report.epoch))
+            group = (*group, *mates_finishing(self.ctx.reader.view(), self.ctx.me, report.epoch))
         self.check(report, group)
         return report
 
     def check(self, report: RoundReport, group: Sequence[str]) -> None:
         """Wait (briefly) for the groupmates' checksums of the new epoch, then re-sync if the majority holds
         another state."""
-        peer = self.peer
+        outer = self.ctx.outer
         t2 = time.monotonic()
-        epoch = peer.outer.epoch
+        epoch = outer.epoch
         self.await_checksums(group, epoch)
-        why = peer.sync.resync_needed(epoch)
+        why = self._resync_needed(epoch)
         if why is not None:
-            report.resynced = peer.sync.resync(f"after the round: {why}")
+            report.resynced = self._resync(f"after the round: {why}")
             report.resync_reason = why.reason if report.resynced else None
-            report.checksum = peer.outer.checksum()
-            report.epoch = peer.outer.epoch
+            report.checksum = outer.checksum()
+            report.epoch = outer.epoch
         report.seconds["consistency"] = time.monotonic() - t2
 
     def serve_last_round(self, until: float) -> None:
@@ -88,17 +88,17 @@ class RoundChecks:
         dropped the slice, then held another state than the group's (seen in the byzantine benchmark)."""
         if self.last_group is not None:
             epoch, group, ended = self.last_group
-            window = min(until, ended + self.peer.manifest.averaging.allreduce_timeout)
+            window = min(until, ended + self.ctx.manifest.averaging.allreduce_timeout)
             self.await_checksums(group, epoch, window, until_stopped=True)  # a stop signal leaves at once
 
     def await_checksums(
         self, group: Sequence[str], epoch: int, deadline: float | None = None, until_stopped: bool = False
     ) -> None:
         """Until every groupmate still here published its checksum for ``epoch``, or consistency_timeout."""
-        peer = self.peer
+        ctx = self.ctx
         if deadline is None:
-            deadline = time.monotonic() + peer.manifest.averaging.consistency_timeout
-        while time.monotonic() < deadline and not groupmates_published(peer.view(), group, peer.peer_id, epoch):
-            if until_stopped and peer.stop_requested:
+            deadline = time.monotonic() + ctx.manifest.averaging.consistency_timeout
+        while time.monotonic() < deadline and not groupmates_published(ctx.reader.view(), group, ctx.me, epoch):
+            if until_stopped and ctx.stop_requested():
                 return
             time.sleep(0.2)

@@ -37,8 +37,8 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarm.averager.allreduce import decode_into, encode_average
-from swarm.averager.codecs import SLICE
-from swarm.averager.process import COMPRESSIONS
+from swarm.averager.codecs import SLICE, codec
+from swarm.manifest import Compression
 
 if TYPE_CHECKING:
     from swarm.averager.process import PseudoGradientAverager
@@ -46,12 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PART = 4 * SLICE  # values per encoded part: whole codec slices, and a bounded temporary per part
-ON_GRID = ("none", "fp4", "sparse")  # what encoding gives back exactly, as the buffers hold it
 LOCK_WAIT = 10.0  # seconds the round waits for the keeping thread to hold the buffers
 
 
-def compression_type(compression: str) -> int:
-    return COMPRESSIONS[compression]().compression_type
+def compression_type(compression: Compression) -> int:
+    return codec(compression).compression_type
 
 
 def encode_update(tensor: torch.Tensor, kind: int) -> list[runtime_pb2.Tensor]:
@@ -61,10 +60,10 @@ def encode_update(tensor: torch.Tensor, kind: int) -> list[runtime_pb2.Tensor]:
     return [encode_average(part, kind) for part in flat.split(PART)]
 
 
-def round_to_codec(buffers: Sequence[torch.Tensor], compression: str) -> list[list[runtime_pb2.Tensor]] | None:
+def round_to_codec(buffers: Sequence[torch.Tensor], compression: Compression) -> list[list[runtime_pb2.Tensor]] | None:
     """Off the codec's grid (fp16): encode the buffers, make them what decoding that gives, and return the
     encoding, which is what must be kept. None on the grid, where encoding can wait (nothing changes)."""
-    if compression in ON_GRID:
+    if Compression(compression).on_grid:
         return None
     kind, held = compression_type(compression), []
     for tensor in buffers:
@@ -76,7 +75,7 @@ def round_to_codec(buffers: Sequence[torch.Tensor], compression: str) -> list[li
 
 
 def keep_local_update(
-    averager: PseudoGradientAverager, epoch: int, compression: str, held: list[list[runtime_pb2.Tensor]] | None
+    averager: PseudoGradientAverager, epoch: int, compression: Compression, held: list[list[runtime_pb2.Tensor]] | None
 ) -> bool:
     """Keep our local round's step from ``epoch`` for replay, in a thread: ``held`` (``round_to_codec``'s), or
     the buffers, encoded. In that case returns once the thread holds the buffers' lock, so nothing can

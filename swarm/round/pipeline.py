@@ -1,5 +1,5 @@
-"""One outer round, as a pipeline: ``begin`` (check, pseudo-gradient, start averaging), ``poll`` or ``wait``
-while it runs, ``finish`` (apply, save, announce), and the consistency checks of ``swarm.round.consistency``.
+"""One outer round, as a pipeline: ``begin`` (check, hand over the pseudo-gradient, start averaging), ``poll`` or
+``wait`` while it runs, ``finish`` (apply, save, announce), and the consistency checks of ``swarm.round.consistency``.
 
 ``begin``: a late consistency check of the epoch we are leaving; the pseudo-gradient
 written into the averager's buffer (never sent when not finite), with error feedback
@@ -17,7 +17,7 @@ pseudo-gradient (a "local" round, whose step is kept for replay as a group's ave
 ``swarm.round.local_update``); a group whose values cannot be used (groupmates at
 another epoch, non-finite values) is skipped. An overlapped round moves the model by
 the same step and takes the stand-in back, so the inner steps taken meanwhile are kept
-on top of the group's step. Then the new state's file,
+on top of the group's step (``swarm.round.landing``). Then the new state's file,
 its checksum, and (blocking) a comparison with the groupmates' checksums.
 """
 
@@ -25,76 +25,110 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-import torch
+from collections.abc import Callable, Sequence
 
 from swarm.averager.codecs import apply_error_feedback
 from swarm.averager.process import RoundAborted, epoch_group_bits
 from swarm.dht.records import PeerState
-from swarm.dht.view import mates_coming, swarm_moved_on
+from swarm.dht.view import Resync, ResyncReason, mates_coming, swarm_moved_on
 from swarm.errors import LeaveRequested
-from swarm.events import PeerEvent, ResyncReason, RoundOutcome, RoundReport, short_reason
+from swarm.events import AveragingFailed, PeerStats, RoundFinished, RoundOutcome, RoundReport, short_reason
 from swarm.manifest import StandIn
 from swarm.round.consistency import RoundChecks
 from swarm.round.flight import EXPECTED_FAILURES, Flight
+from swarm.round.landing import add_steps, all_finite, damp_steps, share_kept
 from swarm.round.local_update import keep_local_update, round_to_codec
-
-if TYPE_CHECKING:
-    from swarm.peer import Peer
+from swarm.round.steps import RoundSteps
+from swarm.state.checkpoints import Checkpoints
+from swarm.state.context import PeerContext
+from swarm.state.sync import StateSync
 
 logger = logging.getLogger(__name__)
-ERROR_FEEDBACK = ("fp4", "sparse")
 
 
 class OuterRound:
-    def __init__(self, peer: Peer):
-        self.peer = peer
+    """``on_findings(findings, epoch)``: what a round's audits found, for the peer's bans."""
+
+    def __init__(
+        self,
+        ctx: PeerContext,
+        sync: StateSync,
+        checkpoints: Checkpoints,
+        steps: RoundSteps,
+        stats: PeerStats,
+        on_findings: Callable[[Sequence[dict], int], None],
+    ):
+        self.ctx, self.sync, self.checkpoints, self.steps, self.stats = ctx, sync, checkpoints, steps, stats
+        self._on_findings = on_findings
+        self.overlapped = ctx.manifest.averaging.overlap
         # (epoch, group size) while the averaging buffers hold the group's average that moved us to that epoch
         self._last_average: tuple[int, int] | None = None
-        self.checks = RoundChecks(peer)  # did the groupmates end our rounds on our state?
+        self.last_round_local = False  # our last round stepped alone: we may have run ahead of the swarm
+        self.checks = RoundChecks(ctx, self.resync_needed, self.resync)  # did the groupmates end on our state?
 
-    @property
-    def overlapped(self) -> bool:
-        return self.peer.manifest.averaging.overlap
+    # ---- re-syncs ------------------------------------------------------------------------------
+
+    def resync_needed(self, epoch: int) -> Resync | None:
+        return self.sync.resync_needed(epoch, self.last_round_local)
+
+    def resync(self, why: str) -> bool:
+        """Take the swarm's state instead of ours (``StateSync.resync``); whether it worked."""
+        ok = self.sync.resync(why)
+        if ok:
+            self.stats.resyncs += 1
+            self.last_round_local = False
+        return ok
 
     # ---- begin ---------------------------------------------------------------------------------
 
     def begin(self) -> Flight | RoundReport:
         """Start the round; a report instead when it was replaced by a re-sync."""
-        peer = self.peer
-        seconds: dict[str, float] = {"compute": peer.compute_seconds or (time.monotonic() - peer.round_started)}
-        epoch = peer.outer.epoch
+        ctx, steps = self.ctx, self.steps
+        seconds: dict[str, float] = {"compute": steps.compute_seconds or (time.monotonic() - steps.started)}
+        epoch = ctx.outer.epoch
         self.checks.before_next_round(epoch)
-        why = peer.sync.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
+        why = self.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
         if why is not None:
             return self._resync_round(seconds, str(why), reason=why.reason)
         # no longer training from here: the hand-over below takes seconds at 100M+ in fp4 (error feedback); the
         # record goes out with the next refresh, and at once once the averager has the round
-        peer.set_state(PeerState.matchmaking)
-        t0 = time.monotonic()
-        plan = self._stand_in_plan()  # before our own pseudo-gradient overwrites the last average
-        if not self._fill_pseudo_gradient():  # never send NaN/inf to others: take the swarm's state instead
+        ctx.set_state(PeerState.matchmaking, False)
+        flight = self._hand_over(epoch, seconds)
+        if flight is None:  # never send NaN/inf to others: take the swarm's state instead
             return self._resync_round(seconds, "non-finite pseudo-gradient", RoundOutcome.non_finite)
-        flight = Flight(epoch, peer.round_samples, seconds, time.monotonic() + peer.manifest.averaging.wait_for_peers)
+        if self.overlapped:
+            self._take_off(flight)
+        ctx.set_state(PeerState.matchmaking, True)
+        self._attempt(flight)
+        return flight
+
+    def _hand_over(self, epoch: int, seconds: dict[str, float]) -> Flight | None:
+        """Our pseudo-gradient into the averaging buffers, as it will go on the wire (with the codec's error
+        feedback), and an overlapped round's stand-in; None when the pseudo-gradient is not finite."""
+        ctx, t0 = self.ctx, time.monotonic()
+        plan = self._stand_in_plan()  # before our own pseudo-gradient overwrites the last average
+        with ctx.averager.get_tensors() as buffers:
+            ctx.outer.pseudo_gradient_into(buffers, ctx.params)
+            if not all_finite(buffers):
+                return None
+        flight = Flight(epoch, self.steps.samples, seconds, time.monotonic() + ctx.manifest.averaging.wait_for_peers)
         if self.overlapped:
             # the stand-in comes from the pseudo-gradient as computed, before a codec rounds it: made of fp4's coarse
             # values it put the next inner steps at a noisy point, and what they learnt there to undo the noise
             # stayed after the average replaced it (overlapped fp4 landing 1 step late: 1.065 of blocking, 1.029
-            # from the raw values; docs/benchmarks.md, section 6)
-            with peer.averager.get_tensors() as buffers:
-                flight.stand_in = peer.outer.stand_in(buffers, **plan)
+            # from the raw values; benchmarks/results/convergence-rawstandin)
+            with ctx.averager.get_tensors() as buffers:
+                flight.stand_in = ctx.outer.stand_in(buffers, **plan)
         self._apply_error_feedback()
         seconds["pseudo_gradient"] = time.monotonic() - t0
-        if self.overlapped:  # the next round starts at once from the global model moved by the stand-in's step
-            with peer.shield():
-                peer.outer.write_to(peer.params)
-                _add(peer.params, flight.stand_in, 1.0)
-            peer.begin_round()
-        peer.set_state(PeerState.matchmaking, publish=True)
-        self._attempt(flight)
         return flight
+
+    def _take_off(self, flight: Flight) -> None:
+        """Overlapped: the next round starts at once from the global model moved by the stand-in's step."""
+        with self.ctx.shield():
+            self.ctx.outer.write_to(self.ctx.params)
+            add_steps(self.ctx.params, flight.stand_in, 1.0)
+        self.steps.begin()
 
     def _stand_in_plan(self) -> dict:
         """How ``OuterState.stand_in`` makes this round's stand-in: ``StandIn.share``, the step of our own
@@ -102,34 +136,27 @@ class OuterRound:
         the step of the last round's average (still in the buffers, finite, and what moved us to this epoch);
         our own pseudo-gradient's whole step for ``own``, or when there is no last group to go by."""
         last, self._last_average = self._last_average, None
-        peer, kind = self.peer, self.peer.manifest.averaging.stand_in
+        ctx, kind = self.ctx, self.ctx.manifest.averaging.stand_in
         if not self.overlapped or kind == StandIn.own:
             return {}
-        if last is None or last[0] != peer.outer.epoch:  # a local, skipped or replayed round since
+        if last is None or last[0] != ctx.outer.epoch:  # a local, skipped or replayed round since
             return {}
         if kind == StandIn.share:
             return dict(grad_scale=1.0 / last[1])
-        with peer.averager.get_tensors() as buffers:
-            return dict(blend_into=peer.outer.stand_in(buffers), weight=1.0 / last[1])
-
-    def _fill_pseudo_gradient(self) -> bool:
-        """``global - local`` into the averaging buffers; False if it is not finite."""
-        peer = self.peer
-        with peer.averager.get_tensors() as buffers:
-            peer.outer.pseudo_gradient_into(buffers, peer.params)
-            return _all_finite(buffers)
+        with ctx.averager.get_tensors() as buffers:
+            return dict(blend_into=ctx.outer.stand_in(buffers), weight=1.0 / last[1])
 
     def _apply_error_feedback(self) -> None:
         """A codec that keeps a residual: add it to the pseudo-gradient in the buffers, round the sum to what
         will be sent, and keep what rounding dropped for the next round."""
-        peer = self.peer
-        if peer.manifest.averaging.compression in ERROR_FEEDBACK:
-            with peer.averager.get_tensors() as buffers, peer.outer.lock:
-                apply_error_feedback(buffers, peer.outer.residual, peer.manifest.averaging.compression)
-                peer.outer.residual_version += 1
+        ctx, compression = self.ctx, self.ctx.manifest.averaging.compression
+        if compression.error_feedback:
+            with ctx.averager.get_tensors() as buffers, ctx.outer.lock:
+                apply_error_feedback(buffers, ctx.outer.residual, compression)
+                ctx.outer.residual_version += 1
 
     def _attempt(self, flight: Flight) -> None:
-        peer, avg = self.peer, self.peer.manifest.averaging
+        ctx, avg = self.ctx, self.ctx.manifest.averaging
         flight.stage_times.clear()
         flight.attempt_started = time.monotonic()
         flight.outcome = flight.fallback = None
@@ -137,9 +164,9 @@ class OuterRound:
         def on_stage(stage: str) -> None:
             flight.stage_times.setdefault(stage, time.monotonic())
             if stage == "RUNNING_ALLREDUCE":
-                peer.set_state(PeerState.averaging, publish=True)
+                ctx.set_state(PeerState.averaging, True)
 
-        flight.attempt = peer.averager.start_averaging(
+        flight.attempt = ctx.averager.start_averaging(
             weight=float(max(1, flight.samples)),
             gather=dict(epoch=flight.epoch, samples=flight.samples),
             group_bits=epoch_group_bits(flight.epoch),
@@ -147,14 +174,14 @@ class OuterRound:
             hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
             abort_if=lambda: "moved on" if self._moved_on(flight) else None,
-            leaving=lambda: peer.stop_requested,
+            leaving=ctx.stop_requested,
         )
 
     def _moved_on(self, flight: Flight) -> bool:
         """Whether the swarm finished this round without us: from the records read in the background while
         inner steps run (they must not wait on the DHT), from the DHT itself once the loop waits for the round
         (a second sooner: an overlapped peer that missed the round still has the next one to catch)."""
-        view = self.peer.view() if flight.blocking else self.peer.recent_view()
+        view = self.ctx.reader.view() if flight.blocking else self.ctx.reader.recent_view()
         return view is not None and swarm_moved_on(view, flight.epoch)
 
     # ---- while it runs -------------------------------------------------------------------------
@@ -163,7 +190,7 @@ class OuterRound:
         """Advance the round; True once it is over (then ``finish`` it)."""
         if flight.done:
             return True
-        peer = self.peer
+        ctx = self.ctx
         try:
             if not flight.attempt.poll():
                 return False
@@ -177,17 +204,17 @@ class OuterRound:
         except RoundAborted as e:
             flight.aborted = e
             if not e.leaving:  # a leaving peer writes no buffer
-                peer.averager.ensure_idle()  # a cancelled step may still run: the buffers are not ours till it ends
+                ctx.averager.ensure_idle()  # a cancelled step may still run: the buffers are not ours till it ends
         except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
             logger.debug("averaging attempt failed", exc_info=True)
-            peer.averager.ensure_idle()  # a step that timed out was cancelled: as above
+            ctx.averager.ensure_idle()  # a step that timed out was cancelled: as above
             flight.fallback = short_reason(e)
             if not isinstance(e, EXPECTED_FAILURES):  # a bug is not "no group": say so, and what the log holds
                 flight.fallback = f"internal error ({type(e).__name__}: {short_reason(e)}; details in the log)"
-                peer.emit(PeerEvent.averaging_error, dict(reason=flight.fallback))
+                ctx.emit(AveragingFailed(flight.fallback))
             # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
-            coming = mates_coming(peer.view(), peer.peer_id, flight.epoch)
-            if time.monotonic() < flight.wait_until and coming and not peer.stop_requested:
+            coming = mates_coming(ctx.reader.view(), ctx.me, flight.epoch)
+            if time.monotonic() < flight.wait_until and coming and not ctx.stop_requested():
                 self._attempt(flight)
                 return False
         flight.done = True
@@ -201,139 +228,168 @@ class OuterRound:
     # ---- finish --------------------------------------------------------------------------------
 
     def finish(self, flight: Flight) -> RoundReport:
-        peer = self.peer
-        seconds = flight.seconds
-        t1 = time.monotonic()
-        t_allreduce, t_ready = flight.stage_times.get("RUNNING_ALLREDUCE", t1), t1
-        if flight.outcome is not None and flight.outcome.allreduce_started is not None:  # timed where it ran
-            t_allreduce, t_ready = flight.outcome.allreduce_started, flight.outcome.allreduce_finished
+        """Apply the round that is over: the phases below, in order."""
+        started = time.monotonic()
+        self._time_stages(flight, started)
+        if flight.aborted is not None:
+            return self._given_up(flight)
+        self._ban_caught_reducers(flight)
+        group = self._usable_group(flight)
+        self._step(flight)
+        if flight.fallback is None and len(group) > 1:
+            self._last_average = (self.ctx.outer.epoch, len(group))
+        flight.seconds["outer"] = time.monotonic() - started
+        report = self._count(flight, group)
+        self._announce(report)
+        self.checks.after_round(report, group, report.averaged, self.overlapped)
+        return report
+
+    def _time_stages(self, flight: Flight, now: float) -> None:
+        seconds, outcome = flight.seconds, flight.outcome
+        t_allreduce, t_ready = flight.stage_times.get("RUNNING_ALLREDUCE", now), now
+        if outcome is not None and outcome.allreduce_started is not None:  # timed where it ran
+            t_allreduce, t_ready = outcome.allreduce_started, outcome.allreduce_finished
         seconds["matchmaking"] = t_allreduce - flight.attempt_started
         seconds["allreduce"] = t_ready - t_allreduce
-        seconds["landing"] = t1 - t_ready  # the average ready, until the host took it (overlapped: next step's end)
-        seconds["audit"] = flight.outcome.audit_seconds if flight.outcome is not None else 0.0  # within all-reduce
-        if flight.aborted is not None:
-            if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
-                peer.set_state(PeerState.leaving, publish=True)
-                return RoundReport(
-                    epoch=flight.epoch,
-                    averaged=False,
-                    group_size=1,
-                    outcome=RoundOutcome.abandoned,
-                    fallback_reason="the peer is leaving",
-                    checksum=peer.outer.checksum(),
-                    seconds=seconds,
-                )
-            if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
-                adopted = self._adopt_round(flight)
-                if adopted is not None:
-                    return adopted
-            # our pseudo-gradient is for a round that is over: take the swarm's state
-            return self._resync_round(seconds, "the swarm finished this round without us", reason=ResyncReason.behind)
+        seconds["landing"] = now - t_ready  # the average ready, until the host took it (overlapped: next step's end)
+        seconds["audit"] = outcome.audit_seconds if outcome is not None else 0.0  # within the all-reduce
 
-        outcome = flight.outcome
-        if outcome is not None and outcome.findings:  # caught reducers: ban them, publish the accusations
-            peer.guard.on_findings(outcome.findings, flight.epoch)
-        group: tuple[str, ...] = (peer.peer_id,)
-        if outcome is not None and flight.fallback is None:
-            if self._buffers_finite():
-                group = outcome.group
-            else:
-                flight.fallback = "groupmates sent non-finite values"
-        skipped = outcome is not None and flight.fallback is not None  # the buffers hold someone else's values
-        kept_setting = peer.manifest.averaging.in_flight_steps_kept
-        steps_kept = share_kept(kept_setting, peer.inner_step) if flight.stand_in is not None else 1.0
-        with peer.shield():  # a stop signal waits for the outer state to be whole again
+    def _given_up(self, flight: Flight) -> RoundReport:
+        """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
+        (overlapped: adopt its average; otherwise, or failing that, take the swarm's state)."""
+        ctx = self.ctx
+        if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
+            ctx.set_state(PeerState.leaving, True)
+            return RoundReport(
+                epoch=flight.epoch,
+                averaged=False,
+                group_size=1,
+                outcome=RoundOutcome.abandoned,
+                fallback_reason="the peer is leaving",
+                checksum=ctx.outer.checksum(),
+                seconds=flight.seconds,
+            )
+        if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
+            adopted = self._adopt_round(flight)
+            if adopted is not None:
+                return adopted
+        # our pseudo-gradient is for a round that is over: take the swarm's state
+        return self._resync_round(
+            flight.seconds, "the swarm finished this round without us", reason=ResyncReason.behind
+        )
+
+    def _ban_caught_reducers(self, flight: Flight) -> None:
+        """Reducers our audits caught: banned, and the accusations published (``swarm.defence.bans``)."""
+        if flight.outcome is not None and flight.outcome.findings:
+            self._on_findings(flight.outcome.findings, flight.epoch)
+
+    def _usable_group(self, flight: Flight) -> tuple[str, ...]:
+        """The group whose average the buffers hold, or ourselves alone: no group, or one whose values cannot be
+        used (``flight.fallback`` then says why)."""
+        if flight.outcome is None or flight.fallback is not None:
+            return (self.ctx.me,)
+        with self.ctx.averager.get_tensors() as buffers:
+            if all_finite(buffers):
+                return flight.outcome.group
+        flight.fallback = "groupmates sent non-finite values"
+        return (self.ctx.me,)
+
+    def _step(self, flight: Flight) -> None:
+        """The outer step with what the buffers hold (the group's average, or our own pseudo-gradient), or none for
+        a skipped group; an overlapped round's stand-in taken back and its in-flight steps damped; then the new
+        state's checksum and file. Under the shield: a stop signal waits for the outer state to be whole again."""
+        ctx, avg = self.ctx, self.ctx.manifest.averaging
+        skipped = flight.outcome is not None and flight.fallback is not None  # the buffers hold others' values
+        steps_kept = share_kept(avg.in_flight_steps_kept, self.steps.inner_step) if flight.stand_in is not None else 1.0
+        with ctx.shield():
             if skipped:
-                if peer.outer.residual is not None:
-                    for residual in peer.outer.residual:
-                        residual.zero_()
+                ctx.outer.reset_residual()
             else:
-                kept = outcome is None and peer.manifest.averaging.replay_rounds > 0  # local: kept for replay
-                compression, held = peer.manifest.averaging.compression, None
-                with peer.averager.get_tensors() as buffers:
-                    if kept:
-                        held = round_to_codec(buffers, compression)
-                    peer.outer.step(buffers, shift=peer.params if self.overlapped else None)
-                if kept:
-                    keep_local_update(peer.averager, peer.outer.epoch - 1, compression, held)
-                if not self.overlapped:
-                    peer.outer.write_to(peer.params)
+                self._outer_step(kept_for_replay=flight.outcome is None and avg.replay_rounds > 0)
             if flight.stand_in is not None:  # the group's step (or none) replaces the one taken ahead
-                _add(peer.params, flight.stand_in, -1.0)
+                add_steps(ctx.params, flight.stand_in, -1.0)
                 flight.stand_in = None
             if steps_kept != 1.0:  # of the inner steps taken since the round took off, keep only that share
-                _damp_steps(peer.params, peer.outer.params, steps_kept)
-            peer.outer.checksum()
-            peer.checkpoints.save()
-        if flight.fallback is None and len(group) > 1:
-            self._last_average = (peer.outer.epoch, len(group))
-        seconds["outer"] = time.monotonic() - t1
+                damp_steps(ctx.params, ctx.outer.params, steps_kept)
+            ctx.outer.checksum()
+            self.checkpoints.save()
 
-        averaged = flight.fallback is None
-        peer.stats.rounds += 1
-        peer.last_round_local = not averaged
+    def _outer_step(self, kept_for_replay: bool) -> None:
+        """Nesterov with the buffers; a local round's step is kept for replay, as a group's average is."""
+        ctx, compression, held = self.ctx, self.ctx.manifest.averaging.compression, None
+        with ctx.averager.get_tensors() as buffers:
+            if kept_for_replay:
+                held = round_to_codec(buffers, compression)
+            ctx.outer.step(buffers, shift=ctx.params if self.overlapped else None)
+        if kept_for_replay:
+            keep_local_update(ctx.averager, ctx.outer.epoch - 1, compression, held)
+        if not self.overlapped:
+            ctx.outer.write_to(ctx.params)
+
+    def _count(self, flight: Flight, group: tuple[str, ...]) -> RoundReport:
+        """The round's stats, and its report."""
+        averaged, outcome = flight.fallback is None, flight.outcome
+        skipped = outcome is not None and not averaged
+        self.stats.rounds += 1
+        self.last_round_local = not averaged
         if averaged:
-            peer.stats.averaged_rounds += 1
+            self.stats.averaged_rounds += 1
         else:
-            peer.stats.local_rounds += 1
-        kind = RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local
-        report = RoundReport(
-            epoch=peer.outer.epoch,
+            self.stats.local_rounds += 1
+        return RoundReport(
+            epoch=self.ctx.outer.epoch,
             averaged=averaged,
             group_size=len(group),
-            outcome=kind,
+            outcome=RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local,
             fallback_reason=flight.fallback,
             dropped_fraction=outcome.dropped_fraction if outcome is not None else 0.0,
-            checksum=peer.outer.checksum(),
+            checksum=self.ctx.outer.checksum(),
             samples=flight.samples,
-            seconds=seconds,
+            seconds=flight.seconds,
             bytes_sent=outcome.bytes_sent if outcome is not None else 0,
             bytes_received=outcome.bytes_received if outcome is not None else 0,
             audit_bytes=outcome.audit_bytes if outcome is not None else 0,
             repair_failures=outcome.repair_failures if outcome is not None else (),
         )
+
+    def _announce(self, report: RoundReport) -> None:
+        """The new state's checksum published and its file offered; training again (blocking: a new round)."""
         if not self.overlapped:
-            peer.begin_round()
-        peer.checkpoints.announce()
-        peer.set_state(PeerState.training, publish=True)
-        peer.emit(PeerEvent.round, dict(report=report))
-        self.checks.after_round(report, group, averaged, self.overlapped)
-        return report
+            self.steps.begin()
+        self.checkpoints.announce(self.steps.inner_step)
+        self.ctx.set_state(PeerState.training, True)
+        self.ctx.emit(RoundFinished(report))
 
     def _adopt_round(self, flight: Flight) -> RoundReport | None:
         """The swarm finished our round without us (overlapped): apply its average, as a replay, to the outer
-        state and to the model less our stand-in step; the inner steps taken since stay (``StateSync.adopt_round``),
+        state and to the model less our stand-in step; the inner steps taken since stay (``Replay.adopt``),
         all of them whatever ``in_flight_steps_kept`` says: damping them first would leave the model unusable if the
         replay then failed and no re-sync could replace it. None when that round cannot be replayed: the caller
         re-syncs."""
-        peer, t0 = self.peer, time.monotonic()
-        with peer.shield():
-            _add(peer.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again
+        ctx, t0 = self.ctx, time.monotonic()
+        with ctx.shield():
+            add_steps(ctx.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again
             flight.stand_in = None
         self._last_average = None
-        if not peer.sync.adopt_round(peer.params):
+        if not self.sync.replay.adopt(ctx.params):
             return None
         flight.seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
-        peer.last_round_local = False
-        peer.stats.rounds += 1
+        self.last_round_local = False
+        self.stats.rounds += 1
         report = RoundReport(
-            epoch=peer.outer.epoch,
+            epoch=ctx.outer.epoch,
             averaged=False,
             group_size=1,
             outcome=RoundOutcome.adopted,
             fallback_reason="the swarm finished this round without us: its average was applied",
-            checksum=peer.outer.checksum(),
+            checksum=ctx.outer.checksum(),
             samples=flight.samples,
             seconds=flight.seconds,
         )
-        peer.checkpoints.announce()
-        peer.set_state(PeerState.training, publish=True)
-        peer.emit(PeerEvent.round, dict(report=report))
+        self.checkpoints.announce(self.steps.inner_step)
+        ctx.set_state(PeerState.training, True)
+        ctx.emit(RoundFinished(report))
         return report
-
-    def _buffers_finite(self) -> bool:
-        with self.peer.averager.get_tensors() as buffers:
-            return _all_finite(buffers)
 
     def _resync_round(
         self,
@@ -342,51 +398,19 @@ class OuterRound:
         outcome: RoundOutcome = RoundOutcome.resynced,
         reason: ResyncReason | None = None,
     ) -> RoundReport:
-        peer = self.peer
         self._last_average = None
         t0 = time.monotonic()
-        resynced = peer.sync.resync(why)
+        resynced = self.resync(why)
         seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
-        peer.begin_round()
+        self.steps.begin()
         return RoundReport(
-            epoch=peer.epoch,
+            epoch=self.ctx.outer.epoch,
             averaged=False,
             group_size=1,
             outcome=outcome,
             fallback_reason=why,
             resynced=resynced,
             resync_reason=reason if resynced else None,
-            checksum=peer.outer.checksum(),
+            checksum=self.ctx.outer.checksum(),
             seconds=seconds,
         )
-
-
-def _add(params: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], sign: float) -> None:
-    with torch.no_grad():
-        for p, step in zip(params, steps):
-            p.add_(step.to(p.device, p.dtype), alpha=sign)
-
-
-DAMP_FROM_STEPS = 2  # an average landing fewer inner steps late keeps them all (see ``share_kept``)
-
-
-def share_kept(kept: float, steps_late: int) -> float:
-    """The share of the inner steps taken since the round took off that stays when its average lands
-    ``steps_late`` steps into the next round: ``kept`` (``averaging.in_flight_steps_kept``) from
-    ``DAMP_FROM_STEPS`` late, all of them before. In the simulator (``tiny``, fp4, H = 10, five seeds each),
-    damping by half cost 1.0% of held-out loss at 1 step late and gained 2.9% at 2 and 10.9% at 5
-    (``benchmarks/results/convergence-merge``)."""
-    return kept if steps_late >= DAMP_FROM_STEPS else 1.0
-
-
-def _damp_steps(params: Sequence[torch.Tensor], global_params: Sequence[torch.Tensor], kept: float) -> None:
-    """``p <- global + kept * (p - global)``: the model is the global one plus the inner steps taken since the round
-    took off; of those, keep ``kept``."""
-    with torch.no_grad():
-        for p, g in zip(params, global_params):
-            g = g.to(p.device, p.dtype)
-            p.sub_(g).mul_(kept).add_(g)
-
-
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
