@@ -100,7 +100,7 @@ def install(attack: str, factor: float) -> None:
 
     def lying_feedback(self) -> None:
         feedback(self)
-        with self.peer.averager.get_tensors() as buffers:
+        with self.ctx.averager.get_tensors() as buffers:
             if attack == "stale" and not first:
                 first.extend(b.clone() for b in buffers)
             if attack == "drift" and not direction:
