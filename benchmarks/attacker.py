@@ -141,16 +141,17 @@ def _install_nonfinite_fp4() -> None:
     """fp4 parts whose blocks with an infinity carry the zero block's scale byte over nonzero codes (raw, not
     deflated: a decoder takes a part of the raw size as it is); the other blocks are honest."""
     import swarm.averager.codecs as codecs
+    from swarm.averager import fp4
 
     def encode(flat: torch.Tensor) -> bytes:
-        blocks = codecs._rows(flat, codecs.FP4_BLOCK)
+        blocks = fp4._rows(flat, fp4.FP4_BLOCK)
         infinite = torch.isinf(blocks)
         clean = torch.where(infinite, torch.zeros_like(blocks), blocks)
-        t = codecs._block_exponents(clean)
-        codes = codecs._fp4_codes(clean, t)
+        t = fp4._block_exponents(clean)
+        codes = fp4._fp4_codes(clean, t)
         codes[infinite.numpy()] = 7  # the top level, positive
-        t = torch.where(infinite.any(dim=1), torch.full_like(t, codecs.ZERO_EXPONENT), t)
-        return codecs.fp4_raw(t, codes, flat.numel())
+        t = torch.where(infinite.any(dim=1), torch.full_like(t, fp4.ZERO_EXPONENT), t)
+        return fp4.fp4_raw(t, codes, flat.numel())
 
     codecs.fp4_encode = encode
 

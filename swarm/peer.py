@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import signal
 import tempfile
 import time
 from collections import deque
@@ -37,13 +36,13 @@ from typing import Any
 import hivemind
 import torch
 
-from swarm.averager.process import PseudoGradientAverager, averager_options
+from swarm.averager.process import PseudoGradientAverager, start_averager
 from swarm.defence.bans import BanList, Guard
 from swarm.dht.access import check_access
 from swarm.dht.network import NetworkConfig, start_dht
 from swarm.dht.peers import SwarmReader
 from swarm.dht.presence import PUBLISH_INTERVAL, RECORD_TTL, Presence
-from swarm.dht.records import PeerEntry, PeerState, run_prefix, run_validator
+from swarm.dht.records import PeerState, run_validator
 from swarm.dht.view import SwarmView
 from swarm.errors import LeaveRequested
 from swarm.events import Banned, Left, PeerEvent, PeerStats, RoundOutcome, RoundReport, StateChanged
@@ -108,7 +107,7 @@ class Peer:
         self.stats = PeerStats()
         self._steps = RoundSteps()
         self._speed = 0.0  # samples per second, smoothed
-        self._buffers: list[torch.Tensor] = []
+        self._shapes: list[tuple[int, ...]] = []  # of the parameters, as connected
         self._connected = self._started = self._stopped = self._stop_requested = False
         # set up by connect: the averager process, this peer's record, its bans, everyone's records
         self.averager: PseudoGradientAverager | None = None
@@ -157,14 +156,6 @@ class Peer:
         return self._steps.inner_step
 
     @property
-    def client_mode(self) -> bool:
-        return bool(self.dht.client_mode)
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_requested
-
-    @property
     def flight(self) -> Flight | None:
         """The overlapped round in the air while the loop trains, or None (its identity marks a round's take-off
         and landing: ``client.moments``)."""
@@ -198,14 +189,6 @@ class Peer:
         """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
         return self._reader.view()
 
-    def recent_view(self) -> SwarmView | None:
-        """``view`` from the newest copy of the records read in the background (at most about a second old)."""
-        return self._reader.recent_view()
-
-    def entries(self) -> list[PeerEntry]:
-        """Every live record of the run, including peers that are leaving: for dashboards."""
-        return self._reader.entries()
-
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def connect(self, shapes: Sequence[Sequence[int]]) -> None:
@@ -220,23 +203,10 @@ class Peer:
         if self._dht is None:
             assert self._network is not None
             self._dht = start_dht(self._network)
-        secret = getattr(self.dht, "run_secret", None)
-        check_access(self.run_id, self.manifest.access, secret)
+        check_access(self.run_id, self.manifest.access, getattr(self.dht, "run_secret", None))
         self.dht.add_validators([run_validator(self.run_id)])
-        self._buffers = [torch.zeros(tuple(shape)) for shape in shapes]
-        handler = signal.getsignal(signal.SIGINT)
-        self.averager = PseudoGradientAverager(
-            self._buffers,
-            self.dht,
-            run_id=self.run_id,
-            update_dir=self.state_dir,
-            secret=secret,
-            start=True,
-            prefix=run_prefix(self.run_id),
-            client_mode=self.dht.client_mode,
-            **averager_options(self.manifest.averaging),
-        )
-        signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
+        self._shapes = [tuple(shape) for shape in shapes]
+        self.averager = start_averager(self.dht, self._shapes, self.run_id, self.manifest.averaging, self.state_dir)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
         self._presence = Presence.of_peer(
@@ -270,17 +240,17 @@ class Peer:
         shapes = [tuple(p.shape) for p in params]
         if not self._connected:
             self.connect(shapes)
-        if shapes != [tuple(b.shape) for b in self._buffers]:
+        if shapes != self._shapes:
             raise ValueError("the model's parameters do not have the shapes the peer was connected with")
         outer = OuterState(params, self.manifest.outer)
         if self.manifest.averaging.compression.error_feedback:
             outer.keep_residual()
-        ctx = PeerContext(
-            self.manifest, self.peer_id, outer, params, self.averager, self._reader,
-            emit=self._emit, set_state=self._set_state, shield=self._shield, stop_requested=lambda: self.stop_requested,
-        )  # fmt: skip
+        stopping = lambda: self._stop_requested  # noqa: E731
+        ctx = PeerContext(self.manifest, self.peer_id, outer, params, self.averager, self._reader,
+                          self._emit, self._set_state, self._shield, stopping)  # fmt: skip
         self._outer = outer
-        self._checkpoints = Checkpoints(ctx, self.state_dir, self._presence, self._state_extra, self.client_mode)
+        client_mode = bool(self.dht.client_mode)
+        self._checkpoints = Checkpoints(ctx, self.state_dir, self._presence, self._state_extra, client_mode)
         self._sync = StateSync(ctx, self._checkpoints, begin_round=self._steps.begin)
         self._rounds = OuterRound(ctx, self._sync, self._checkpoints, self._steps, self.stats, self._guard.on_findings)
         self._started = True

@@ -11,7 +11,8 @@ import pytest
 from hivemind.averaging.control import AveragingStage
 
 import swarm.averager.process as averaging_module
-from swarm.averager.process import Averaging, PseudoGradientAverager, RoundAborted, epoch_group_bits, group_epoch
+from swarm.averager.handle import Averaging, RoundAborted
+from swarm.averager.process import PseudoGradientAverager, epoch_group_bits, group_epoch
 from swarm.errors import HelperError
 from swarm.events import PeerStats
 from swarm.round.flight import Flight

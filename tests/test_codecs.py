@@ -10,16 +10,12 @@ import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 
-from swarm.averager import codecs
-from swarm.averager.codecs import (
-    CODECS,
-    FP4_BLOCK,
+from swarm.averager import fp4
+from swarm.averager.codecs import CODECS, apply_error_feedback
+from swarm.averager.fp4 import FP4_BLOCK, fp4_decode, fp4_encode, fp4_quantize
+from swarm.averager.sparse import (
     SPARSE_CHUNK,
     SPARSE_K,
-    apply_error_feedback,
-    fp4_decode,
-    fp4_encode,
-    fp4_quantize,
     sparse_decode,
     sparse_encode,
     sparse_encode_average,
@@ -139,8 +135,8 @@ def test_a_reducers_sparse_average_keeps_the_union_of_indices():
 def fp4_quantize_rows(values: torch.Tensor) -> torch.Tensor:
     """FP4 on sparse-chunk rows: what the average format keeps of the nonzeros."""
     rows = values.view(-1, SPARSE_CHUNK)
-    t = codecs._block_exponents(rows)
-    return codecs._fp4_from_codes(codecs._fp4_codes(rows, t), t.numpy()).view(-1)
+    t = fp4._block_exponents(rows)
+    return fp4._fp4_from_codes(fp4._fp4_codes(rows, t), t.numpy()).view(-1)
 
 
 @pytest.mark.parametrize("name", ["fp4", "sparse"])
@@ -171,25 +167,25 @@ def test_malformed_parts_are_refused():
 
 def test_scales_no_encoder_sends_are_refused_rather_than_decoded_to_infinities_or_huge_values():
     # fp4, sent raw (a part as long as its raw size is not inflated): 2 block scales, then 4-bit codes
-    numel = 2 * codecs.FP4_BLOCK
+    numel = 2 * fp4.FP4_BLOCK
 
     def fp4_part(scales: list[int], code: int) -> bytes:
         return np.array(scales, dtype=np.int8).tobytes() + bytes([code | (code << 4)]) * (numel // 2)
 
     honest = fp4_decode(fp4_part([-3, 0], 7), numel)  # top level everywhere: +2**t
-    assert torch.equal(honest, torch.tensor([2.0**-3] * codecs.FP4_BLOCK + [1.0] * codecs.FP4_BLOCK))
-    assert torch.equal(fp4_decode(fp4_part([codecs.ZERO_EXPONENT] * 2, 0), numel), torch.zeros(numel))
+    assert torch.equal(honest, torch.tensor([2.0**-3] * fp4.FP4_BLOCK + [1.0] * fp4.FP4_BLOCK))
+    assert torch.equal(fp4_decode(fp4_part([fp4.ZERO_EXPONENT] * 2, 0), numel), torch.zeros(numel))
     # a block marked zero that holds values decodes (unchecked) to -inf or huge magnitudes; a scale below the
     # smallest an encoder sends wraps around the same way
-    for scales, code in (([codecs.ZERO_EXPONENT, 0], 7), ([codecs.ZERO_EXPONENT, 0], 1), ([-125, 0], 7)):
+    for scales, code in (([fp4.ZERO_EXPONENT, 0], 7), ([fp4.ZERO_EXPONENT, 0], 1), ([-125, 0], 7)):
         with pytest.raises(ValueError):
             fp4_decode(fp4_part(scales, code), numel)
-    assert codecs.MIN_EXPONENT - 1 > codecs.ZERO_EXPONENT  # the refused range is not empty
+    assert fp4.MIN_EXPONENT - 1 > fp4.ZERO_EXPONENT  # the refused range is not empty
     # sparse: a reducer's average carries one fp4 scale per chunk after its first byte
     x = torch.randn(2 * SPARSE_CHUNK)
     average = bytearray(sparse_encode_average(fp4_quantize(sparse_quantize(x))))
     assert torch.isfinite(sparse_decode(bytes(average), x.numel())).all()
-    for scale in (codecs.ZERO_EXPONENT, -125):
+    for scale in (fp4.ZERO_EXPONENT, -125):
         bad = bytearray(average)
         bad[1] = scale & 0xFF
         with pytest.raises(ValueError):
@@ -202,7 +198,7 @@ def test_scales_no_encoder_sends_are_refused_rather_than_decoded_to_infinities_o
         sparse_decode(bytes(bad), x.numel())
 
 
-@pytest.mark.parametrize("exponent", [codecs.MIN_EXPONENT - 2, codecs.MIN_EXPONENT - 1, codecs.MIN_EXPONENT, -3, 120])
+@pytest.mark.parametrize("exponent", [fp4.MIN_EXPONENT - 2, fp4.MIN_EXPONENT - 1, fp4.MIN_EXPONENT, -3, 120])
 def test_quantized_fp4_values_encode_losslessly_at_every_scale(exponent):
     # the averager encodes what the host quantized, and the residual counts on it being sent whole; a row's largest
     # value rounds down to half its scale, which must not fall under the cut to zero (it once did near 2**-121)

@@ -14,7 +14,9 @@ import torch
 from diloco_helpers import inner_step, make_batch, make_model, make_optimizer, tiny_manifest
 
 from swarm import RunManifest, seeded_init
-from swarm.averager.codecs import apply_error_feedback, fp4_decode, fp4_encode, sparse_decode, sparse_encode_average
+from swarm.averager.codecs import apply_error_feedback
+from swarm.averager.fp4 import fp4_decode, fp4_encode
+from swarm.averager.sparse import sparse_decode, sparse_encode_average
 from swarm.manifest import StandIn
 from swarm.round.landing import DAMP_FROM_STEPS
 from swarm.state.outer import OuterState

@@ -18,8 +18,10 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averager.allreduce import Dropped
-from swarm.averager.audit_serving import AuditRound, kept_for
-from swarm.averager.auditing import FETCH_ATTEMPTS, Auditing, RepairFailure, slices_to_repair
+from swarm.averager.audit_requests import FETCH_ATTEMPTS
+from swarm.averager.audit_serving import AuditRequest, AuditRound, kept_for
+from swarm.averager.auditing import Auditing
+from swarm.averager.repair import RepairFailure, restore_slice, slices_to_repair
 from swarm.defence.audit import Receipt, digest_parts
 from swarm.dht.identity import peer_id_of_owner
 
@@ -46,8 +48,8 @@ class FakeFetches(Auditing):
             raise ConnectionResetError("the stream was cut")
         return self._receipt, b"", {}
 
-    async def _fetch_parts(self, record, sender, reducer, limit, what="parts", indices=None):
-        assert what == "output" and sender == reducer and indices is None
+    async def _fetch_parts(self, record, sender, reducer, limit, what=AuditRequest.parts, indices=None):
+        assert what is AuditRequest.output and sender == reducer and indices is None
         self.requests += 1
         if self._cut > 0:  # its stream breaks again, on a loaded host or link
             self._cut -= 1
@@ -81,7 +83,7 @@ def test_a_slice_that_came_in_part_is_restored_from_the_reducers_signed_average(
     record, held, owner = partial_copy(reducer, whole)
     parts = repair(FakeFetches(receipt, whole), record, reducer)
     assert not isinstance(parts, RepairFailure), parts
-    assert Auditing._restore_slice(held, owner, reducer, parts) == 150  # the missing part's values
+    assert restore_slice(held, owner, reducer, parts) == 150  # the missing part's values
     assert [p.SerializeToString() for p in held[0][1:]] == [p.SerializeToString() for p in whole]
     assert held[0][0] is not None and not isinstance(held[0][0], Dropped)  # our own part is untouched
 
@@ -122,7 +124,7 @@ def test_a_request_whose_stream_breaks_is_made_again_before_the_slice_is_given_u
     fetches = FakeFetches(receipt, whole, fail=fail, cut=cut)
     parts = repair(fetches, record, reducer)
     assert not isinstance(parts, RepairFailure), parts
-    assert Auditing._restore_slice(held, owner, reducer, parts) == 150
+    assert restore_slice(held, owner, reducer, parts) == 150
     assert fetches.requests == 2 + fail + cut
 
 

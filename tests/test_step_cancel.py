@@ -3,7 +3,7 @@
 hivemind's ``StepControl.cancel`` wakes the averager before it marks the step cancelled. A training process
 descheduled between the two (a loaded machine) left the averager running the step: in a CI run a joiner's
 cancelled step of epoch 2 went on looking for a group and joined epoch 5's with its old gather.
-``averaging.cancel_step`` marks the step first."""
+``swarm.hivemind_fixes.step_cancel.cancel_step`` marks the step first."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from client_helpers import run_script
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.averager.process import Averaging, RoundAborted, cancel_step
+from swarm.averager.handle import Averaging, RoundAborted
+from swarm.hivemind_fixes.step_cancel import cancel_step
 
 
 class Watch:
@@ -78,12 +79,13 @@ SCRIPT = r"""
 import concurrent.futures, json, os, sys, time
 import torch
 from hivemind.averaging.control import StepControl
-import swarm.averager.process as averaging
-from swarm.averager.process import PseudoGradientAverager, RoundAborted, epoch_group_bits
+import swarm.averager.handle as handle_module
+from swarm.averager.handle import RoundAborted
+from swarm.averager.process import PseudoGradientAverager, epoch_group_bits
 from swarm.dht.network import NetworkConfig, start_dht
 
 if sys.argv[1] == "hivemind":
-    averaging.cancel_step = lambda control: control.cancel()  # hivemind's own order
+    handle_module.cancel_step = lambda control: control.cancel()  # hivemind's own order
 mark = concurrent.futures.Future.cancel
 def descheduled(self):  # the training process loses the CPU right before it marks the step cancelled
     if isinstance(self, StepControl):

@@ -9,6 +9,7 @@ verdicts of each reducer's auditor. Only groupmates of that round are answered.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import typing
@@ -22,6 +23,15 @@ from swarm.averager.allreduce import ExactAllReduceRunner, HeldPart
 from swarm.defence.audit import Verdict, auditor_of
 
 logger = logging.getLogger(__name__)
+
+
+class AuditRequest(enum.StrEnum):
+    """What a groupmate's audit asks of us (the ``what`` of its request, as it goes on the wire)."""
+
+    receipt = "receipt"  # our signed receipt as a reducer, with the per-part digests under it
+    parts = "parts"  # the parts we sent a reducer: all of them, or those ``indices`` (an audit of a sample)
+    output = "output"  # our own slice's average again, as we signed it (a groupmate whose copy came in part)
+
 
 MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go ``kept_for`` after its audit)
@@ -83,38 +93,47 @@ class AuditServing:
     async def rpc_audit_fetch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
-        """A groupmate's audit: our signed receipt (``what="receipt"``) or the parts we sent a reducer."""
+        """A groupmate's audit: what its ``AuditRequest`` asks for."""
         fields = self._admitted(request, context)
         if fields is None or not isinstance(fields.get("group_id"), bytes):
             return
         record = self._audit_rounds.get(fields["group_id"])
         if record is None or context.remote_id.to_base58() not in record.members:
             return
-        if fields.get("what") == "receipt":  # with the per-part digests under it, for audits of a sample
-            deadline = time.monotonic() + self._audit_timeout
-            while not record.done and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if record.receipt is not None:
-                reply = dict(receipt=record.receipt, listed=record.listed)
-                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
-        elif fields.get("what") == "output":  # our own slice's average again, as we signed it in the receipt
-            deadline = time.monotonic() + self._audit_timeout
-            while not record.done and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            for part in record.own_output or ():
-                yield averaging_pb2.DownloadData(tensor_part=part)
-        elif fields.get("what") == "parts":  # all of them, or those ``indices`` (an audit of a sample)
-            parts = record.sent_to(str(fields.get("reducer")))
-            indices = fields.get("indices")
-            if parts is not None and indices is not None:
-                valid = isinstance(indices, list) and all(isinstance(i, int) and 0 <= i < len(parts) for i in indices)
-                parts = [parts[i] for i in indices] if valid else None
-            logger.debug(
-                "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts), fields.get("reducer"),
-                record.done,
-            )  # fmt: skip
-            for part in parts or ():
-                yield averaging_pb2.DownloadData(tensor_part=part)
+        try:
+            what = AuditRequest(fields.get("what"))
+        except (ValueError, TypeError):  # another machine's request: not one we know
+            return
+        match what:
+            case AuditRequest.receipt:  # with the per-part digests under it, for audits of a sample
+                await self._until_final(record)
+                if record.receipt is not None:
+                    reply = dict(receipt=record.receipt, listed=record.listed)
+                    yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
+            case AuditRequest.output:  # our own slice's average again, as we signed it in the receipt
+                await self._until_final(record)
+                for part in record.own_output or ():
+                    yield averaging_pb2.DownloadData(tensor_part=part)
+            case AuditRequest.parts:  # all of them, or those ``indices`` (an audit of a sample)
+                parts = record.sent_to(str(fields.get("reducer")))
+                indices = fields.get("indices")
+                if parts is not None and indices is not None:
+                    valid = isinstance(indices, list) and all(
+                        isinstance(i, int) and 0 <= i < len(parts) for i in indices
+                    )
+                    parts = [parts[i] for i in indices] if valid else None
+                logger.debug(
+                    "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts),
+                    fields.get("reducer"), record.done,
+                )  # fmt: skip
+                for part in parts or ():
+                    yield averaging_pb2.DownloadData(tensor_part=part)
+
+    async def _until_final(self, record: AuditRound) -> None:
+        """Until our receipt for the round is final (or there will be none), within ``audit_timeout``."""
+        deadline = time.monotonic() + self._audit_timeout
+        while not record.done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def rpc_audit_verdict(
         self, request: averaging_pb2.DownloadData, context: P2PContext

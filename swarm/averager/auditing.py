@@ -9,27 +9,22 @@ vanished reducer's). Every fetch and every wait is bounded: the audits and the v
 
 A reducer caught here is banned: ``swarm.averager.refusals`` refuses it from then on.
 
-This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the
-coroutines run in the averager process.
+This is a mixin of ``PseudoGradientAverager``: the coroutines run in the averager process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 import time
 import typing
 from collections import OrderedDict
 
-from hivemind.averaging.allreduce import AllreduceException
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
-from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
-
 from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
-from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRound, AuditServing
+from swarm.averager.audit_requests import _retried
+from swarm.averager.audit_serving import AuditRound, AuditServing
+from swarm.averager.repair import RepairFailure, SliceRepair, drop_slice, restore_slice, slices_to_repair
 from swarm.defence.audit import (
     FALSE_ACCUSATION,
     GUILTY,
@@ -40,7 +35,6 @@ from swarm.defence.audit import (
     digest_of,
     digest_parts,
     judge,
-    open_receipt,
     sample_parts,
     served_as_signed,
     suspect_parts,
@@ -48,60 +42,16 @@ from swarm.defence.audit import (
 
 logger = logging.getLogger(__name__)
 
-
-def _left(deadline: float) -> float:
-    return max(0.1, deadline - time.monotonic())
-
-
-FETCH_ATTEMPTS = 3  # tries of one request to a groupmate that raised: a stream cut short on a loaded host or link
-RETRY_PAUSE = 0.25  # seconds between them
-
-
-async def _retried(request: typing.Callable[[], typing.Awaitable], deadline: float):
-    """``request()``'s result, each try bounded by ``deadline``; a try that raised is made again while tries and
-    time are left, so that one broken stream is not taken for a reducer that will not answer (a strike) or for
-    a slice that cannot be repaired (dropped, and a re-sync). A groupmate that is gone fails every try: the last
-    error is raised."""
-
-    def out_of_time(state: RetryCallState) -> bool:
-        return time.monotonic() + RETRY_PAUSE >= deadline
-
-    def before_sleep(state: RetryCallState) -> None:
-        logger.debug("a request to a groupmate failed (try %d): again", state.attempt_number,
-                     exc_info=state.outcome.exception())  # fmt: skip
-
-    stop = stop_after_attempt(FETCH_ATTEMPTS) | out_of_time
-    retrying = AsyncRetrying(stop=stop, wait=wait_fixed(RETRY_PAUSE), before_sleep=before_sleep, reraise=True)
-    async for attempt in retrying:
-        with attempt:
-            return await asyncio.wait_for(request(), _left(deadline))
-
-
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
 
-
-class RepairFailure(enum.StrEnum):
-    """Why a slice that came in part could not be had again whole from its reducer (then it is dropped)."""
-
-    no_receipt = "no_receipt"  # the reducer did not hand over the receipt it signed for the round
-    unreachable = "unreachable"  # fetching its average again failed or ran out of time
-    not_signed = "not_signed"  # what it served is not the average it signed (part count or digest)
-    disagrees = "disagrees"  # a part differs from what it streamed to us the first time
+# what one round's audits found about one groupmate: (peer, verdict, the liar's receipt, drop its slice, ban it)
+Found = tuple[str, Verdict | str, bytes | None, bool, bool]
 
 
-def slices_to_repair(outputs: dict[str, list], me: str, refused: set[str]) -> list[str]:
-    """The reducers whose slice came to us in part, to fetch again whole. Not one whose own parts we refused as
-    its reducer (``ExactAllReduceRunner.refused_senders``): its slice was dropped on purpose, and its round, waiting
-    for the average we never send it, signs no receipt before our audits' time is out (15 s a round, seen)."""
-    return [
-        m for m, out in outputs.items() if m != me and m not in refused and any(isinstance(p, Dropped) for p in out)
-    ]
-
-
-class Auditing(AuditServing):
+class Auditing(AuditServing, SliceRepair):
     """Checked reducers, in the averager process: our audits of our reducers (serving our groupmates' audits:
-    ``AuditServing``)."""
+    ``AuditServing``; fetching a slice that came in part again: ``SliceRepair``)."""
 
     def _init_auditing(self, audit: bool, audit_timeout: float, audit_parts: int = 0) -> None:
         self._audit_enabled, self._audit_timeout = audit, audit_timeout
@@ -109,47 +59,142 @@ class Auditing(AuditServing):
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
         self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
 
-    # ---- auditing ---------------------------------------------------------------------------------
+    # ---- one round's audits, phase by phase -----------------------------------------------------------------
 
-    async def _request(self, peer: str, fields: dict) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
-        target = PeerID.from_base58(peer)
-        stub = self.get_stub(self._p2p, target, namespace=self.prefix)
-        if self._secret is not None:
-            fields["token"] = self._secret.transfer_token(self._p2p.peer_id.to_bytes(), target.to_bytes())
-        return await stub.rpc_audit_fetch(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
+    async def _audit_group(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]):
+        """Audit this round's reducers; returns the held parts with caught reducers' slices dropped, the
+        number of values dropped, what was found (for the host: ``AllReduceOutcome.findings``) and the slices
+        that came in part and could not be repaired (``AllReduceOutcome.repair_failures``)."""
+        owner = self._index_slices(runner, record, held)
+        reducers = [m for m, out in record.outputs.items() if out and not any(isinstance(p, Dropped) for p in out)]
+        if self.peer_id.to_base58() in reducers:
+            await self._sign_receipt(runner, record)
+        record.done = True
+        deadline = time.monotonic() + self._audit_timeout
+        found = await self._audit_ours(record, reducers, deadline)
+        waiting = self._verdicts_to_wait_for(record, reducers)
+        await self._hear_verdicts(record, waiting, deadline)
+        recheck_deadline = time.monotonic() + self._audit_timeout
+        found += await self._recheck_accusations(record, waiting, recheck_deadline)
+        dropped, repair_failures = await self._repair_partial_slices(runner, record, held, owner, recheck_deadline)
+        findings, more = self._apply(found, held, owner)
+        record.outputs.clear()
+        self._keep_round(runner.group_id)
+        return held, dropped + more, findings, repair_failures
 
-    async def _fetch_receipt(self, record: AuditRound, reducer: str) -> tuple[Receipt | None, bytes | None, dict]:
-        """``reducer``'s signed receipt, its blob, and the per-part digests it lists under it, by sender (checked
-        against the receipt by ``audit.judge`` where a sample needs them)."""
-        stream = await self._request(reducer, dict(group_id=record.runner.group_id, what="receipt"))
-        async for message in stream:
-            reply = self.serializer.loads(message.metadata)
-            blob = reply.get("receipt") if isinstance(reply, dict) else None
-            receipt = open_receipt(blob) if isinstance(blob, bytes) else None
-            ok = receipt is not None and receipt.group_id == record.runner.group_id and receipt.reducer == reducer
-            if ok and set(receipt.senders) <= set(record.members):
-                listed = reply.get("listed")
-                usable = isinstance(listed, list) and len(listed) == len(receipt.senders)
-                listed = dict(zip(receipt.senders, listed)) if usable else {}
-                return receipt, blob, {s: d for s, d in listed.items() if isinstance(d, list)}
-            break
-        return None, None, {}
+    def _index_slices(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]) -> dict:
+        """Which groupmate reduced each held part, ``(tensor, part) -> reducer``; and each reducer's average as
+        we received it, into ``record.outputs``."""
+        container, members = runner.tensor_part_container, record.members
+        flat = [(t, j) for t, parts in enumerate(held) for j in range(len(parts))]
+        owner, offset = {}, 0
+        for index, count in enumerate(container.num_parts_by_peer):
+            for t, j in flat[offset : offset + count]:
+                owner[(t, j)] = members[index]
+            record.outputs[members[index]] = [held[t][j] for t, j in flat[offset : offset + count]]
+            offset += count
+        return owner
 
-    async def _fetch_parts(
-        self, record: AuditRound, sender: str, reducer: str, limit: int, what="parts", indices=None
-    ) -> list:
-        fields = dict(group_id=record.runner.group_id, what=what, reducer=reducer)
-        if indices is not None:
-            fields["indices"] = list(indices)
-        stream = await self._request(sender, fields)
-        parts, total = [], 0
-        async for message in stream:
-            total += len(message.tensor_part.buffer)
-            record.fetched_bytes += len(message.tensor_part.buffer)
-            if total > limit:
-                raise AllreduceException(f"{sender[-8:]} sent more audit data than it could have sent")
-            parts.append(message.tensor_part)
-        return parts
+    async def _sign_receipt(self, runner: ExactAllReduceRunner, record: AuditRound) -> None:
+        """As a reducer: sign what each sender sent us (by digest, and weight) and the average we sent back."""
+        me = self.peer_id.to_base58()
+        senders = [p.to_base58() for p in runner.sender_peer_ids]
+        full = len(runner.parts_for_local_averaging)
+        record.listed = [d if len(d) == full else [] for d in runner.input_digests]
+        inputs = [digest_of(d) if d else b"" for d in record.listed]
+        receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
+                          digest_parts(record.outputs[me]))  # fmt: skip
+        record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
+        record.own_output = record.outputs[me]
+        logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
+
+    async def _audit_ours(self, record: AuditRound, reducers: list[str], deadline: float) -> list[Found]:
+        """Audit the reducers we are the auditor of, and tell the group each verdict. A reducer that did not
+        answer is usually one that vanished: nothing is dropped on that alone (the group must agree), but one that
+        is still around and leaves ``UNANSWERED_STRIKES`` audits of ours in a row unanswered is banned. One that
+        withheld its own parts cannot be checked: its slice is dropped, but that alone is no proof (an honest one
+        was once seen serving other bytes, cause unknown), so it is a strike, as unanswered."""
+        me, group_id = self.peer_id.to_base58(), record.runner.group_id
+        mine = [r for r in reducers if auditor_of(record.members, group_id, r) == me]
+        results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
+        await asyncio.gather(*(self._tell_group(record, r, v, c, deadline) for r, (v, _, c) in zip(mine, results)))
+        found = []
+        for reducer, (verdict, blob, _) in zip(mine, results):
+            strikes = self._strike(reducer, verdict)
+            blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
+            drop = verdict in GUILTY or verdict in UNCHECKABLE
+            found.append((reducer, verdict, blob, drop, verdict in GUILTY or strikes >= UNANSWERED_STRIKES))
+        return found
+
+    def _verdicts_to_wait_for(self, record: AuditRound, reducers: list[str]) -> list[str]:
+        """The reducers audited by another groupmate that is still with us (one whose own slice never came is gone)."""
+        me, group_id = self.peer_id.to_base58(), record.runner.group_id
+        auditor = lambda r: auditor_of(record.members, group_id, r)  # noqa: E731
+        return [r for r in reducers if r != me and auditor(r) != me and auditor(r) in reducers]
+
+    async def _hear_verdicts(self, record: AuditRound, waiting: list[str], deadline: float) -> None:
+        while any(r not in record.verdicts for r in waiting) and time.monotonic() < deadline:
+            record.news.clear()
+            try:
+                await asyncio.wait_for(record.news.wait(), max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+
+    async def _recheck_accusations(self, record: AuditRound, waiting: list[str], deadline: float) -> list[Found]:
+        """An accusation is checked by every groupmate itself (the accuser's sample included) before anything is
+        dropped: one that our check passes bans its author instead."""
+        found = []
+        for reducer in waiting:
+            heard = record.verdicts.get(reducer)
+            if heard not in GUILTY and heard not in UNCHECKABLE:
+                continue
+            own, blob, _ = await self._audit_one(record, reducer, deadline, record.accused.get(reducer, ()))
+            if own == Verdict.passed and heard in GUILTY:
+                accuser = auditor_of(record.members, record.runner.group_id, reducer)
+                found.append((accuser, FALSE_ACCUSATION, None, False, True))
+            elif own in GUILTY:
+                found.append((reducer, own, blob, True, True))
+            elif own in STRIKES:  # it will not let us check it either: we drop
+                # its slice, as its auditor does; accused of a lie it will not let us check, it is banned
+                strikes = self._strike(reducer, own)
+                found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
+        return found
+
+    async def _repair_partial_slices(
+        self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]], owner: dict, deadline: float
+    ) -> tuple[int, list[dict]]:
+        """A slice that came in part (its reducer vanished mid-way, or cut its stream to us) is fetched again from
+        its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail one
+        part to us and have the rest applied unchecked (then our state differs from the group's, and the
+        consistency check re-syncs us). The values dropped (less those restored), and the failures."""
+        refused = {p.to_base58() for p in runner.refused_senders}
+        partial = slices_to_repair(record.outputs, self.peer_id.to_base58(), refused)
+        repairs = await asyncio.gather(*(self._repair_slice(record, p, deadline) for p in partial))
+        dropped, failures = 0, []
+        for peer, parts in zip(partial, repairs):
+            if isinstance(parts, RepairFailure):
+                dropped += drop_slice(held, owner, peer)
+                failures.append(dict(peer=peer, failure=parts.value))
+            else:
+                dropped -= restore_slice(held, owner, peer, parts)
+                logger.debug("the average of %s came in part: fetched again, whole", peer)
+        return dropped, failures
+
+    def _apply(self, found: list[Found], held: list[list[HeldPart]], owner: dict) -> tuple[list[dict], int]:
+        """Bans and dropped slices, as found: the findings for the host, and the values dropped."""
+        findings, dropped = [], 0
+        for peer, verdict, blob, drop, ban in found:
+            if not (drop or ban):
+                continue
+            if ban:
+                self._banned.add(peer)
+            if drop:
+                dropped += drop_slice(held, owner, peer)
+            findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
+            logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
+        return findings, dropped
+
+    # ---- one audit --------------------------------------------------------------------------------------------
 
     async def _audit_one(
         self, record: AuditRound, reducer: str, deadline: float, also: typing.Sequence[int] = ()
@@ -214,56 +259,6 @@ class Auditing(AuditServing):
         )  # fmt: skip
         return verdict, blob, indices or []
 
-    async def _repair_slice(self, record: AuditRound, reducer: str, deadline: float) -> list[HeldPart] | RepairFailure:
-        """``reducer``'s whole average, fetched again from it when our copy came in part (its stream to us was
-        cut): accepted only if it is what the reducer signed in its receipt, which its auditor checked, and
-        agrees with every part we did receive. So every groupmate applies the same slice, instead of one
-        dropping it alone and leaving the round with another state than the others'. Otherwise, why not."""
-        have = record.outputs[reducer]
-        numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
-        try:
-            receipt, _, _ = await _retried(lambda: self._fetch_receipt(record, reducer), deadline)
-            if receipt is None:
-                logger.debug("no receipt from %s to repair its slice with", reducer)
-                return RepairFailure.no_receipt
-            limit = 4 * sum(numels) + (1 << 16)
-            parts = await _retried(lambda: self._fetch_parts(record, reducer, reducer, limit, "output"), deadline)
-        except Exception:
-            logger.debug("could not fetch %s's average again", reducer, exc_info=True)
-            return RepairFailure.unreachable
-        if len(parts) != len(have) or digest_parts(parts) != receipt.output:
-            logger.debug("%s's average again: %d parts of %d, digest as signed: %s", reducer, len(parts), len(have),
-                         digest_parts(parts) == receipt.output)  # fmt: skip
-            return RepairFailure.not_signed
-        for index, (got, held, numel) in enumerate(zip(parts, have, numels)):
-            if math.prod(got.size) != numel or (
-                not isinstance(held, Dropped) and got.SerializeToString() != held.SerializeToString()
-            ):
-                logger.debug("%s's average again: part %d differs from what we received", reducer, index)
-                return RepairFailure.disagrees
-        return parts
-
-    @staticmethod
-    def _restore_slice(held: list[list[HeldPart]], owner: dict, peer: str, parts: list[HeldPart]) -> int:
-        """``peer``'s slice from ``parts`` (in the order it reduced them); the number of values restored."""
-        restored = 0
-        for (t, j), part in zip([key for key, who in owner.items() if who == peer], parts):
-            if isinstance(held[t][j], Dropped):
-                restored += held[t][j].numel
-            held[t][j] = part
-        return restored
-
-    @staticmethod
-    def _drop_slice(held: list[list[HeldPart]], owner: dict, peer: str) -> int:
-        """Every part of ``peer``'s slice read as zeros; the number of values newly dropped."""
-        dropped = 0
-        for (t, j), who in owner.items():
-            if who == peer and not isinstance(held[t][j], Dropped):
-                numel = math.prod(held[t][j].size)
-                held[t][j] = Dropped(numel)
-                dropped += numel
-        return dropped
-
     def _strike(self, reducer: str, verdict: Verdict) -> int:
         """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one
         included; 0 once it is checked."""
@@ -271,120 +266,3 @@ class Auditing(AuditServing):
         if strikes:
             self._unanswered[reducer] = strikes
         return strikes
-
-    async def _tell_group(
-        self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float
-    ) -> None:
-        """Our verdict on ``reducer`` to every groupmate; an accusation names the parts we checked, so that each
-        groupmate's own check of it includes them."""
-        me = self.peer_id.to_base58()
-        fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
-        if verdict in GUILTY or verdict in UNCHECKABLE:
-            fields["parts"] = checked[:MAX_ACCUSED_PARTS]
-
-        async def tell(peer: str) -> None:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-            message = dict(fields)
-            if self._secret is not None:
-                message["token"] = self._secret.transfer_token(me_bytes, PeerID.from_base58(peer).to_bytes())
-            await stub.rpc_audit_verdict(averaging_pb2.DownloadData(metadata=self.serializer.dumps(message)))
-
-        me_bytes = self._p2p.peer_id.to_bytes()
-        others = [m for m in record.members if m != me]
-        await asyncio.gather(*(_retried(lambda p=p: tell(p), deadline) for p in others), return_exceptions=True)
-
-    async def _audit_group(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]):
-        """Audit this round's reducers; returns the held parts with caught reducers' slices dropped, the
-        number of values dropped, what was found (for the host: ``AllReduceOutcome.findings``) and the slices
-        that came in part and could not be repaired (``AllReduceOutcome.repair_failures``)."""
-        members, me = record.members, self.peer_id.to_base58()
-        container = runner.tensor_part_container
-        flat = [(t, j) for t, parts in enumerate(held) for j in range(len(parts))]
-        owner, offset = {}, 0
-        for index, count in enumerate(container.num_parts_by_peer):
-            for t, j in flat[offset : offset + count]:
-                owner[(t, j)] = members[index]
-            record.outputs[members[index]] = [held[t][j] for t, j in flat[offset : offset + count]]
-            offset += count
-        reducers = [m for m, out in record.outputs.items() if out and not any(isinstance(p, Dropped) for p in out)]
-        if me in reducers:
-            senders = [p.to_base58() for p in runner.sender_peer_ids]
-            full = len(runner.parts_for_local_averaging)
-            record.listed = [d if len(d) == full else [] for d in runner.input_digests]
-            inputs = [digest_of(d) if d else b"" for d in record.listed]
-            receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
-                              digest_parts(record.outputs[me]))  # fmt: skip
-            record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
-            record.own_output = record.outputs[me]
-            logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
-        record.done = True
-
-        deadline = time.monotonic() + self._audit_timeout
-        mine = [r for r in reducers if auditor_of(members, runner.group_id, r) == me]
-        results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
-        await asyncio.gather(*(self._tell_group(record, r, v, c, deadline) for r, (v, _, c) in zip(mine, results)))
-        # (peer, verdict, receipt, drop its slice, ban it): our own audits first. A reducer that did not answer
-        # our audit is usually one that vanished: nothing is dropped on that alone (the group must agree), but one
-        # that is still around and leaves UNANSWERED_STRIKES audits of ours in a row unanswered is banned
-        found = []
-        # A reducer that withheld its own parts cannot be checked: its slice is dropped, but that alone is no
-        # proof (an honest one was once seen serving other bytes, cause unknown), so it is a strike, as unanswered
-        for reducer, (verdict, blob, _) in zip(mine, results):
-            strikes = self._strike(reducer, verdict)
-            blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
-            drop = verdict in GUILTY or verdict in UNCHECKABLE
-            found.append((reducer, verdict, blob, drop, verdict in GUILTY or strikes >= UNANSWERED_STRIKES))
-
-        # verdicts to wait for: those of auditors that are still with us (one whose own slice never came is gone)
-        waiting = [
-            r for r in reducers if r not in mine and r != me and auditor_of(members, runner.group_id, r) in reducers
-        ]
-        while any(r not in record.verdicts for r in waiting) and time.monotonic() < deadline:
-            record.news.clear()
-            try:
-                await asyncio.wait_for(record.news.wait(), max(0.01, deadline - time.monotonic()))
-            except TimeoutError:
-                break
-        recheck_deadline = time.monotonic() + self._audit_timeout
-        for reducer in waiting:  # an accusation is checked by every groupmate itself before anything is dropped
-            heard = record.verdicts.get(reducer)
-            if heard not in GUILTY and heard not in UNCHECKABLE:
-                continue
-            own, blob, _ = await self._audit_one(record, reducer, recheck_deadline, record.accused.get(reducer, ()))
-            if own == Verdict.passed and heard in GUILTY:
-                found.append((auditor_of(members, runner.group_id, reducer), FALSE_ACCUSATION, None, False, True))
-            elif own in GUILTY:
-                found.append((reducer, own, blob, True, True))
-            elif own in STRIKES:  # it will not let us check it either: we drop
-                # its slice, as its auditor does; accused of a lie it will not let us check, it is banned
-                strikes = self._strike(reducer, own)
-                found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
-
-        findings, dropped = [], 0
-        # a slice that came in part (its reducer vanished mid-way, or cut its stream to us) is fetched again from
-        # its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail
-        # one part to us and have the rest applied unchecked (then our state differs from the group's, and the
-        # consistency check re-syncs us)
-        refused = {p.to_base58() for p in runner.refused_senders}
-        partial = slices_to_repair(record.outputs, me, refused)
-        repairs = await asyncio.gather(*(self._repair_slice(record, p, recheck_deadline) for p in partial))
-        repair_failures = []
-        for peer, parts in zip(partial, repairs):
-            if isinstance(parts, RepairFailure):
-                dropped += self._drop_slice(held, owner, peer)
-                repair_failures.append(dict(peer=peer, failure=parts.value))
-            else:
-                dropped -= self._restore_slice(held, owner, peer, parts)
-                logger.debug("the average of %s came in part: fetched again, whole", peer)
-        for peer, verdict, blob, drop, ban in found:
-            if not (drop or ban):
-                continue
-            if ban:
-                self._banned.add(peer)
-            if drop:
-                dropped += self._drop_slice(held, owner, peer)
-            findings.append(dict(peer=peer, verdict=str(verdict), banned=ban, discarded=drop, receipt=blob))
-            logger.debug("audit of %s: %s (dropped: %s, banned: %s)", peer, verdict, drop, ban)
-        record.outputs.clear()
-        self._keep_round(runner.group_id)
-        return held, dropped, findings, repair_failures

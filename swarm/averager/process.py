@@ -13,28 +13,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averager import heap
 from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
+from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.refusals import Refusals
 from swarm.averager.transfer import FileTransfer
 from swarm.defence.audit import MALFORMED
 from swarm.dht.access import RunSecret
+from swarm.dht.records import run_prefix
 from swarm.errors import HelperError
 from swarm.hivemind_fixes.helpers import check_alive, start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
@@ -66,106 +66,6 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
 
 
 IDLE_GRACE = 10.0  # a step still running this long after its deadline means a stuck averager process
-
-
-@dataclass(frozen=True)
-class AllReduceOutcome:
-    """What one successful all-reduce did; returned by ``PseudoGradientAverager.average``."""
-
-    group: tuple[str, ...]  # base58 peer ids, this peer included
-    gathered: dict[str, Any]  # each groupmate's ``gather`` payload
-    dropped_fraction: float  # share of values whose reducer vanished (set to zero)
-    excluded_senders: int  # groupmates whose contribution was left out of some parts
-    bytes_sent: int = 0  # tensor payload this peer sent (parts to reducers, averages back to senders)
-    bytes_received: int = 0  # tensor payload this peer received
-    # checked reducers: what this peer's audits (and its checks of others' accusations) found; each a dict of
-    # peer, verdict (audit.Verdict's value, or auditing.FALSE_ACCUSATION), banned, discarded, receipt (signed)
-    findings: tuple[dict, ...] = ()
-    audit_seconds: float = 0.0  # after the all-reduce, until every audit and re-check was done
-    audit_bytes: int = 0  # parts this peer downloaded for its audits
-    # checked reducers: slices that came in part and could not be fetched again whole (so were dropped); each a dict
-    # of peer and failure (auditing.RepairFailure's value)
-    repair_failures: tuple[dict, ...] = ()
-    # when (``time.monotonic``, one clock for every process of the machine) the averager process began the
-    # all-reduce with its group, and when it was done (the average in the buffers, audited, and kept for replay):
-    # what an overlapped round's host, which looks once per inner step, cannot time itself
-    allreduce_started: float | None = None
-    allreduce_finished: float | None = None
-
-
-class RoundAborted(RuntimeError):
-    """Averaging was given up on purpose: ``leaving`` says whether the peer is on its way out."""
-
-    def __init__(self, reason: str, leaving: bool = False):
-        super().__init__(reason)
-        self.reason, self.leaving = reason, leaving
-
-
-def cancel_step(control) -> None:
-    """Cancel a hivemind step so that the averager process cannot miss it.
-
-    hivemind's ``StepControl.cancel`` first wakes the averager's watch (its cancel future, over a pipe) and only
-    then marks the step cancelled (in shared memory). An averager that wakes in between, as when the training
-    process is descheduled on a loaded machine, reads a step that is not cancelled, stops watching and goes on
-    with it: it keeps looking for a group (or retries its matchmaking), joins one under whatever group key is set
-    later, with the old round's gather, and fails at the end on "Can't set_result to a future that is CANCELLED".
-    Marked first, the step is seen cancelled by the time the averager wakes."""
-    if isinstance(control, StepControl):  # not the tests' fakes of one
-        MPFuture.cancel(control)  # the step's own state: a write to shared memory, seen by the averager at once
-    control.cancel()  # then hivemind's: cancels the trigger and wakes the averager
-
-
-class Averaging:
-    """One averaging round under way in the averager process, watched from the training thread."""
-
-    def __init__(self, control, deadline: float, hard_timeout: float, on_stage, abort_if, leaving, abort_poll: float):
-        self._control, self._deadline, self._hard_timeout = control, deadline, hard_timeout
-        self._on_stage, self._abort_if, self._leaving, self._abort_poll = on_stage, abort_if, leaving, abort_poll
-        self._stage = None
-        self._next_poll = time.monotonic() + abort_poll
-
-    @property
-    def deadline(self) -> float:
-        return self._deadline
-
-    def poll(self) -> bool:
-        """True once the round is over (``result`` then returns or raises); raises ``RoundAborted`` or
-        ``TimeoutError`` when it was given up."""
-        control = self._control
-        if control.stage != self._stage:
-            self._stage = control.stage
-            self._on_stage(self._stage.name)
-        if control.done():
-            return True
-        if self._leaving():
-            cancel_step(control)
-            raise RoundAborted("the peer is leaving", leaving=True)
-        if time.monotonic() > self._deadline:
-            cancel_step(control)
-            raise TimeoutError(f"averaging did not finish in {self._hard_timeout:.0f} s")
-        if self._stage == AveragingStage.LOOKING_FOR_GROUP and time.monotonic() > self._next_poll:
-            self._next_poll = time.monotonic() + self._abort_poll
-            reason = self._abort_if()
-            # the check reads the DHT, and meanwhile the averager may have found a group, even finished its
-            # all-reduce with us (the groupmates' new epoch is what the check saw): that round is ours to keep
-            if reason is not None and control.stage == AveragingStage.LOOKING_FOR_GROUP and not control.done():
-                cancel_step(control)
-                raise RoundAborted(reason)
-        return False
-
-    @property
-    def finished(self) -> bool:
-        """Whether the averager process has let go of the step (done is not enough: a cancelled step is done
-        on our side at once, while hivemind may still run it)."""
-        return self._control.stage == AveragingStage.FINISHED
-
-    def wait(self) -> AllReduceOutcome:
-        while not self.poll():
-            time.sleep(0.02)
-        return self.result()
-
-    def result(self) -> AllReduceOutcome:
-        return AllReduceOutcome(**self._control.result())
 
 
 class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAverager):
@@ -357,6 +257,28 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
     def average(self, **kwargs: Any) -> AllReduceOutcome:
         """``start_averaging`` and wait: raises on failure, never waits past ``hard_timeout``."""
         return self.start_averaging(**kwargs).wait()
+
+
+def start_averager(dht, shapes: Sequence[Sequence[int]], run_id: str, spec: AveragingSpec, update_dir: Path):
+    """The peer's averager process over zeroed pseudo-gradient buffers of these shapes, forked and ready.
+
+    Start it before the model exists: a fork made while the model exists keeps a private copy of every page the
+    training loop rewrites. A closed run's keys come from the DHT's (``swarm.dht.network.start_dht``)."""
+    buffers = [torch.zeros(tuple(shape)) for shape in shapes]
+    handler = signal.getsignal(signal.SIGINT)
+    averager = PseudoGradientAverager(
+        buffers,
+        dht,
+        run_id=run_id,
+        update_dir=update_dir,
+        secret=getattr(dht, "run_secret", None),
+        start=True,
+        prefix=run_prefix(run_id),
+        client_mode=dht.client_mode,
+        **averager_options(spec),
+    )
+    signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
+    return averager
 
 
 def rebuild_torch_thread_pool() -> None:

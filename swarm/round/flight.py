@@ -1,5 +1,5 @@
-"""One outer round's averaging while it is under way (``OuterRound`` drives it), and the failures of a round
-that come from other machines and the network rather than from a bug of ours."""
+"""One outer round's averaging while it is under way (``OuterRound`` drives it), its timings and its report; and
+the failures of a round that come from other machines and the network rather than from a bug of ours."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from swarm.averager.process import AllReduceOutcome, Averaging, RoundAborted
+from swarm.averager.handle import AllReduceOutcome, Averaging, RoundAborted
+from swarm.events import RoundOutcome, RoundReport
 
 # what other machines and the network do to a round; anything else is a bug of ours
 EXPECTED_FAILURES = (
@@ -43,3 +44,36 @@ class Flight:
     aborted: RoundAborted | None = None
     done: bool = False
     blocking: bool = False  # the training loop waits on it: its checks may read the DHT, not only the feed
+
+    def time_stages(self, now: float) -> None:
+        """Into ``seconds``: matchmaking, the all-reduce (timed in the averager process when it ran there, since
+        an overlapped host looks only once per inner step), the landing until ``now``, and the audits within."""
+        outcome = self.outcome
+        t_allreduce, t_ready = self.stage_times.get("RUNNING_ALLREDUCE", now), now
+        if outcome is not None and outcome.allreduce_started is not None:
+            t_allreduce, t_ready = outcome.allreduce_started, outcome.allreduce_finished
+        self.seconds["matchmaking"] = t_allreduce - self.attempt_started
+        self.seconds["allreduce"] = t_ready - t_allreduce
+        self.seconds["landing"] = now - t_ready  # the average ready, until the host took it (overlapped: a step's end)
+        self.seconds["audit"] = outcome.audit_seconds if outcome is not None else 0.0  # within the all-reduce
+
+    def report(self, epoch: int, group: tuple[str, ...], checksum: str) -> RoundReport:
+        """What the finished round did: averaged with ``group``, or not (``fallback`` says why), reaching ``epoch``
+        with ``checksum``."""
+        averaged, outcome = self.fallback is None, self.outcome
+        skipped = outcome is not None and not averaged  # a group's values, not used
+        return RoundReport(
+            epoch=epoch,
+            averaged=averaged,
+            group_size=len(group),
+            outcome=RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local,
+            fallback_reason=self.fallback,
+            dropped_fraction=outcome.dropped_fraction if outcome is not None else 0.0,
+            checksum=checksum,
+            samples=self.samples,
+            seconds=self.seconds,
+            bytes_sent=outcome.bytes_sent if outcome is not None else 0,
+            bytes_received=outcome.bytes_received if outcome is not None else 0,
+            audit_bytes=outcome.audit_bytes if outcome is not None else 0,
+            repair_failures=outcome.repair_failures if outcome is not None else (),
+        )

@@ -12,13 +12,12 @@ waits.
 ``poll``: the averaging is retried while epoch-mates are still on their way, given up
 when the swarm finished the round without us, and bounded by the manifest's timeouts.
 
-``finish``: the outer step with the group's average or, failing a group, our own
-pseudo-gradient (a "local" round, whose step is kept for replay as a group's average is:
-``swarm.round.local_update``); a group whose values cannot be used (groupmates at
-another epoch, non-finite values) is skipped. An overlapped round moves the model by
-the same step and takes the stand-in back, so the inner steps taken meanwhile are kept
-on top of the group's step (``swarm.round.landing``). Then the new state's file,
-its checksum, and (blocking) a comparison with the groupmates' checksums.
+``finish``: the outer step with the group's average or, failing a group, our own pseudo-gradient (a "local"
+round, whose step is kept for replay as a group's average is: ``swarm.round.local_update``); a group whose values
+cannot be used (another epoch, non-finite values) is skipped. An overlapped round moves the model by the same step
+and takes the stand-in back, so the inner steps taken meanwhile are kept on top of the group's step
+(``swarm.round.landing``). Then the new state's file, its checksum, and (blocking) a comparison with the
+groupmates' checksums.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from swarm.averager.codecs import apply_error_feedback
-from swarm.averager.process import RoundAborted, epoch_group_bits
+from swarm.averager.handle import RoundAborted
+from swarm.averager.process import epoch_group_bits
 from swarm.dht.records import PeerState
 from swarm.dht.view import Resync, ResyncReason, mates_coming, swarm_moved_on
 from swarm.errors import LeaveRequested
@@ -178,9 +178,8 @@ class OuterRound:
         )
 
     def _moved_on(self, flight: Flight) -> bool:
-        """Whether the swarm finished this round without us: from the records read in the background while
-        inner steps run (they must not wait on the DHT), from the DHT itself once the loop waits for the round
-        (a second sooner: an overlapped peer that missed the round still has the next one to catch)."""
+        """Whether the swarm finished this round without us: from the records read in the background while inner
+        steps run (they must not wait on the DHT), from the DHT once the loop waits (a second sooner)."""
         view = self.ctx.reader.view() if flight.blocking else self.ctx.reader.recent_view()
         return view is not None and swarm_moved_on(view, flight.epoch)
 
@@ -230,7 +229,7 @@ class OuterRound:
     def finish(self, flight: Flight) -> RoundReport:
         """Apply the round that is over: the phases below, in order."""
         started = time.monotonic()
-        self._time_stages(flight, started)
+        flight.time_stages(started)
         if flight.aborted is not None:
             return self._given_up(flight)
         self._ban_caught_reducers(flight)
@@ -243,16 +242,6 @@ class OuterRound:
         self._announce(report)
         self.checks.after_round(report, group, report.averaged, self.overlapped)
         return report
-
-    def _time_stages(self, flight: Flight, now: float) -> None:
-        seconds, outcome = flight.seconds, flight.outcome
-        t_allreduce, t_ready = flight.stage_times.get("RUNNING_ALLREDUCE", now), now
-        if outcome is not None and outcome.allreduce_started is not None:  # timed where it ran
-            t_allreduce, t_ready = outcome.allreduce_started, outcome.allreduce_finished
-        seconds["matchmaking"] = t_allreduce - flight.attempt_started
-        seconds["allreduce"] = t_ready - t_allreduce
-        seconds["landing"] = now - t_ready  # the average ready, until the host took it (overlapped: next step's end)
-        seconds["audit"] = outcome.audit_seconds if outcome is not None else 0.0  # within the all-reduce
 
     def _given_up(self, flight: Flight) -> RoundReport:
         """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
@@ -327,30 +316,15 @@ class OuterRound:
             ctx.outer.write_to(ctx.params)
 
     def _count(self, flight: Flight, group: tuple[str, ...]) -> RoundReport:
-        """The round's stats, and its report."""
-        averaged, outcome = flight.fallback is None, flight.outcome
-        skipped = outcome is not None and not averaged
+        """The round in the peer's stats, and its report."""
+        averaged = flight.fallback is None
         self.stats.rounds += 1
         self.last_round_local = not averaged
         if averaged:
             self.stats.averaged_rounds += 1
         else:
             self.stats.local_rounds += 1
-        return RoundReport(
-            epoch=self.ctx.outer.epoch,
-            averaged=averaged,
-            group_size=len(group),
-            outcome=RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local,
-            fallback_reason=flight.fallback,
-            dropped_fraction=outcome.dropped_fraction if outcome is not None else 0.0,
-            checksum=self.ctx.outer.checksum(),
-            samples=flight.samples,
-            seconds=flight.seconds,
-            bytes_sent=outcome.bytes_sent if outcome is not None else 0,
-            bytes_received=outcome.bytes_received if outcome is not None else 0,
-            audit_bytes=outcome.audit_bytes if outcome is not None else 0,
-            repair_failures=outcome.repair_failures if outcome is not None else (),
-        )
+        return flight.report(self.ctx.outer.epoch, group, self.ctx.outer.checksum())
 
     def _announce(self, report: RoundReport) -> None:
         """The new state's checksum published and its file offered; training again (blocking: a new round)."""
@@ -361,11 +335,9 @@ class OuterRound:
         self.ctx.emit(RoundFinished(report))
 
     def _adopt_round(self, flight: Flight) -> RoundReport | None:
-        """The swarm finished our round without us (overlapped): apply its average, as a replay, to the outer
-        state and to the model less our stand-in step; the inner steps taken since stay (``Replay.adopt``),
-        all of them whatever ``in_flight_steps_kept`` says: damping them first would leave the model unusable if the
-        replay then failed and no re-sync could replace it. None when that round cannot be replayed: the caller
-        re-syncs."""
+        """The swarm finished our round without us (overlapped): its average, replayed (``Replay.adopt``), moves the
+        outer state and the model less our stand-in step, and every inner step taken since stays (damped first, the
+        model would be unusable if the replay then failed and no re-sync replaced it). None: the caller re-syncs."""
         ctx, t0 = self.ctx, time.monotonic()
         with ctx.shield():
             add_steps(ctx.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again

@@ -1,0 +1,122 @@
+"""What an auditor asks of its groupmates' averagers (``swarm.averager.audit_serving`` answers): a reducer's signed
+receipt, the parts a sender sent a reducer, a reducer's average again; and its verdict, told to the whole group.
+
+Every request is bounded by a deadline and retried (``_retried``) while tries and time are left, so that one
+broken stream is not taken for a reducer that will not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import typing
+
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
+
+from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
+from swarm.defence.audit import GUILTY, UNCHECKABLE, Receipt, Verdict, open_receipt
+
+logger = logging.getLogger(__name__)
+
+FETCH_ATTEMPTS = 3  # tries of one request to a groupmate that raised: a stream cut short on a loaded host or link
+RETRY_PAUSE = 0.25  # seconds between them
+
+
+def _left(deadline: float) -> float:
+    return max(0.1, deadline - time.monotonic())
+
+
+async def _retried(request: typing.Callable[[], typing.Awaitable], deadline: float):
+    """``request()``'s result, each try bounded by ``deadline``; a try that raised is made again while tries and
+    time are left, so that one broken stream is not taken for a reducer that will not answer (a strike) or for
+    a slice that cannot be repaired (dropped, and a re-sync). A groupmate that is gone fails every try: the last
+    error is raised."""
+
+    def out_of_time(state: RetryCallState) -> bool:
+        return time.monotonic() + RETRY_PAUSE >= deadline
+
+    def before_sleep(state: RetryCallState) -> None:
+        logger.debug("a request to a groupmate failed (try %d): again", state.attempt_number,
+                     exc_info=state.outcome.exception())  # fmt: skip
+
+    stop = stop_after_attempt(FETCH_ATTEMPTS) | out_of_time
+    retrying = AsyncRetrying(stop=stop, wait=wait_fixed(RETRY_PAUSE), before_sleep=before_sleep, reraise=True)
+    async for attempt in retrying:
+        with attempt:
+            return await asyncio.wait_for(request(), _left(deadline))
+
+
+class AuditRequests:
+    """A mixin of ``PseudoGradientAverager`` (its ``_p2p``, ``prefix``, ``serializer`` and ``_secret``)."""
+
+    async def _request(self, peer: str, fields: dict) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        target = PeerID.from_base58(peer)
+        stub = self.get_stub(self._p2p, target, namespace=self.prefix)
+        if self._secret is not None:
+            fields["token"] = self._secret.transfer_token(self._p2p.peer_id.to_bytes(), target.to_bytes())
+        return await stub.rpc_audit_fetch(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
+
+    async def _fetch_receipt(self, record: AuditRound, reducer: str) -> tuple[Receipt | None, bytes | None, dict]:
+        """``reducer``'s signed receipt, its blob, and the per-part digests it lists under it, by sender (checked
+        against the receipt by ``audit.judge`` where a sample needs them)."""
+        request = dict(group_id=record.runner.group_id, what=AuditRequest.receipt.value)
+        stream = await self._request(reducer, request)
+        async for message in stream:
+            reply = self.serializer.loads(message.metadata)
+            blob = reply.get("receipt") if isinstance(reply, dict) else None
+            receipt = open_receipt(blob) if isinstance(blob, bytes) else None
+            ok = receipt is not None and receipt.group_id == record.runner.group_id and receipt.reducer == reducer
+            if ok and set(receipt.senders) <= set(record.members):
+                listed = reply.get("listed")
+                usable = isinstance(listed, list) and len(listed) == len(receipt.senders)
+                listed = dict(zip(receipt.senders, listed)) if usable else {}
+                return receipt, blob, {s: d for s, d in listed.items() if isinstance(d, list)}
+            break
+        return None, None, {}
+
+    async def _fetch_parts(
+        self,
+        record: AuditRound,
+        sender: str,
+        reducer: str,
+        limit: int,
+        what: AuditRequest = AuditRequest.parts,
+        indices=None,
+    ) -> list:
+        fields = dict(group_id=record.runner.group_id, what=what.value, reducer=reducer)
+        if indices is not None:
+            fields["indices"] = list(indices)
+        stream = await self._request(sender, fields)
+        parts, total = [], 0
+        async for message in stream:
+            total += len(message.tensor_part.buffer)
+            record.fetched_bytes += len(message.tensor_part.buffer)
+            if total > limit:
+                raise AllreduceException(f"{sender[-8:]} sent more audit data than it could have sent")
+            parts.append(message.tensor_part)
+        return parts
+
+    async def _tell_group(
+        self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float
+    ) -> None:
+        """Our verdict on ``reducer`` to every groupmate; an accusation names the parts we checked, so that each
+        groupmate's own check of it includes them."""
+        me = self.peer_id.to_base58()
+        fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
+        if verdict in GUILTY or verdict in UNCHECKABLE:
+            fields["parts"] = checked[:MAX_ACCUSED_PARTS]
+
+        async def tell(peer: str) -> None:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            message = dict(fields)
+            if self._secret is not None:
+                message["token"] = self._secret.transfer_token(me_bytes, PeerID.from_base58(peer).to_bytes())
+            await stub.rpc_audit_verdict(averaging_pb2.DownloadData(metadata=self.serializer.dumps(message)))
+
+        me_bytes = self._p2p.peer_id.to_bytes()
+        others = [m for m in record.members if m != me]
+        await asyncio.gather(*(_retried(lambda p=p: tell(p), deadline) for p in others), return_exceptions=True)
