@@ -54,14 +54,12 @@ from benchmarks.attacker import ATTACKS
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
+    finish,
     finite,
-    machine_info,
     print_table,
     pyplot,
     save_figure,
     tied_to_us,
-    write_json,
 )
 
 NAME = "byzantine"
@@ -294,19 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     invocations = [run_invocation(scenarios, args, n) for n in range(args.invocations)]
     root, results = invocations[0]
     summary = summarize([r for _, r in invocations]) if args.invocations > 1 else None
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
-        sizes=dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, sets=args.sets),
-        baseline="honest/mean",
-        scenarios=results,
-        invocations=[dict(workdir=str(w), scenarios=r) for w, r in invocations[1:]],
-        summary=summary,
-        workdir=str(root),
-        wall_seconds=clock.seconds,
-    )
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
         ["scenario", "honest loss", "ratio to honest/mean", "worst round", "to absent", "banned by", "rounds to ban"]
@@ -339,9 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                 for s in summary
             ],
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    record["plots"] = plot(results, args.out)
-    write_json(args.out, NAME, record)
+    fields = dict(
+        sizes=dict(peers=args.peers, rounds=args.rounds, inner_steps=args.inner_steps, sets=args.sets),
+        baseline="honest/mean",
+        scenarios=results,
+        invocations=[dict(workdir=str(w), scenarios=r) for w, r in invocations[1:]],
+        summary=summary,
+        workdir=str(root),
+    )
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(results, out))
     return 0
 
 
@@ -403,10 +394,10 @@ def _spread(values: list) -> str:
     )
 
 
-def plot(results: list[dict], out: Path) -> list[str]:
+def plot(results: list[dict], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["scenario"] for r in results]
     ratios = [min(r["ratio_to_honest_mean"] or 3.0, 3.0) for r in results]  # diverged or huge: drawn at 3
@@ -425,8 +416,7 @@ def plot(results: list[dict], out: Path) -> list[str]:
     ax.set_ylim(0.8, 3.2)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, out, NAME)
-    return [f"{NAME}.png"]
+    return save_figure(fig, out, NAME)
 
 
 if __name__ == "__main__":

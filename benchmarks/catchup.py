@@ -28,7 +28,7 @@ import argparse
 import re
 from pathlib import Path
 
-from benchmarks.common import add_common_args, command_line, machine_info, print_table, scratch_dir, write_json
+from benchmarks.common import add_common_args, finish, print_table, scratch_dir
 from benchmarks.memory import Peer  # a `swarm-client` process on 127.0.0.1 with its log, records and waits
 
 NAME = "catchup"
@@ -128,7 +128,7 @@ def main() -> None:
         for r in results
     ]
     print_table("A joiner to a lone donor", columns, rows)
-    write_json(args.out, NAME, dict(command=command_line(), machine=machine_info(), cases=results))
+    finish(NAME, args.out, dict(cases=results), head=("command", "machine"), plots=False)
 
 
 if __name__ == "__main__":

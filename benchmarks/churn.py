@@ -29,13 +29,11 @@ from pathlib import Path
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
-    write_json,
 )
 from benchmarks.netns import Lab, require_root
 from benchmarks.peers import JoinInfo, PeerProcess, spawn_peer, stop_all, tail, wait_for_join_info
@@ -352,11 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop_all(swarm.alive)
         churn = churn_figures(swarm, kills, end)  # reads the peers' logs: before their folder goes
-    record = dict(
-        benchmark=NAME,
-        command=command_line(),
-        smoke=args.smoke,
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(
             parameters=numel,
             state_bytes=state_bytes,
@@ -371,7 +365,6 @@ def main(argv: list[str] | None = None) -> int:
         ),
         joins=joins,
         churn=churn,
-        wall_seconds=clock.seconds,
     )
     print_table(
         "join: seconds from `swarm-client join` (state = params + momentum, fp32)",
@@ -405,10 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         f"re-syncs {churn['resync_reasons']}; "
         f"last epoch agreed: {cs['last_epoch_agreed']}"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = plot(swarm, kills, joins, args.out)
-    record["plots"] = [png.name] if png else []
-    write_json(args.out, NAME, record)
+    finish(
+        NAME,
+        args.out,
+        fields,
+        smoke=args.smoke,
+        clock=clock,
+        plot=lambda out: plot(swarm, kills, joins, out),
+        head=("benchmark", "command", "smoke", "machine"),
+    )
     return 0
 
 

@@ -26,14 +26,12 @@ from typing import Any
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     worker_json,
-    write_json,
 )
 from benchmarks.memory import baseline_tree
 
@@ -85,10 +83,10 @@ def time_steps(values: int, parts: int, repeats: int) -> dict[str, Any]:
     return dict(ms_per_million=ms, fp4_bytes_per_value=round(size / (parts * values), 4))
 
 
-def plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
+def plot(runs: list[dict[str, Any]], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
@@ -98,8 +96,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
     ax.set_ylabel("ms per million values")
     ax.set_title("fp4 codec steps (FP16's beside them), one thread", fontsize=9)
     ax.legend(fontsize=7)
-    out.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out, NAME).name]
+    return save_figure(fig, out, NAME)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,19 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         base, now = runs[0]["ms_per_million"], runs[1]["ms_per_million"]
         ratios = {step: round(base[step] / now[step], 2) for step in STEPS}
         print(f"baseline / current, ms per million values: {ratios}")
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
-        part_values=values,
-        parts=parts,
-        runs=runs,
-        baseline_over_current=ratios,
-        wall_seconds=clock.seconds,
-    )
-    record["plots"] = plot(runs, args.out)
-    write_json(args.out, NAME, record)
+    fields = dict(part_values=values, parts=parts, runs=runs, baseline_over_current=ratios)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(runs, out))
     return 0
 
 

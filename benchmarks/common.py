@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import psutil
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HEAD = ("benchmark", "smoke", "command", "machine")  # what a record starts with, in this order
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
 
@@ -153,6 +154,35 @@ def save_figure(fig: Any, out: Path, name: str) -> Path:
     plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+def finish(
+    name: str,
+    out: Path,
+    fields: dict[str, Any],
+    *,
+    smoke: bool | None = None,
+    clock: Stopwatch | None = None,
+    plot: Callable[[Path], Path | None] | None = None,
+    head: Sequence[str] = HEAD,
+    plots: bool = True,
+) -> dict[str, Any]:
+    """A benchmark's ending, after its tables: its record, the plot drawn, out/NAME.json written.
+
+    The record is ``head`` (of ``benchmark``, ``smoke``, ``command``, ``machine``, in the order given), then
+    ``fields``, then ``wall_seconds`` (with a ``clock``) and ``plots`` (unless ``plots`` is false): the figures'
+    file names, ``plot(out)``'s PNG if it drew one. A key of ``fields`` that the ending also writes keeps its place.
+    Returns the record as written."""
+    about = dict(benchmark=name, smoke=smoke, command=command_line(), machine=machine_info())
+    record = {key: about[key] for key in head} | fields
+    if clock is not None:
+        record["wall_seconds"] = clock.seconds
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(out) if plot is not None else None
+    if plots:
+        record["plots"] = [png.name] if png else []
+    write_json(out, name, record)
+    return record
 
 
 def worker_json(code: Path, repo: Path, module: str, args: Sequence[str], label: str, timeout: float = 1800) -> Any:

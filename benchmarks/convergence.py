@@ -32,13 +32,11 @@ import torch
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
+    finish,
     finite,
-    machine_info,
     print_table,
     pyplot,
     save_figure,
-    write_json,
 )
 from benchmarks.diloco_sim import Variant, run_diloco
 from benchmarks.simulation import Curve, Setup, butterfly_bytes, prepare, run_sequential
@@ -185,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         curve.seconds = round(time.monotonic() - t0, 1)
         curves.append(curve)
     summary = summarize(curves, setup, numel)
-    record = dict(
-        benchmark=NAME,
-        command=command_line(),
-        smoke=args.smoke,
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(
             preset=args.preset,
             parameters=numel,
@@ -222,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
             for c in curves
         ],
         **summary,
-        wall_seconds=clock.seconds,
     )
     print_table(
         "held-out loss at equal tokens",
@@ -234,12 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         ["ratio", "eval loss", "perplexity"],
         [(k, v["eval_loss_ratio"], v["perplexity_ratio"]) for k, v in summary["ratios"].items()],
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = plot(
-        curves, args.out, f"{args.preset}: M={m}, {setup.steps * setup.tokens_per_ddp_step / 1e6:.2f}M tokens per run"
+    title = f"{args.preset}: M={m}, {setup.steps * setup.tokens_per_ddp_step / 1e6:.2f}M tokens per run"
+    finish(
+        NAME,
+        args.out,
+        fields,
+        smoke=args.smoke,
+        clock=clock,
+        plot=lambda out: plot(curves, out, title),
+        head=("benchmark", "command", "smoke", "machine"),
     )
-    record["plots"] = [png.name] if png else []
-    write_json(args.out, NAME, record)
     return 0
 
 

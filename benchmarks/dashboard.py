@@ -30,13 +30,11 @@ from rich.console import Console
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
-    write_json,
 )
 from client.dashboard import DashboardSource, LiveDashboard
 from client.hardware import detect
@@ -46,7 +44,7 @@ from client.swarm_watch import SwarmWatch
 from client.telemetry import Telemetry
 from client.trainer import Trainer, TrainerSettings
 from swarm import NetworkConfig, start_dht
-from swarm.dht.progress import read_peers
+from swarm.dht.peers import read_peers
 
 NAME = "dashboard"
 PHASES = ("bare", "plain", "dashboard")
@@ -90,10 +88,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     steps = [json.loads(line) for line in steps_log.read_text().splitlines()]
     steps = [s for s in steps if s["type"] == "step"]
     summary = _summarize(phases, steps, manifest.samples_per_step)
-    record = dict(
-        benchmark=NAME,
-        command=command_line(),
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(
             preset="tiny",
             parameters=trainer.parameters,
@@ -105,7 +100,6 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         ),
         phases=phases,
         summary=summary,
-        wall_seconds=clock.seconds,
     )
     rows = [
         (name, summary[name]["steps_per_second"], summary[name]["samples_per_compute_second"], summary[name]["steps"])
@@ -127,8 +121,8 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         + "   ".join(f"dashboard / {k}: {v:.3f}" if v is not None else f"/ {k}: n/a" for k, v in paired.items())
         + f"   (spread of one phase across cycles: {summary['phase_spread_steps_per_second']:.2f} steps/s)"
     )
-    write_json(args.out, NAME, record)
-    _plot(args.out, phases)
+    finish(NAME, args.out, fields, clock=clock, head=("benchmark", "command", "machine"), plots=False)
+    _plot(args.out, phases)  # after the record, which lists no plots
 
 
 def _cycle(trainer, dht, hardware, work: Path, seconds: float, cycles: int, phases: list[dict]) -> None:

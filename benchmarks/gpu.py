@@ -33,14 +33,12 @@ import torch
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     tied_to_us,
-    write_json,
 )
 from client.hardware import Hardware, Precision, choose_precision, detect
 from client.microbatch import gpu_trial, search
@@ -278,30 +276,27 @@ def main() -> None:
     clock = Stopwatch()
     hw = detect(args.device)
     print(f"device: {hw.label}, compute capability {hw.compute_capability}, torch {torch.__version__}", flush=True)
-    record: dict[str, Any] = dict(benchmark=NAME, smoke=args.smoke, command=command_line(), machine=machine_info())
-    record["device"] = hw.label
+    fields: dict[str, Any] = dict(device=hw.label)
     if hw.kind == "cuda":
-        record["cuda"] = dict(torch_cuda=torch.version.cuda, capability=hw.compute_capability, bf16=hw.bf16)
+        fields["cuda"] = dict(torch_cuda=torch.version.cuda, capability=hw.compute_capability, bf16=hw.bf16)
     if not args.skip_in_process:
-        record["in_process"] = in_process(args, hw)
+        fields["in_process"] = in_process(args, hw)
     if args.epochs:
         with scratch_dir(args.workdir, "swarm-gpu-") as workdir:
-            record["two_peers"] = two_peers(args, hw.device.split(":")[0], workdir)
-        for i, peer in enumerate(record["two_peers"]["peers"]):
+            fields["two_peers"] = two_peers(args, hw.device.split(":")[0], workdir)
+        for i, peer in enumerate(fields["two_peers"]["peers"]):
             print(f"peer {i}: exit {peer['exit_code']}, {peer['started_line']}")
             print(f"  rounds {peer['rounds']}")
             print(f"  median tokens/s {peer['median_tokens_per_second']}, result {peer['result']}")
-    record["wall_seconds"] = clock.seconds
-    record["plots"] = plot(record, args.out)
-    write_json(args.out, NAME, record)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(fields, out))
 
 
-def plot(record: dict[str, Any], out: Path) -> list[str]:
+def plot(record: dict[str, Any], out: Path) -> Path | None:
     """Tokens/s of each precision's inner steps, and the micro-batch the search found."""
     plt = pyplot()
     runs = record.get("in_process", {}).get("precisions")
     if plt is None or not runs:
-        return []
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(runs)
     ax.bar(names, [runs[n]["tokens_per_second"] for n in names], color="tab:blue")
@@ -311,8 +306,7 @@ def plot(record: dict[str, Any], out: Path) -> list[str]:
         )
     ax.set_ylabel("tokens/s (inner steps)")
     ax.set_title(f"{record['in_process']['parameters'] / 1e6:.0f}M parameters on {record['device']}", fontsize=9)
-    out.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out, NAME).name]
+    return save_figure(fig, out, NAME)
 
 
 if __name__ == "__main__":

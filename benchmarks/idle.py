@@ -26,14 +26,12 @@ import psutil
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     tied_to_us,
-    write_json,
 )
 from benchmarks.memory import baseline_tree
 from benchmarks.pss import tree_by_role
@@ -114,10 +112,10 @@ def measure(code: Path, label: str, workdir: Path, window: float, timeout: float
     )
 
 
-def plot(runs: list[dict], out: Path) -> list[str]:
+def plot(runs: list[dict], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     roles = sorted({r for run in runs for r in run["by_role"]})
     bottom = [0.0] * len(runs)
@@ -128,8 +126,7 @@ def plot(runs: list[dict], out: Path) -> list[str]:
     ax.set_ylabel("CPU-seconds per second")
     ax.set_title("a tiny peer waiting in matchmaking: its process tree", fontsize=9)
     ax.legend(fontsize=8)
-    out.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out, NAME).name]
+    return save_figure(fig, out, NAME)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,18 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ratio is not None:
         print(f"baseline / current: {ratio}x the CPU")
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
-        sets=SETS,
-        runs=runs,
-        baseline_over_current=ratio,
-        wall_seconds=clock.seconds,
-    )
-    record["plots"] = plot(runs, args.out)
-    write_json(args.out, NAME, record)
+    fields = dict(sets=SETS, runs=runs, baseline_over_current=ratio)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(runs, out))
     return 0
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 
 from benchmarks import podman as pm
-from benchmarks.common import Stopwatch, add_common_args, command_line, machine_info, print_table, write_json
+from benchmarks.common import Stopwatch, add_common_args, finish, print_table
 
 NAME = "image"
 
@@ -42,17 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dict(debian=pm.image_size(pm.DEBIAN), base=built.base_size_bytes, image=built.size_bytes)
     print_table("building the image with podman", ["step", "seconds"], list(steps.items()))
     print_table("sizes", ["image", "MB"], [(k, v / 1e6) for k, v in sizes.items()])
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
-        seconds=steps,
-        bytes=sizes,
-        wall_seconds=clock.seconds,
-        plots=[],
-    )
-    write_json(args.out, NAME, record)
+    finish(NAME, args.out, dict(seconds=steps, bytes=sizes), smoke=args.smoke, clock=clock)  # no plot: plots=[]
     return 0
 
 

@@ -34,15 +34,13 @@ from pathlib import Path
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     tied_to_us,
 )
-from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records
 from benchmarks.pss import TreeSampler
 
@@ -311,10 +309,10 @@ def report(record: dict) -> None:
     print(json.dumps(record["ratios"], indent=1))
 
 
-def plot(record: dict, out: Path) -> list[str]:
+def plot(record: dict, out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     params = record["sizes"]["parameters"]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     phases = sorted({ph for run in record["runs"] for p in run["peers"].values() for ph in p["phases"]})
@@ -330,8 +328,7 @@ def plot(record: dict, out: Path) -> list[str]:
     ax.set_ylabel("peak PSS, bytes per parameter")
     ax.set_title(f"Peak PSS of a peer's process tree, {params / 1e6:.0f}M parameters, CPU")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    save_figure(fig, out, NAME)
-    return [f"{NAME}.png"]
+    return save_figure(fig, out, NAME)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -390,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             name: round(peer["peak_pss"] / runs[0]["peers"][name]["peak_pss"], 3)
             for name, peer in current["peers"].items()
         }
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(
             parameters=params,
             device=args.device,
@@ -407,12 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         runs=runs,
         ratios=ratios,
-        wall_seconds=clock.seconds,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    record["plots"] = plot(record, args.out)
-    report(record)
-    write_record(args.out, NAME, record)
+    report(fields)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(fields, out))
     return 0
 
 

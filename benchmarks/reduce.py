@@ -26,14 +26,12 @@ from typing import Any
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     worker_json,
-    write_json,
 )
 from benchmarks.memory import baseline_tree
 
@@ -83,10 +81,10 @@ def per_round_seconds(ms: float, k: int, values: int) -> float:
     return round(ms / 1e3 * MODEL_PARAMETERS / k / values, 2)
 
 
-def plot(runs: list[dict[str, Any]], groups: list[int], out: Path) -> list[str]:
+def plot(runs: list[dict[str, Any]], groups: list[int], out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in runs:
         for aggregation, style in (("mean", ":"), ("centered_clip", "-")):
@@ -97,8 +95,7 @@ def plot(runs: list[dict[str, Any]], groups: list[int], out: Path) -> list[str]:
     ax.set_yscale("log")
     ax.set_title("robust_mean per all-reduce part, one thread", fontsize=9)
     ax.legend(fontsize=7)
-    out.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out, NAME).name]
+    return save_figure(fig, out, NAME)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,20 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             base = runs[0]["ms_per_part"][aggregation]
             ratios[aggregation] = {str(k): round(base[str(k)] / figures[str(k)], 2) for k in groups}
         print(f"baseline / current, ms per part: {ratios}")
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
+    fields = dict(
         part_values=values,
         groups=groups,
         model_parameters=MODEL_PARAMETERS,
         runs=runs,
         baseline_over_current=ratios or None,
-        wall_seconds=clock.seconds,
     )
-    record["plots"] = plot(runs, groups, args.out)
-    write_json(args.out, NAME, record)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(runs, groups, out))
     return 0
 
 

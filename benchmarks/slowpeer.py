@@ -25,15 +25,13 @@ from pathlib import Path
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
-    command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     save_figure,
     scratch_dir,
     tied_to_us,
 )
-from benchmarks.common import write_json as write_record
 from benchmarks.peers import read_records as records
 
 NAME = "slowpeer"
@@ -186,11 +184,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> int:
     fast_shares = [v["share_of_swarm_rounds"] for v in per_peer.values() if not v["slow"]]
     fast_share_mean = statistics.fmean(fast_shares) if None not in fast_shares and fast_shares else None
     slow_share = per_peer[slow]["share_of_swarm_rounds"]
-    record = dict(
-        benchmark=NAME,
-        smoke=args.smoke,
-        command=command_line(),
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(peers=args.peers, inner_steps=args.inner_steps, slowdown_quota=args.slowdown, sets=sets),
         swarm_rounds=swarm_rounds,
         measured_seconds=round(end - start, 1),
@@ -203,11 +197,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> int:
             else None
         ),
         per_peer=per_peer,
-        wall_seconds=clock.seconds,
     )
     print_table(
         f"{swarm_rounds} swarm rounds; the slow peer ran {speed_ratio or 0:.1f}x slower; its share over the fast"
-        f" peers' {record['ratios']['slow_share_over_fast_share'] or 0:.2f}",
+        f" peers' {fields['ratios']['slow_share_over_fast_share'] or 0:.2f}",
         ["peer", "slow", "rounds", "averaged", "share", "steps/s", "samples/round", "resynced"],
         [
             (
@@ -223,16 +216,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> int:
             for i, v in per_peer.items()
         ],
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    record["plots"] = plot(record, args.out)
-    write_record(args.out, NAME, record)
+    finish(NAME, args.out, fields, smoke=args.smoke, clock=clock, plot=lambda out: plot(fields, out))
     return 0
 
 
-def plot(record: dict, out: Path) -> list[str]:
+def plot(record: dict, out: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
-        return []
+        return None
     peers = record["per_peer"]
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = [f"peer {i}{' (slow)' if v['slow'] else ''}" for i, v in peers.items()]
@@ -247,8 +238,7 @@ def plot(record: dict, out: Path) -> list[str]:
     ax.set_ylabel("rounds averaged in, % of the swarm's rounds")
     ax.set_title(f"a peer {record['speed_ratio_fast_over_slow'] or 0:.1f}x slower than the rest")
     ax.legend(fontsize=8)
-    save_figure(fig, out, NAME)
-    return [f"{NAME}.png"]
+    return save_figure(fig, out, NAME)
 
 
 if __name__ == "__main__":

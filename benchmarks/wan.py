@@ -30,13 +30,12 @@ from benchmarks.common import (
     Stopwatch,
     add_common_args,
     command_line,
-    machine_info,
+    finish,
     print_table,
     pyplot,
     rate_label,
     save_figure,
     scratch_dir,
-    write_json,
 )
 from benchmarks.netns import CounterSampler, Lab, require_root
 from benchmarks.peers import PeerProcess, spawn_peer, stop_all, tail, wait_for_join_info
@@ -300,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def report(record: dict, out: Path) -> None:
-    """Print the tables, draw the plot and write the JSON."""
+def report(record: dict) -> None:
+    """Print the tables."""
     rows = []
     for wire, phases in record["figures"].items():
         for ph in phases:
@@ -354,10 +353,6 @@ def report(record: dict, out: Path) -> None:
             for k, v in record["slowdown_vs_unlimited"].items()
         ],
     )
-    out.mkdir(parents=True, exist_ok=True)
-    png = plot(record["figures"], out)
-    record["plots"] = [png.name] if png else []
-    write_json(out, NAME, record)
 
 
 def reanalyze(path: Path, out: Path) -> int:
@@ -370,7 +365,8 @@ def reanalyze(path: Path, out: Path) -> int:
     record["figures"] = {w: [phase_figures(ph, w, numel) for ph in phases] for w, phases in record["rounds"].items()}
     record["slowdown_vs_unlimited"] = slowdowns(record["figures"])
     record["reanalyzed_by"] = command_line()
-    report(record, out)
+    report(record)
+    finish(NAME, out, record, head=(), plot=lambda out: plot(record["figures"], out))  # its keys where they were
     return 0
 
 
@@ -391,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         for wire in args.wires:
             raw[wire] = run_swarm(args, lab, wire, workdir / wire)
             figures[wire] = [phase_figures(ph, wire, numel) for ph in raw[wire]]
-    record = dict(
-        benchmark=NAME,
-        command=command_line(),
-        smoke=args.smoke,
-        machine=machine_info(),
+    fields = dict(
         sizes=dict(
             peers=args.peers,
             parameters=numel,
@@ -415,9 +407,17 @@ def main(argv: list[str] | None = None) -> int:
         figures=figures,
         slowdown_vs_unlimited=slowdowns(figures),
         rounds=raw,
-        wall_seconds=clock.seconds,
     )
-    report(record, args.out)
+    report(fields)
+    finish(
+        NAME,
+        args.out,
+        fields,
+        smoke=args.smoke,
+        clock=clock,
+        plot=lambda out: plot(figures, out),
+        head=("benchmark", "command", "smoke", "machine"),
+    )
     return 0
 
 
