@@ -39,6 +39,7 @@ from benchmarks.common import (
 from client.dashboard import DashboardSource, LiveDashboard
 from client.hardware import detect
 from client.monitoring import TrainingTick, gpu_memory, own_state
+from client.preflight import parse_device
 from client.presets import build_manifest
 from client.swarm_watch import SwarmWatch
 from client.telemetry import Telemetry
@@ -69,7 +70,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
     steps_log = work / "steps.jsonl"
     telemetry = Telemetry(steps_log)
-    hardware = detect("cpu")
+    hardware = detect(parse_device("cpu"))
     trainer = Trainer(
         manifest, dht, hardware, TrainerSettings(workdir=work), log=lambda line: None, telemetry=telemetry
     )

@@ -43,6 +43,7 @@ from benchmarks.common import (
 from client.hardware import Hardware, Precision, choose_precision, detect
 from client.microbatch import gpu_trial, search
 from client.model import build_model, count_parameters, model_config
+from client.preflight import DeviceKind, parse_device
 from client.presets import build_manifest
 from client.step import InnerStep
 from swarm import SwarmError
@@ -58,7 +59,7 @@ PRECISIONS = {
 
 
 def sync(hw: Hardware) -> None:
-    if hw.kind == "cuda":
+    if hw.kind is DeviceKind.CUDA:
         torch.cuda.synchronize(hw.device)
 
 
@@ -71,14 +72,14 @@ def new_step(model, hw: Hardware, precision: Precision, micro: int, init_scale: 
 def throughput(model, hw, precision, micro, batch, steps) -> dict[str, Any]:
     step = new_step(model, hw, precision, micro)
     step(batch)  # warm-up: kernels, allocator, optimizer state
-    if hw.kind == "cuda":
+    if hw.kind is DeviceKind.CUDA:
         torch.cuda.reset_peak_memory_stats(hw.device)
     sync(hw)
     t = time.perf_counter()
     losses = [step(batch).loss for _ in range(steps)]
     sync(hw)
     seconds = (time.perf_counter() - t) / steps
-    peak = torch.cuda.max_memory_allocated(hw.device) if hw.kind == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(hw.device) if hw.kind is DeviceKind.CUDA else None
     del step
     return dict(
         micro_batch=micro,
@@ -142,7 +143,7 @@ def in_process(args: argparse.Namespace, hw: Hardware) -> dict[str, Any]:
     chosen = choose_precision(hw, prefer_bf16=manifest.mixed_precision == "bf16")
     record: dict[str, Any] = dict(parameters=params, seq_len=args.seq_len, samples_per_step=args.samples)
     record["chosen_precision"] = chosen.label
-    names = list(PRECISIONS) if hw.kind == "cuda" else ["fp32"]
+    names = list(PRECISIONS) if hw.kind is DeviceKind.CUDA else ["fp32"]
     runs: dict[str, Any] = {}
     for name in names:
         precision = PRECISIONS[name]
@@ -158,7 +159,7 @@ def in_process(args: argparse.Namespace, hw: Hardware) -> dict[str, Any]:
     for run in runs.values():
         run["speed_vs_fp32"] = round(run["tokens_per_second"] / base, 3)
     record["precisions"] = runs
-    if hw.kind == "cuda":
+    if hw.kind is DeviceKind.CUDA:
         record["scaler_overflow"] = scaler_overflow(model, hw, batch)
         fp16 = runs["fp16+scaler"]
         micro = max(1, fp16["micro_batch"] // 4)
@@ -180,7 +181,7 @@ def in_process(args: argparse.Namespace, hw: Hardware) -> dict[str, Any]:
         ],
     )
     del model
-    if hw.kind == "cuda":
+    if hw.kind is DeviceKind.CUDA:
         torch.cuda.empty_cache()
     return record
 
@@ -274,10 +275,10 @@ def main() -> None:
         args.device, args.preset, args.seq_len, args.samples, args.steps = "cpu", "tiny", 64, 4, 1
         args.epochs, args.inner_steps, args.peer_seq_len, args.peer_samples = 1, 2, 64, 4
     clock = Stopwatch()
-    hw = detect(args.device)
+    hw = detect(parse_device(args.device))
     print(f"device: {hw.label}, compute capability {hw.compute_capability}, torch {torch.__version__}", flush=True)
     fields: dict[str, Any] = dict(device=hw.label)
-    if hw.kind == "cuda":
+    if hw.kind is DeviceKind.CUDA:
         fields["cuda"] = dict(torch_cuda=torch.version.cuda, capability=hw.compute_capability, bf16=hw.bf16)
     if not args.skip_in_process:
         fields["in_process"] = in_process(args, hw)

@@ -13,11 +13,13 @@ import sys
 from pathlib import Path
 
 from client.options import (
-    DEFAULT_WORKDIR,
-    add_host_port,
+    add_device,
     add_initial_peers,
+    add_network,
     add_peer_options,
+    add_run,
     add_secret_file,
+    add_verbose,
     add_workdir,
     env_default,
 )
@@ -51,36 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_peer_options(start, initial_peers_required=False)
 
     join = sub.add_parser("join", help="join an existing run")
-    join.add_argument(
-        "--run", default=env_default("run", None), help="run id, when the swarm hosts several [SWARM_RUN]"
-    )
+    add_run(join)
     add_peer_options(join, initial_peers_required=True)
 
     status = sub.add_parser("status", help="watch a run without training: peers, epochs, speed")
     add_initial_peers(status, required=True)
     add_secret_file(status)
-    status.add_argument(
-        "--run", default=env_default("run", None), help="run id, when the swarm hosts several [SWARM_RUN]"
-    )
+    add_run(status)
     status.add_argument("--json", action="store_true", help="print one JSON snapshot and exit (for scripts)")
-    status.add_argument("--verbose", action="store_true", default=env_default("verbose", False), help=argparse.SUPPRESS)
+    add_verbose(status)
 
     doctor = sub.add_parser("doctor", help="check this machine and the network before joining")
     add_initial_peers(doctor, required=False)
     add_secret_file(doctor)
     add_workdir(doctor)
-    doctor.add_argument(
-        "--host-ip", default=env_default("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]"
-    )
-    add_host_port(doctor)
-    doctor.add_argument(
-        "--announce-ip", default=env_default("announce_ip", None), help="public address [SWARM_ANNOUNCE_IP]"
-    )
-    doctor.add_argument(
-        "--device", default=env_default("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]"
-    )
+    add_network(doctor)
+    add_device(doctor)
     doctor.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the initial peers")
-    doctor.add_argument("--verbose", action="store_true", default=env_default("verbose", False), help=argparse.SUPPRESS)
+    add_verbose(doctor)
 
     demo = sub.add_parser("demo", help="train a tiny model with N local peers (no network needed)")
     demo.add_argument("--peers", type=int, default=2, help="number of peer processes (default 2)")
@@ -94,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     export = sub.add_parser("export", help="write the latest checkpoint's model in Hugging Face format")
-    export.add_argument("--workdir", type=Path, default=Path(env_default("workdir", str(DEFAULT_WORKDIR))))
+    add_workdir(export)
     export.add_argument("--out", type=Path, required=True, help="directory to write the model to")
-    export.add_argument("--run", default=env_default("run", None), help="run id, when the workdir holds several")
+    add_run(export)
 
     health = sub.add_parser("health", help="exit 0 if the peer using WORKDIR is alive and progressing (Docker)")
     add_workdir(health)
@@ -111,46 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _status(args: argparse.Namespace) -> int:
     from client.logs import setup_logging
+    from client.preflight import check_status_command
+
+    network = check_status_command(args)  # a mistyped address is reported before the imports, not 6-25 s later
     from client.status import run_status
-    from swarm import NetworkConfig
 
     setup_logging(None, args.verbose)
-    network = NetworkConfig(
-        initial_peers=args.initial_peers,
-        host_ip="0.0.0.0",
-        host_port=0,
-        client_mode=True,
-        secret=_secret(args),
-    )
     return run_status(network, args.run, as_json=args.json, live=sys.stdout.isatty())
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from client.doctor import FAIL, WARN, DoctorOptions, print_check, run_checks
+    from client.preflight import check_doctor_command
+
+    inputs = check_doctor_command(args)
+    from client.doctor import FAIL, WARN, print_check, run_checks
     from client.logs import setup_logging
 
     setup_logging(None, args.verbose)
-    options = DoctorOptions(
-        workdir=args.workdir,
-        initial_peers=args.initial_peers,
-        host_ip=args.host_ip,
-        host_port=args.host_port,
-        announce_ip=args.announce_ip,
-        device=args.device,
-        timeout=args.timeout,
-        secret=_secret(args),
-    )
-    checks = run_checks(options, print_check)
+    checks = run_checks(inputs, print_check)
     failed = [c for c in checks if c.outcome == FAIL]
     warned = [c for c in checks if c.outcome == WARN]
     print(f"{len(checks) - len(failed) - len(warned)} passed, {len(warned)} warnings, {len(failed)} failed")
     return 1 if failed else 0
-
-
-def _secret(args: argparse.Namespace):
-    from client.run import read_secret
-
-    return read_secret(args.secret_file)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -185,9 +157,6 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_peer(args, inputs)
         if args.command == "status":
-            from client.preflight import check_status_command
-
-            check_status_command(args)  # a mistyped address is reported before the imports, not 6-25 s later
             return _status(args)
         if args.command == "doctor":
             return _doctor(args)

@@ -19,9 +19,10 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
-from swarm import NetworkConfig, SwarmError, claim_port, list_runs, start_dht
-from swarm.dht.access import RunSecret
-from swarm.dht.network import DEFAULT_PORT, probe_peers
+from client.preflight import DeviceKind, DoctorInputs
+from swarm import SwarmError, claim_port, list_runs, start_dht
+from swarm.dht.config import DEFAULT_PORT
+from swarm.dht.network import probe_peers
 from swarm.errors import PortTakenError
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -40,19 +41,7 @@ class Check:
     fix: str = ""
 
 
-@dataclass
-class DoctorOptions:
-    workdir: Path
-    initial_peers: list[str]
-    host_ip: str = "0.0.0.0"
-    host_port: int | None = None  # None: the default port, or the next free one, as `join` picks it
-    announce_ip: str | None = None
-    device: str = "auto"
-    timeout: float = 15.0
-    secret: RunSecret | None = None  # a closed run's keys
-
-
-def run_checks(options: DoctorOptions, report: Callable[[Check], None]) -> list[Check]:
+def run_checks(options: DoctorInputs, report: Callable[[Check], None]) -> list[Check]:
     """Run every check in order, handing each to ``report`` as soon as it is known."""
     checks: list[Check] = []
     for step in (_versions, _p2pd, _device, _shared_memory, _open_files, _disk, _network):
@@ -62,7 +51,7 @@ def run_checks(options: DoctorOptions, report: Callable[[Check], None]) -> list[
     return checks
 
 
-def _versions(_: DoctorOptions) -> list[Check]:
+def _versions(_: DoctorInputs) -> list[Check]:
     py = platform.python_version()
     out = [
         Check("python", PASS if sys.version_info >= (3, 11) else FAIL, py, "install Python 3.11 or newer"),
@@ -76,7 +65,7 @@ def _versions(_: DoctorOptions) -> list[Check]:
     return out
 
 
-def _p2pd(_: DoctorOptions) -> list[Check]:
+def _p2pd(_: DoctorInputs) -> list[Check]:
     try:
         import hivemind.hivemind_cli as cli
 
@@ -96,7 +85,7 @@ def _p2pd(_: DoctorOptions) -> list[Check]:
     return [Check("p2pd", PASS, str(binary))]
 
 
-def _device(options: DoctorOptions) -> list[Check]:
+def _device(options: DoctorInputs) -> list[Check]:
     import torch
 
     from client.hardware import choose_precision, detect
@@ -106,7 +95,7 @@ def _device(options: DoctorOptions) -> list[Check]:
     except SwarmError as e:
         return [Check("device", FAIL, str(e), "pick another --device, or fix the driver")]
     precision = choose_precision(hardware, prefer_bf16=False)
-    if hardware.kind == "cpu":
+    if hardware.kind is DeviceKind.CPU:
         return [
             Check(
                 "device",
@@ -117,14 +106,14 @@ def _device(options: DoctorOptions) -> list[Check]:
         ]
     try:  # usable, not only visible: one small matmul under autocast
         x = torch.randn(256, 256, device=hardware.device)
-        with torch.autocast(hardware.kind, dtype=precision.autocast_dtype or torch.float32):
+        with torch.autocast(hardware.kind.value, dtype=precision.autocast_dtype or torch.float32):
             float((x @ x).sum())
     except Exception as e:
         return [Check("device", FAIL, f"{hardware.label} is visible but failed a test step: {e}", "check the driver")]
     return [Check("device", PASS, f"{hardware.label}, {precision.label}")]
 
 
-def _shared_memory(_: DoctorOptions) -> list[Check]:
+def _shared_memory(_: DoctorInputs) -> list[Check]:
     try:
         size = psutil.disk_usage("/dev/shm").total
     except OSError:
@@ -141,7 +130,7 @@ def _shared_memory(_: DoctorOptions) -> list[Check]:
     return [Check("shared memory", PASS, f"/dev/shm {size / 2**30:.1f} GiB")]
 
 
-def _open_files(_: DoctorOptions) -> list[Check]:
+def _open_files(_: DoctorInputs) -> list[Check]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < MIN_OPEN_FILES:
         return [
@@ -155,7 +144,7 @@ def _open_files(_: DoctorOptions) -> list[Check]:
     return [Check("open files", PASS, f"limit {soft}")]
 
 
-def _disk(options: DoctorOptions) -> list[Check]:
+def _disk(options: DoctorInputs) -> list[Check]:
     path = options.workdir.expanduser()
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -169,8 +158,9 @@ def _disk(options: DoctorOptions) -> list[Check]:
     return [Check("disk", PASS, detail)]
 
 
-def _network(options: DoctorOptions) -> list[Check]:
-    if not options.initial_peers:
+def _network(options: DoctorInputs) -> list[Check]:
+    config = options.network
+    if not config.initial_peers:
         return [
             Check(
                 "initial peers",
@@ -179,27 +169,19 @@ def _network(options: DoctorOptions) -> list[Check]:
                 "run `swarm-client doctor --initial-peers <multiaddr>` with the run's address",
             )
         ]
-    config = NetworkConfig(
-        initial_peers=options.initial_peers,
-        host_ip=options.host_ip,
-        host_port=options.host_port,
-        announce_ip=options.announce_ip,
-        startup_timeout=options.timeout,
-        secret=options.secret,
-    )
     checks: list[Check] = []
     try:
-        claim = claim_port(options.host_ip, options.host_port)
+        claim = claim_port(config.host_ip, config.host_port)
     except PortTakenError:
         checks.append(
             Check(
                 "port",
                 WARN,
-                f"port {options.host_port} is in use (a peer already running?)",
+                f"port {config.host_port} is in use (a peer already running?)",
                 "checked reachability on a random port instead; stop the other peer to test the real one",
             )
         )
-        claim = claim_port(options.host_ip, 0)
+        claim = claim_port(config.host_ip, 0)
         config = config.model_copy(update=dict(announce_ip=None))
     except SwarmError as e:
         return [Check("port", FAIL, "cannot listen", str(e))]
@@ -219,7 +201,7 @@ def _network(options: DoctorOptions) -> list[Check]:
     except SwarmError as e:
         return [*checks, Check("initial peers", FAIL, "no answer", str(e))]
     try:
-        probes = probe_peers(dht, options.initial_peers, timeout=options.timeout)
+        probes = probe_peers(dht, config.initial_peers, timeout=config.startup_timeout)
         answered = [p for p in probes if p.responded]
         if not answered:
             return [
@@ -235,7 +217,7 @@ def _network(options: DoctorOptions) -> list[Check]:
         checks.append(
             Check("initial peers", PASS, f"{len(answered)}/{len(probes)} answered, round trip {rtt * 1000:.0f} ms")
         )
-        checks.append(_reachability(answered, config.host_port, options.announce_ip))
+        checks.append(_reachability(answered, config.host_port, options.network.announce_ip))
         checks.append(_clock(answered))
         runs = list_runs(dht)
         names = ", ".join(f"{r.run_id} ({r.name})" for r in runs) or "none announced"

@@ -13,14 +13,14 @@ from typing import Any
 import psutil
 import torch
 
-from client.preflight import DeviceKind, parse_device
+from client.preflight import DeviceKind, DeviceRequest
 from swarm import SwarmError
 
 
 @dataclass(frozen=True)
 class Hardware:
     device: str  # a torch device string: "cuda:0", "mps", "cpu"
-    kind: str  # "cuda", "mps" or "cpu"
+    kind: DeviceKind  # CUDA, MPS or CPU (never AUTO)
     name: str
     memory_bytes: int  # accelerator memory, or available host memory for the CPU
     compute_capability: tuple[int, int] | None
@@ -31,7 +31,9 @@ class Hardware:
     @property
     def label(self) -> str:
         gib = self.memory_bytes / 2**30
-        return f"{self.name} ({gib:.0f} GiB)" if self.kind != "cpu" else f"CPU x{self.cpu_cores} ({gib:.0f} GiB free)"
+        if self.kind is DeviceKind.CPU:
+            return f"CPU x{self.cpu_cores} ({gib:.0f} GiB free)"
+        return f"{self.name} ({gib:.0f} GiB)"
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,10 @@ class Precision:
         return {None: "fp32", torch.float16: "fp16+scaler", torch.bfloat16: "bf16"}[self.autocast_dtype]
 
 
-def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | None = None) -> Hardware:
-    """Resolve ``--device`` (auto|cuda|cuda:N|mps|cpu) to the hardware that will train."""
-    request = parse_device(device)  # its syntax (checked before torch is imported too); here: is it on this machine
+def detect(request: DeviceRequest, cuda: Any = torch.cuda, mps_available: bool | None = None) -> Hardware:
+    """The hardware that will train for a ``--device`` (parsed by ``client.preflight.parse_device`` before torch
+    was imported): here, whether this machine has it."""
+    device = request.kind.value + ("" if request.index is None else f":{request.index}")
     host = psutil.virtual_memory()
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     if mps_available is None:
@@ -69,7 +72,7 @@ def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | N
         capability = (props.major, props.minor)
         return Hardware(
             f"cuda:{index}",
-            "cuda",
+            DeviceKind.CUDA,
             props.name,
             int(props.total_memory),
             capability,
@@ -80,13 +83,13 @@ def detect(device: str = "auto", cuda: Any = torch.cuda, mps_available: bool | N
     if kind is DeviceKind.MPS:
         if not mps_available:
             raise SwarmError("--device mps: Apple's Metal backend is not available here; use --device cpu.")
-        return Hardware("mps", "mps", "Apple MPS", host.total, None, False, host.total, cores)
-    return Hardware("cpu", "cpu", "CPU", int(host.available), None, False, host.total, cores)
+        return Hardware("mps", DeviceKind.MPS, "Apple MPS", host.total, None, False, host.total, cores)
+    return Hardware("cpu", DeviceKind.CPU, "CPU", int(host.available), None, False, host.total, cores)
 
 
 def choose_precision(hardware: Hardware, prefer_bf16: bool) -> Precision:
     """fp16 with a scaler on CUDA, bf16 where asked for and supported, fp32 elsewhere."""
-    if hardware.kind == "cuda":
+    if hardware.kind is DeviceKind.CUDA:
         if prefer_bf16 and hardware.bf16:
             return Precision(torch.bfloat16, use_scaler=False)
         return Precision(torch.float16, use_scaler=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from client.hardware import Hardware, Precision
+from client.preflight import DeviceKind
 from swarm import RunManifest, SwarmError
 
 SAFETY = 0.9  # use 90% of the largest micro-batch that fit
@@ -72,7 +73,7 @@ def gpu_trial(
         try:
             x = torch.randint(0, vocab_size, (micro, seq_len), device=hardware.device)
             with torch.autocast(
-                hardware.kind,
+                hardware.kind.value,
                 dtype=precision.autocast_dtype or torch.float32,
                 enabled=precision.autocast_dtype is not None,
             ):
@@ -86,7 +87,7 @@ def gpu_trial(
                 for p, s in zip(model.parameters(), saved):
                     p.copy_(s)
             del saved
-            if hardware.kind == "cuda":
+            if hardware.kind is DeviceKind.CUDA:
                 torch.cuda.empty_cache()
 
     return trial
@@ -124,7 +125,7 @@ def auto_micro_batch(
     limit = manifest.samples_per_step
 
     def compute() -> int:
-        if hardware.kind == "cuda":
+        if hardware.kind is DeviceKind.CUDA:
             found = search(gpu_trial(model, hardware, precision, manifest.seq_len, config.vocab_size), limit)
             if found == 0:
                 raise SwarmError(

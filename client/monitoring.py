@@ -16,6 +16,7 @@ import torch
 from client.hardware import Hardware
 from client.health import status_fields, stuck_after, write_status
 from client.idle import OwnState, shown_state, why_idle
+from client.preflight import DeviceKind
 from client.swarm_watch import SwarmSnapshot
 from client.trainer import Trainer
 from swarm import PeerState
@@ -47,12 +48,12 @@ def gpu_memory(hardware: Hardware) -> Callable[[], str]:
     process = psutil.Process()
 
     def text() -> str:
-        if hardware.kind == "cuda":
+        if hardware.kind is DeviceKind.CUDA:
             used = torch.cuda.memory_allocated(hardware.device)
             total = torch.cuda.get_device_properties(hardware.device).total_memory
             peak = torch.cuda.max_memory_allocated(hardware.device)
             return f"{used / 2**30:.1f} GiB in use, peak {peak / 2**30:.1f} of {total / 2**30:.0f} GiB"
-        return f"no GPU ({hardware.kind}); process RAM {process.memory_info().rss / 2**30:.1f} GiB"
+        return f"no GPU ({hardware.kind.value}); process RAM {process.memory_info().rss / 2**30:.1f} GiB"
 
     return text
 

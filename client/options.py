@@ -139,6 +139,44 @@ def add_workdir(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_host_ip(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host-ip", default=env_default("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
+
+
+def add_announce_ip(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--announce-ip",
+        default=env_default("announce_ip", None),
+        help="public address to announce when behind NAT [SWARM_ANNOUNCE_IP]",
+    )
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default=env_default("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]"
+    )
+
+
+def add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", default=env_default("run", None), help="run id, when there are several [SWARM_RUN]")
+
+
+def add_verbose(p: argparse.ArgumentParser, shown: bool = False) -> None:
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        default=env_default("verbose", False),
+        help="show hivemind's own logs [SWARM_VERBOSE]" if shown else argparse.SUPPRESS,
+    )
+
+
+def add_network(p: argparse.ArgumentParser) -> None:
+    """Where this machine listens and what it announces."""
+    add_host_ip(p)
+    add_host_port(p)
+    add_announce_ip(p)
+
+
 def add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -> None:
     add_initial_peers(p, initial_peers_required)
     add_secret_file(p)
@@ -150,16 +188,8 @@ def add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -
         help="key file that keeps this peer's id across restarts (default: WORKDIR/identity.key) [SWARM_IDENTITY]",
     )
     add_workdir(p)
-    p.add_argument("--host-ip", default=env_default("host_ip", "0.0.0.0"), help="address to listen on [SWARM_HOST_IP]")
-    add_host_port(p)
-    p.add_argument(
-        "--announce-ip",
-        default=env_default("announce_ip", None),
-        help="public address to announce when behind NAT [SWARM_ANNOUNCE_IP]",
-    )
-    p.add_argument(
-        "--device", default=env_default("device", "auto"), help="auto, cuda, cuda:N, mps or cpu [SWARM_DEVICE]"
-    )
+    add_network(p)
+    add_device(p)
     p.add_argument(
         "--micro-batch",
         type=_micro_batch,
@@ -214,9 +244,4 @@ def add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -
         help="append one JSON object per step, round and event to FILE [SWARM_LOG_JSON]",
     )
     p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        default=env_default("verbose", False),
-        help="show hivemind's own logs [SWARM_VERBOSE]",
-    )
+    add_verbose(p, shown=True)

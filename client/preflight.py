@@ -3,8 +3,9 @@
 Those imports take 6 s on an idle machine and 25 s on a loaded one; a wrong --device, a manifest that cannot
 be read or is invalid, a malformed --initial-peers address, a missing --secret-file or a workdir that cannot
 be written is reported in a fraction of a second instead, with the message and exit code that the later
-check gives on the paths that skip this one (`doctor`, the library). Nothing here imports torch,
-hivemind, transformers or datasets (tests/test_preflight.py checks it).
+check gives on the paths that skip this one (the library). What is checked here is returned parsed (the
+device, the DHT settings with the run's keys) and every command uses that, so nothing is read twice. Nothing
+here imports torch, hivemind, transformers or datasets (tests/test_preflight.py checks it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import IO
 import psutil
 
 from client.presets import build_manifest
+from swarm.dht.access import RunSecret
+from swarm.dht.config import NetworkConfig
 from swarm.errors import SwarmError
-from swarm.inputs import check_initial_peer, check_ip, light_multiaddr, read_secret_file
+from swarm.inputs import check_initial_peer, check_ip, light_multiaddr
 from swarm.manifest import RunManifest
 
 _workdir_lock = None  # held for the life of the process
@@ -112,13 +115,48 @@ class PeerInputs:
 
     workdir: Path  # writable, and locked by this process
     manifest: RunManifest | None  # the run `start` creates; None for `join`, which reads its run from the swarm
+    device: DeviceRequest
+    network: NetworkConfig  # with the run's keys when it is closed
 
 
-def check_status_command(args: argparse.Namespace) -> None:
-    """Check a `status` command line (its addresses and secret file) before torch and hivemind are imported."""
+@dataclass(frozen=True)
+class DoctorInputs:
+    """What `doctor` has checked, for ``client.doctor.run_checks``."""
+
+    workdir: Path
+    device: DeviceRequest
+    network: NetworkConfig
+
+
+def network_config(args: argparse.Namespace, **fields) -> NetworkConfig:
+    """The DHT settings on a command line (addresses, port, the secret file's keys), each checked once here, with
+    ``fields`` on top (a client-mode observer, the identity file)."""
     _check_initial_peers(args.initial_peers)
-    if args.secret_file is not None:
-        read_secret_file(args.secret_file)
+    values = dict(initial_peers=list(args.initial_peers), secret=read_secret(getattr(args, "secret_file", None)))
+    if hasattr(args, "host_ip"):
+        values["host_ip"] = check_ip(args.host_ip, "--host-ip")
+    if getattr(args, "announce_ip", None) is not None:
+        values["announce_ip"] = check_ip(args.announce_ip, "--announce-ip")
+    if hasattr(args, "host_port"):
+        values["host_port"] = args.host_port
+    return NetworkConfig(**{**values, **fields})
+
+
+def read_secret(path: Path | None) -> RunSecret | None:
+    """A closed run's keys from ``--secret-file`` (None: an open run), or a SwarmError saying what is wrong."""
+    return None if path is None else RunSecret.from_file(path)
+
+
+def check_status_command(args: argparse.Namespace) -> NetworkConfig:
+    """Check a `status` command line (its addresses and secret file) before torch and hivemind are imported: the
+    settings of the client-mode node that reads the run."""
+    return network_config(args, host_ip="0.0.0.0", host_port=0, client_mode=True)
+
+
+def check_doctor_command(args: argparse.Namespace) -> DoctorInputs:
+    """Check a `doctor` command line as `join` would, without locking the workdir (a peer may be using it)."""
+    device = parse_device(args.device)
+    return DoctorInputs(args.workdir, device, network_config(args, startup_timeout=args.timeout))
 
 
 def _check_initial_peers(peers: list[str]) -> None:
@@ -130,13 +168,13 @@ def _check_initial_peers(peers: list[str]) -> None:
 
 def check_peer_command(args: argparse.Namespace, creating: bool) -> PeerInputs:
     """Check a `start` (``creating``) or `join` command line, raising the SwarmError the volunteer would
-    otherwise see seconds later. The workdir comes last: it is created and locked, the rest only read."""
-    parse_device(args.device)
-    _check_initial_peers(args.initial_peers)
-    check_ip(args.host_ip, "--host-ip")
-    if args.announce_ip is not None:
-        check_ip(args.announce_ip, "--announce-ip")
-    if args.secret_file is not None:
-        read_secret_file(args.secret_file)
+    otherwise see seconds later, and return what it says, parsed. The workdir comes last: it is created and
+    locked, the rest only read."""
+    device = parse_device(args.device)
+    network = network_config(args, client_mode=args.client_mode)
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
-    return PeerInputs(prepare_workdir(args.workdir, exclusive=True), manifest)
+    if manifest is not None and network.secret is not None:  # a closed run: its id is another run's
+        manifest = manifest.model_copy(update=dict(access=network.secret.tag))
+    workdir = prepare_workdir(args.workdir, exclusive=True)
+    identity = args.identity or workdir / "identity.key"
+    return PeerInputs(workdir, manifest, device, network.model_copy(update=dict(identity_path=identity)))

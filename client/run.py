@@ -16,28 +16,8 @@ from client.logs import setup_logging
 from client.options import held_out_sequences
 from client.preflight import PeerInputs
 from client.signals import STOP
-from swarm import NetworkConfig, RunSecret
 
 FIND_RUN_WAIT = 30.0  # seconds a joiner reads the DHT again while it shows no run at all (swarm.choose_run)
-
-
-def _network(args: argparse.Namespace, workdir: Path) -> NetworkConfig:
-    from swarm import NetworkConfig
-
-    return NetworkConfig(
-        initial_peers=args.initial_peers,
-        host_ip=args.host_ip,
-        host_port=args.host_port,
-        announce_ip=args.announce_ip,
-        identity_path=args.identity or workdir / "identity.key",
-        client_mode=args.client_mode,
-        secret=read_secret(args.secret_file),
-    )
-
-
-def read_secret(path: Path | None) -> RunSecret | None:
-    """A closed run's keys from ``--secret-file`` (None: an open run)."""
-    return None if path is None else RunSecret.from_file(path)
 
 
 def join_command_line(maddrs: Sequence[str], run_id: str) -> str:
@@ -50,88 +30,22 @@ def use_dashboard(args: argparse.Namespace) -> bool:
 
 def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
     """`start` (``inputs.manifest``: the run to create) or `join`, on a command line that
-    ``client.preflight.check_peer_command`` has checked."""
-    from client.dashboard import DashboardSource, LiveDashboard
+    ``client.preflight.check_peer_command`` has checked: the phases below, in order."""
     from client.hardware import detect
-    from client.monitoring import TrainingTick, gpu_memory, own_state
-    from client.swarm_watch import SwarmWatch
     from client.telemetry import Telemetry
-    from client.trainer import Trainer, TrainerSettings
-    from swarm import choose_run, claim_port, start_dht, visible_maddrs
-    from swarm.dht.network import DEFAULT_PORT
-    from swarm.dht.peers import read_peers
 
-    workdir, manifest, creating = inputs.workdir, inputs.manifest, inputs.manifest is not None
-    setup_logging(workdir / "logs" / "swarm-client.log", args.verbose)
-    hardware = detect(args.device)  # before the DHT: a --device this machine lacks should not cost a network join
-    network = _network(args, workdir)
-    if manifest is not None and network.secret is not None:  # a closed run: its id is another run's
-        manifest = manifest.model_copy(update=dict(access=network.secret.tag))
+    setup_logging(inputs.workdir / "logs" / "swarm-client.log", args.verbose)
+    hardware = detect(inputs.device)  # before the DHT: a --device this machine lacks should not cost a network join
     dashboard = use_dashboard(args)
     say = (lambda line: None) if dashboard else (lambda line: print(line, flush=True))
-    claim = claim_port(network.host_ip, network.host_port)
-    if claim.moved:
-        print(
-            f"Port {DEFAULT_PORT} is in use on this machine (another peer?); listening on {claim.port} instead. "
-            "Forward that port for others to reach you, or choose one with --host-port.",
-            flush=True,
-        )
-    dht = start_dht(network, claim)
+    dht = _join_dht(inputs.network)
     telemetry = Telemetry(args.log_json, echo=None if dashboard else say)
     watch = tick = None
     try:
-        if manifest is None:
-            manifest = choose_run(dht, args.run, wait=FIND_RUN_WAIT)
-            print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
-        maddrs = [a for a in visible_maddrs(dht)]
-        if creating:
-            print(f"Run {manifest.run_id} ({manifest.name}) created.", flush=True)
-        join_line = join_command_line(maddrs[:1] or maddrs, manifest.run_id)
-
-        def ready() -> None:
-            # only once this peer has its state and has published it: a peer that joined sooner found no state
-            # here, started the run afresh, and this one downloaded from it
-            print(f"Others join with:\n{join_line}", flush=True)
-
-        settings = TrainerSettings(
-            workdir=workdir,
-            name=args.name,
-            micro_batch=args.micro_batch,
-            max_epochs=args.max_epochs,
-            eval_sequences=held_out_sequences(args),
-            eval_every=args.eval_every,
-            nice=args.nice,
-        )
-        run_id = manifest.run_id
-        # the watcher reads the DHT from its own thread: it starts once the peer has forked its averager
-        trainer = Trainer(
-            manifest,
-            dht,
-            hardware,
-            settings,
-            log=say,
-            telemetry=telemetry,
-            on_connected=lambda: watch.start(),
-            on_ready=ready,
-        )
-        tick = TrainingTick(trainer, workdir, bool(args.initial_peers), None if dashboard else say)
-        watch = SwarmWatch(
-            lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
-        )
-        if dashboard:
-            source = DashboardSource(
-                manifest=manifest,
-                parameters=lambda: trainer.parameters,
-                telemetry=telemetry,
-                watch=watch,
-                own=lambda: own_state(trainer, bool(args.initial_peers)),
-                gpu_memory=gpu_memory(hardware),
-                title=f"swarm-client {args.command}",
-            )
-            with LiveDashboard(source):
-                result = trainer.run()
-        else:
-            result = trainer.run()
+        manifest = _the_run(dht, getattr(args, "run", None), inputs.manifest)  # `start` has no --run
+        trainer = _trainer(args, inputs.workdir, manifest, dht, hardware, telemetry, say, lambda: watch.start())
+        watch, tick = _watch(trainer, dht, manifest, telemetry, args, dashboard, say)
+        result = _train(trainer, watch, args, dashboard, hardware)
     finally:
         with STOP.shielded():
             if watch is not None:
@@ -142,20 +56,109 @@ def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
     if dashboard:
         print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
     if args.result_file:
-        args.result_file.write_text(
-            json.dumps(
-                dict(
-                    run_id=manifest.run_id,
-                    rounds=result.rounds,
-                    epoch=result.epoch,
-                    checksum=result.checksum,
-                    eval_loss_start=result.eval_loss_start,
-                    eval_loss_end=result.eval_loss_end,
-                    eval_losses=result.eval_losses,
-                    averaged_rounds=sum(r.averaged for r in result.reports),
-                    first_moment_corrections=result.first_moment_corrections,
-                    checkpoint=str(result.checkpoint) if result.checkpoint else None,
-                )
+        _write_result(args.result_file, manifest.run_id, result)
+    return 0
+
+
+def _join_dht(network):
+    """Claim the port (the next free one after the default, saying so, when another peer has it) and join."""
+    from swarm import claim_port, start_dht
+    from swarm.dht.config import DEFAULT_PORT
+
+    claim = claim_port(network.host_ip, network.host_port)
+    if claim.moved:
+        print(
+            f"Port {DEFAULT_PORT} is in use on this machine (another peer?); listening on {claim.port} instead. "
+            "Forward that port for others to reach you, or choose one with --host-port.",
+            flush=True,
+        )
+    return start_dht(network, claim)
+
+
+def _the_run(dht, run_id: str | None, creating):
+    """The run this peer trains: the one it creates, or the one the swarm hosts (``--run`` when several)."""
+    from swarm import choose_run
+
+    if creating is None:
+        manifest = choose_run(dht, run_id, wait=FIND_RUN_WAIT)
+        print(f"Joining run {manifest.run_id} ({manifest.name}).", flush=True)
+        return manifest
+    print(f"Run {creating.run_id} ({creating.name}) created.", flush=True)
+    return creating
+
+
+def _trainer(args, workdir: Path, manifest, dht, hardware, telemetry, say, on_connected):
+    """The training loop, which prints the join line once this peer has its state and has published it: a peer
+    that joined sooner found no state here, started the run afresh, and this one downloaded from it."""
+    from client.trainer import Trainer, TrainerSettings
+    from swarm import visible_maddrs
+
+    maddrs = visible_maddrs(dht)
+    join_line = join_command_line(maddrs[:1], manifest.run_id)
+    settings = TrainerSettings(
+        workdir=workdir,
+        name=args.name,
+        micro_batch=args.micro_batch,
+        max_epochs=args.max_epochs,
+        eval_sequences=held_out_sequences(args),
+        eval_every=args.eval_every,
+        nice=args.nice,
+    )
+    ready = lambda: print(f"Others join with:\n{join_line}", flush=True)  # noqa: E731
+    return Trainer(manifest, dht, hardware, settings, log=say, telemetry=telemetry, on_connected=on_connected,
+                   on_ready=ready)  # fmt: skip
+
+
+def _watch(trainer, dht, manifest, telemetry, args, dashboard: bool, say):
+    """The swarm watcher, whose tick writes the status file and the plain log lines; it reads the DHT from its
+    own thread, started once the peer has forked its averager (``on_connected``)."""
+    from client.monitoring import TrainingTick
+    from client.swarm_watch import SwarmWatch
+    from swarm.dht.peers import read_peers
+
+    tick = TrainingTick(trainer, trainer.settings.workdir, bool(args.initial_peers), None if dashboard else say)
+    run_id = manifest.run_id
+    watch = SwarmWatch(
+        lambda: read_peers(dht, run_id), manifest, telemetry, self_id=dht.peer_id.to_base58(), on_tick=tick
+    )
+    return watch, tick
+
+
+def _train(trainer, watch, args, dashboard: bool, hardware):
+    """Run the loop, under the live dashboard on a terminal."""
+    if not dashboard:
+        return trainer.run()
+    from client.dashboard import DashboardSource, LiveDashboard
+    from client.monitoring import gpu_memory, own_state
+
+    source = DashboardSource(
+        manifest=trainer.manifest,
+        parameters=lambda: trainer.parameters,
+        telemetry=trainer.telemetry,
+        watch=watch,
+        own=lambda: own_state(trainer, bool(args.initial_peers)),
+        gpu_memory=gpu_memory(hardware),
+        title=f"swarm-client {args.command}",
+    )
+    with LiveDashboard(source):
+        return trainer.run()
+
+
+def _write_result(path: Path, run_id: str, result) -> None:
+    """The run's outcome as JSON, for tests and scripts (``--result-file``)."""
+    path.write_text(
+        json.dumps(
+            dict(
+                run_id=run_id,
+                rounds=result.rounds,
+                epoch=result.epoch,
+                checksum=result.checksum,
+                eval_loss_start=result.eval_loss_start,
+                eval_loss_end=result.eval_loss_end,
+                eval_losses=result.eval_losses,
+                averaged_rounds=sum(r.averaged for r in result.reports),
+                first_moment_corrections=result.first_moment_corrections,
+                checkpoint=str(result.checkpoint) if result.checkpoint else None,
             )
         )
-    return 0
+    )

@@ -14,6 +14,7 @@ import torch
 
 from client.hardware import Hardware, Precision
 from client.microbatch import is_out_of_memory
+from client.preflight import DeviceKind
 from swarm import RunManifest, SwarmError
 from swarm.state.outer import OuterState
 
@@ -49,7 +50,7 @@ class InnerStep:
                 if not is_out_of_memory(e):
                     raise
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.hardware.kind == "cuda":
+                if self.hardware.kind is DeviceKind.CUDA:
                     torch.cuda.empty_cache()
                 if self.micro_batch == 1:
                     raise SwarmError(
@@ -65,7 +66,7 @@ class InnerStep:
         for chunk in batch.split(self.micro_batch):
             x = chunk.to(self.hardware.device, non_blocking=True)
             with torch.autocast(
-                self.hardware.kind if self.hardware.kind != "mps" else "cpu",
+                "cpu" if self.hardware.kind is DeviceKind.MPS else self.hardware.kind.value,
                 dtype=self.precision.autocast_dtype or torch.float32,
                 enabled=self.precision.autocast_dtype is not None,
             ):

@@ -32,7 +32,8 @@ _EXPORTS = {
         "RunManifest",
         "TokenizerSpec",
     ],
-    "swarm.dht.network": ["NetworkConfig", "claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
+    "swarm.dht.config": ["NetworkConfig"],
+    "swarm.dht.network": ["claim_port", "parse_initial_peer", "start_dht", "visible_maddrs"],
     "swarm.peer": ["Peer"],
     "swarm.events": ["PeerEvent", "PeerStats", "RoundOutcome", "RoundReport"],
     "swarm.dht.records": ["PeerState", "ProgressRecord"],
@@ -94,7 +95,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from swarm.dht.access import RunSecret
-    from swarm.dht.network import NetworkConfig, claim_port, parse_initial_peer, start_dht, visible_maddrs
+    from swarm.dht.config import NetworkConfig
+    from swarm.dht.network import claim_port, parse_initial_peer, start_dht, visible_maddrs
     from swarm.dht.records import PeerState, ProgressRecord
     from swarm.dht.registry import choose_run, fetch_manifest, list_runs, publish_manifest
     from swarm.dht.view import Consensus, SwarmView, consensus

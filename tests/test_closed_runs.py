@@ -14,7 +14,8 @@ from client_helpers import FAST, LOCAL, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 from hivemind.proto import dht_pb2
 
-from swarm.dht.access import MIN_SECRET_BYTES, RunSecret, SecretAuthorizer, check_access
+from swarm.dht.access import MIN_SECRET_BYTES, RunSecret, check_access
+from swarm.dht.authorizer import SecretAuthorizer
 from swarm.errors import SecretError
 
 SECRET = b"correct horse battery staple, 2026"

@@ -8,6 +8,7 @@ import torch
 from client.hardware import choose_precision, detect
 from client.microbatch import auto_micro_batch, cached_or_search, cpu_estimate, gpu_trial, search
 from client.model import build_model, model_config
+from client.preflight import DeviceKind, parse_device
 from client.presets import build_manifest
 from swarm import SwarmError
 
@@ -30,31 +31,34 @@ class FakeCuda:
 
 
 def test_cuda_is_detected_with_its_properties():
-    hw = detect("auto", cuda=FakeCuda())
-    assert hw.device == "cuda:0" and hw.kind == "cuda" and hw.name.startswith("NVIDIA A100")
+    hw = detect(parse_device("auto"), cuda=FakeCuda())
+    assert hw.device == "cuda:0" and hw.kind is DeviceKind.CUDA and hw.name.startswith("NVIDIA A100")
     assert hw.memory_bytes == 40 * 2**30 and hw.compute_capability == (8, 0) and hw.bf16
     assert hw.host_memory_bytes > 0 and hw.cpu_cores >= 1
-    assert detect("cuda:1", cuda=FakeCuda()).device == "cuda:1"
+    assert detect(parse_device("cuda:1"), cuda=FakeCuda()).device == "cuda:1"
 
 
 def test_precision_follows_the_gpu_and_the_manifest():
-    ampere, turing = detect("cuda", cuda=FakeCuda()), detect("cuda", cuda=FakeCuda(capability=(7, 5)))
+    ampere, turing = (
+        detect(parse_device("cuda"), cuda=FakeCuda()),
+        detect(parse_device("cuda"), cuda=FakeCuda(capability=(7, 5))),
+    )
     assert not turing.bf16
     assert choose_precision(ampere, prefer_bf16=True).autocast_dtype is torch.bfloat16
     fp16 = choose_precision(turing, prefer_bf16=True)
     assert fp16.autocast_dtype is torch.float16 and fp16.use_scaler
-    cpu = choose_precision(detect("cpu"), prefer_bf16=True)
+    cpu = choose_precision(detect(parse_device("cpu")), prefer_bf16=True)
     assert cpu.autocast_dtype is None and not cpu.use_scaler
 
 
 def test_missing_devices_are_explained():
     with pytest.raises(SwarmError, match="2 CUDA device"):
-        detect("cuda:2", cuda=FakeCuda())
+        detect(parse_device("cuda:2"), cuda=FakeCuda())
     with pytest.raises(SwarmError, match="no CUDA GPU"):
-        detect("cuda", cuda=FakeCuda(count=0))
+        detect(parse_device("cuda"), cuda=FakeCuda(count=0))
     with pytest.raises(SwarmError, match="mps"):
-        detect("mps", cuda=FakeCuda(count=0), mps_available=False)
-    assert detect("auto", cuda=FakeCuda(count=0), mps_available=False).device == "cpu"
+        detect(parse_device("mps"), cuda=FakeCuda(count=0), mps_available=False)
+    assert detect(parse_device("auto"), cuda=FakeCuda(count=0), mps_available=False).device == "cpu"
 
 
 class MemoryCeiling(torch.nn.Module):
@@ -75,7 +79,7 @@ class MemoryCeiling(torch.nn.Module):
 def test_search_finds_the_largest_fit_with_headroom(ceiling, limit, expected):
     manifest = build_manifest("tiny", overrides=["seq_len=16"])
     model = MemoryCeiling(build_model(manifest), ceiling)
-    hw = detect("cpu")  # the trial really runs forward/backward/step, on the CPU
+    hw = detect(parse_device("cpu"))  # the trial really runs forward/backward/step, on the CPU
     before = [p.detach().clone() for p in model.parameters()]
     found = search(gpu_trial(model, hw, choose_precision(hw, False), 16, 259), limit)
     assert found == expected
@@ -98,7 +102,7 @@ def test_search_reports_zero_when_nothing_fits_and_reraises_other_errors():
 
 def test_cpu_path_estimates_from_free_memory_and_caches(tmp_path):
     manifest = build_manifest("tiny")
-    hw = detect("cpu")
+    hw = detect(parse_device("cpu"))
     found = cpu_estimate(hw, model_config(manifest), manifest.seq_len, manifest.samples_per_step)
     assert 1 <= found <= manifest.samples_per_step
     small = cpu_estimate(hw.__class__(**{**hw.__dict__, "memory_bytes": 1}), model_config(manifest), 128, 8)
@@ -114,8 +118,8 @@ def test_cpu_path_estimates_from_free_memory_and_caches(tmp_path):
 def test_a_card_with_no_room_for_one_sample_gets_one_line_and_a_fitting_one_is_searched_once(tmp_path):
     """The client's choice on a CUDA card (faked: the kind says cuda, the trials run on the CPU, a ceiling OOMs)."""
     manifest = build_manifest("tiny", overrides=["seq_len=16"])
-    cpu = detect("cpu")
-    card = cpu.__class__(**{**cpu.__dict__, "kind": "cuda", "name": "Fake GPU"})
+    cpu = detect(parse_device("cpu"))
+    card = cpu.__class__(**{**cpu.__dict__, "kind": DeviceKind.CUDA, "name": "Fake GPU"})
     config, precision = model_config(manifest), choose_precision(cpu, False)
     full = MemoryCeiling(build_model(manifest), 0)
     with pytest.raises(SwarmError, match="runs out of memory even with one sample per micro-batch"):

@@ -46,12 +46,17 @@ def test_a_device_that_is_no_device_string_is_refused(text):
         parse_device(text)
 
 
-def test_detect_refuses_the_same_strings_with_the_same_message():
-    from client.hardware import detect
+def test_detect_takes_the_parsed_device_and_says_what_this_machine_lacks():
+    """The --device string is parsed once, before torch is imported; ``detect`` says whether the machine has it."""
+    import torch
 
-    with pytest.raises(SwarmError, match=NOT_A_DEVICE):  # was a ValueError from int(): a "bug" message
-        detect("cuda:x")
-    assert detect("cpu").kind == "cpu"
+    from client.hardware import detect
+    from client.preflight import DeviceKind
+
+    assert detect(parse_device("cpu")).kind is DeviceKind.CPU
+    if not torch.cuda.is_available():
+        with pytest.raises(SwarmError, match="no CUDA GPU is visible"):
+            detect(parse_device("cuda:7"))
 
 
 @pytest.mark.parametrize(

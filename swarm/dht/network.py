@@ -32,9 +32,9 @@ from typing import IO, Any
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.dht.access import RunSecret, SecretAuthorizer
+from swarm.dht.authorizer import SecretAuthorizer
+from swarm.dht.config import DEFAULT_PORT, NetworkConfig
 from swarm.dht.identity import adopt_identity, temporary_identity
 from swarm.dht.records import global_validators
 from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
@@ -43,25 +43,8 @@ from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.inputs import check_initial_peer, check_ip
 
-DEFAULT_PORT = 31337
 PORT_SEARCH = 64  # with the default port, look this far for a free one
 logger = logging.getLogger(__name__)
-
-
-class NetworkConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    initial_peers: list[str] = Field(default_factory=list)
-    host_ip: str = "0.0.0.0"
-    # None: DEFAULT_PORT, or the next free port after it; a number: exactly that port; 0: any port (tests)
-    host_port: int | None = Field(None, ge=0, le=65535)
-    announce_ip: str | None = None
-    identity_path: Path | None = None
-    client_mode: bool = False
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    startup_timeout: float = 30.0
-    secret: RunSecret | None = None  # a closed run's keys (swarm.dht.access); None: an open run
 
 
 def parse_initial_peer(text: str) -> Multiaddr:

@@ -1,5 +1,8 @@
 """hivemind's helper processes (the DHT, the averager): a bounded start, and a check that they still run.
 
+Works around: ``run_in_background(await_ready=True)`` waits for ever for a helper that died or hangs before it
+is ready (checked on hivemind 1.1.12, ``utils/mpfuture.py`` and ``dht/dht.py``).
+
 hivemind's own ``run_in_background(await_ready=True)`` waits for ever: a helper that dies
 before it says it is ready (killed by the OOM killer, a crash in its first lines) or that
 hangs there leaves the peer waiting with no message. Here the wait ends as soon as the

@@ -1,5 +1,8 @@
 """hivemind's process-wide locks, which a process that dies holding one leaves taken for good.
 
+Works around: the four ``mp.Lock()`` hivemind makes at import (``utils/mpfuture.py``, ``utils/asyncio.py``), which
+have no owner and no timeout (checked on hivemind 1.1.12).
+
 hivemind makes them with ``mp.Lock()`` when it is imported: the futures' update and shared-byte locks, the
 futures' backend lock and the async executor's lock. They are semaphores shared with every process forked
 afterwards, so a DHT or averager process SIGKILLed (or terminated by hivemind's own ``shutdown`` after its grace

@@ -1,5 +1,8 @@
 """Make hivemind's helper processes die with the peer that started them.
 
+Works around: hivemind's forked DHT and averager processes (and the DHT's ``p2pd``) outliving a SIGKILLed parent
+(checked on hivemind 1.1.12).
+
 hivemind forks a DHT process and an averager process, and the DHT process starts
 the ``p2pd`` daemon. When a volunteer's peer is killed with SIGKILL (an OOM kill,
 a spot preemption), those children are orphaned and would keep answering in the

@@ -1,5 +1,8 @@
 """hivemind's search for a group leader, paced: a peer waiting for groupmates no longer spins.
 
+Works around: ``PotentialLeaders._update_queue_periodically`` reading the DHT in a tight loop while no leader is
+known (checked on hivemind 1.1.12, ``averaging/matchmaking.py``).
+
 In hivemind 1.1.12 a follower that knows of no leader (``PotentialLeaders.pop_next_leader``
 with an empty queue) asks the queue to refresh and waits for it; the refresh
 (``_update_queue_periodically``) reads the DHT and goes straight back to waiting for the next
