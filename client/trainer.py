@@ -396,6 +396,5 @@ class Trainer:
                 if seconds > 0:
                     self._disk_rate = size / seconds
                 self.telemetry.checkpoint(epoch, size, seconds)
-        line = describe(event)
-        if line is not None:
+        if (line := describe(event)) is not None:
             self.note(*line)
