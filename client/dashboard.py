@@ -99,7 +99,7 @@ def _observer_line(view: SwarmView) -> str:
 
 
 def _peers_table(source: DashboardSource, now: float) -> Table:
-    own_id = source.own().peer_id if source.own else None
+    own = source.own() if source.own else None
     table = Table(title="peers", title_justify="left", expand=True, header_style="bold")
     for column, justify in (
         ("name", "left"),
@@ -115,7 +115,7 @@ def _peers_table(source: DashboardSource, now: float) -> Table:
         table.add_column(column, justify=justify, overflow="ellipsis", no_wrap=column != "device")
     banned = accused(peer.record for peer in source.watch.snapshot.peers if not peer.gone)
     for peer in source.watch.snapshot.peers:
-        row = _peer_row(peer, own_id, source.manifest.inner_steps, now)
+        row = peer_row(peer, own, now)
         why = banned.get(peer.record.peer_id)
         if why is not None and not peer.gone:  # who banned it, and why (docs/security.md, "Bans")
             row[6] = f"banned: {why['reasons'][0]} ({len(why['by'])} of us{', all' if why['quorum'] else ''})"
@@ -125,13 +125,20 @@ def _peers_table(source: DashboardSource, now: float) -> Table:
     return table
 
 
-def _peer_row(peer: TrackedPeer, own_id: str | None, inner_steps: int, now: float) -> list[str]:
+def peer_row(peer: TrackedPeer, own: OwnState | None, now: float) -> list[str]:
+    """One row of the peers table. This peer's own row says what it does as its status file does (``own``): an
+    overlapped peer trains while its record says matchmaking or averaging for the others' matchmaking."""
     r = peer.record
-    name = f"{r.name} (you)" if r.peer_id == own_id else r.name
+    mine = own is not None and r.peer_id == own.peer_id
+    name = f"{r.name} (you)" if mine else r.name
     if peer.gone:
         state = f"{peer.gone_reason} {now - (peer.gone_since or now):.0f} s ago"
     elif r.state in (PeerState.downloading_state, PeerState.resyncing):
         state = f"{r.state} {100 * r.download_progress:.0f}%"
+    elif mine and own.round_in_background is not None:
+        state = f"{own.state} (round {own.round_in_background})"
+    elif mine:
+        state = own.state
     else:
         state = r.state
     link = "client mode" if r.client_mode else "relayed" if r.relayed else "direct"

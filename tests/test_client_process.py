@@ -8,7 +8,7 @@ import time
 import torch
 from client_helpers import FAST, LOCAL, cli, spawn, wait_for_line
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 JOIN = re.compile(r"swarm-client join --initial-peers (\S+) --run ([0-9a-f]{16})")
 
@@ -29,6 +29,11 @@ def test_demo_two_peers_two_epochs_end_to_end(tmp_path):
     exported = cli("export", "--workdir", str(tmp_path / "peer0"), "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)  # written beside the model: the folder generates text as it is
+    prompt = tokenizer("def main(", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert generated.shape[1] == prompt.input_ids.shape[1] + 12
+    assert tokenizer.decode(generated[0], skip_special_tokens=True).startswith("def main(")
     with safe_open(peers[0]["checkpoint"], framework="pt") as ckpt:
         outer = [ckpt.get_tensor(f"param.{i:05d}") for i in range(len(list(model.parameters())))]
         assert ckpt.metadata()["epoch"] == "2"

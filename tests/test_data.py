@@ -143,3 +143,15 @@ def test_auto_tokenizer_built_locally_with_tokenizers(tmp_path):
     assert seqs and all(len(s) == 8 for s in seqs)
     with pytest.raises(SwarmError, match="Could not load tokenizer"):
         HFTokenizer(str(tmp_path / "missing"))
+
+
+def test_the_exported_byte_tokenizer_gives_the_built_in_ones_ids_and_text_back():
+    """``swarm-client export`` writes the built-in tokenizer as a transformers one: same ids, same text."""
+    from client.byte_tokenizer import BOS, EOS, PAD, ByteTokenizer
+    from client.export import byte_tokenizer_fast
+
+    fast, ours = byte_tokenizer_fast(), ByteTokenizer()
+    for text in ("def f(x):\n    return x  # é ü 中文 🙂", " leading space", "\t\x00\x7f\r\n"):
+        ids = fast(text, add_special_tokens=False).input_ids
+        assert ids == ours.encode(text) and fast.decode(ids) == text
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, len(fast)) == (BOS, EOS, PAD, ours.vocab_size)

@@ -141,3 +141,20 @@ def test_health_check_live_stale_stuck_and_missing(tmp_path):
     assert not ok and "no progress for 400 s" in why
     (tmp_path / "status.json").write_text("{not json")
     assert check_health(tmp_path, now=now)[0] is False
+
+
+def test_the_dashboards_own_row_says_what_the_status_file_says_and_others_rows_what_they_publish():
+    """An overlapped peer's record says matchmaking while it trains: its own row in the peers table shows the state
+    its status file shows (training, with the round's stage), and every other row shows the published state."""
+    from client.dashboard import peer_row
+    from client.swarm_watch import TrackedPeer
+
+    now = time.time()
+    mine = TrackedPeer(record("me", 3, PeerState.matchmaking, inner_step=4), now)
+    theirs = TrackedPeer(record("a", 3, PeerState.matchmaking, inner_step=9), now)
+    own = me(state="training", round_in_background="matchmaking")
+    assert peer_row(mine, own, now)[0] == "me (you)" and peer_row(mine, own, now)[6] == "training (round matchmaking)"
+    assert peer_row(theirs, own, now)[6] == "matchmaking"
+    waiting = me(state="matchmaking")  # blocking, or waiting for its round: what it does is what it says
+    assert peer_row(mine, waiting, now)[6] == "matchmaking"
+    assert peer_row(mine, None, now)[0] == "me" and peer_row(mine, None, now)[6] == "matchmaking"  # an observer
