@@ -1,7 +1,8 @@
 """What the fp4 codec costs: milliseconds per million values, the current code against ``--baseline``.
 
-At 100M+ parameters on a small CPU, fp4's encoding is what a round waits for (``docs/benchmarks.md``, section 6:
-a 115M blocking round's all-reduce took 70 s with fp4 against 29 s with FP16 on two cores). A round runs each
+At 100M+ parameters on a small CPU, fp4's encoding is what a round waits for
+(``benchmarks/results/memory-fp4-blocking/README.md``: a 115M blocking round's all-reduce took 70.5 s with fp4
+against 29.3 s with FP16 on two cores). A round runs each
 step on every value it sends or receives: the host quantizes its pseudo-gradient (error feedback), each part is
 encoded for its reducer, the reducer decodes its groupmates' parts and encodes the average, and every groupmate
 decodes it; auditors decode and re-encode again. This times each step on all-reduce parts of ``SLICE`` values,

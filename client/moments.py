@@ -14,7 +14,7 @@ peer's own, so this changes no shared state and no checksum.
 
 Measured with ``benchmarks.convergence``'s ``moments=forget`` (H = 10, fp4, the average one step late, 1000 steps,
 five seeds on a lent machine's CPU cores): overlapped fp4 went from 1.041 to 1.022 of blocking FP32 on average,
-better in four seeds of five (``docs/benchmarks.md``, section 6).
+better in four seeds of five (``benchmarks/results/convergence-moments-seeds/README.md``).
 
 The copy is kept in bf16 on the host, 2 bytes per parameter while a round is in flight: on a GPU peer it takes
 no GPU memory, whose micro-batch was sized without it.

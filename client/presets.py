@@ -38,8 +38,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         samples_per_step=8,
         inner_steps=20,
         inner=dict(lr=2e-3, warmup_steps=10, total_steps=2000, weight_decay=0.1),
-        # plain averaging, not the paper's lr 0.7 with Nesterov 0.9: with CPU batches of a few thousand tokens
-        # and short rounds, momentum over the noisy pseudo-gradients overshoots (docs/benchmarks.md, section 6)
+        # plain averaging, not the paper's lr 0.7 with Nesterov 0.9: with CPU batches of a few thousand tokens and
+        # short rounds, momentum over the noisy pseudo-gradients overshoots (benchmarks/results/convergence-plain/)
         outer=dict(lr=1.0, momentum=0.0, nesterov=False),
         averaging=dict(
             matchmaking_time=2.0,

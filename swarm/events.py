@@ -49,7 +49,7 @@ class RoundReport:
     audit_bytes: int = 0  # checked reducers: parts downloaded to recompute a groupmate's average (seconds["audit"])
     repair_failures: tuple[dict, ...] = ()  # checked reducers: slices that came in part and stayed so (dropped)
     # overlapped: the inner steps taken from the stand-in while the round was in flight (H when it landed at the next
-    # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md). None: blocking
+    # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
     steps_late: int | None = None
     resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
 

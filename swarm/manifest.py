@@ -138,8 +138,8 @@ class AveragingSpec(_Frozen):
     # overlapped: after H steps the pseudo-gradient is averaged in the background while the next round's inner
     # steps run, from the global model moved by our own pseudo-gradient's step; when the average lands (at the
     # latest, at the next round's start) the group's step replaces that stand-in (eager updates). On by default
-    # since damped overlapped fp4 landing 2 steps late ended 0.974 of blocking FP32's held-out loss on three fresh
-    # seeds (docs/benchmarks.md, section 6, "Overlapped fp4 rounds by default"); false: blocking rounds
+    # since damped overlapped fp4 landing 2 steps late ended 0.973 of blocking FP32's held-out loss on three fresh
+    # seeds (benchmarks/results/convergence-fresh-seeds/README.md); false: blocking rounds
     overlap: bool = True
     stand_in: StandIn = StandIn.share  # overlapped: what the model steps with until the average lands (share:
     # 1.129 of blocking in benchmarks/results/convergence-standin, own 1.168, blend 1.384)
@@ -147,7 +147,7 @@ class AveragingSpec(_Frozen):
     # steps late; below 1 they are damped (the model becomes the new global one plus that share of them), as
     # Streaming DiLoCo's merge damps them: in the simulator (five seeds), landing 5 steps of 10 late, 0.5 took the
     # cost from 12.9% of blocking's held-out loss to 2.0%, at 2 steps from 2.1% to -0.8%, and cost 1.0% at 1 step,
-    # so a landing 1 step late keeps them all (docs/benchmarks.md, section 6). 1 keeps them all at any lag
+    # so a landing 1 step late keeps them all (benchmarks/results/convergence-merge/README.md). 1: all at any lag
     in_flight_steps_kept: float = Field(0.5, ge=0.0, le=1.0)
     # how a reducer combines its groupmates' parts (swarm.defence.robust): centered-clip caps weights at the median,
     # clips norms to the median and takes CenteredClip, so one peer sending garbage moves the swarm little;

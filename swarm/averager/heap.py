@@ -4,8 +4,8 @@ buffers (parts as sent, as received, the averages, audits) every round.
 glibc keeps freed memory in its heaps, and after each large block it frees it raises the size from which it
 maps blocks on their own (up to 32 MiB), so every later part-sized buffer comes from a heap that does not
 shrink; each executor thread gets a heap (arena) of its own, too. At 115M parameters the averager process
-held 1.96 GiB at the peak of a round, a good part of it freed memory, which put a peer over its memory budget
-(docs/benchmarks.md, section 5). A fixed mapping threshold turns that raising off, so large buffers are
+held much of that freed memory at the peak of a round, which put a peer over its memory budget (the memory
+benchmark: docs/benchmarks.md, section 5). A fixed mapping threshold turns that raising off, so large buffers are
 unmapped when freed; fewer arenas and a trim after each round return the rest. Elsewhere than glibc, nothing
 is changed.
 """

@@ -20,9 +20,8 @@ inputs alone):
 6. **inner range**: each coordinate is clamped between the second-lowest and the
    second-highest of the norm-clipped parts, so one liar cannot drag any coordinate outside what
    the others sent (with three senders this is the coordinate-wise median). Without it a
-   sign-flipped pseudo-gradient still pulled like one honest peer every round, and in
-   ``benchmarks/byzantine.py`` the honest peers' held-out loss ended 1.90x an honest run's;
-   with it, 1.05x (docs/benchmarks.md, section 7).
+   sign-flipped pseudo-gradient still pulled like one honest peer every round (the byzantine
+   benchmark's current figures: docs/benchmarks.md, section 7).
 
 With honest parts all within ``tau`` of their mean, CenteredClip is the plain
 weighted mean (step 6 then moves only the coordinates where the mean lies outside the

@@ -217,7 +217,7 @@ class StateStore:
         try:
             # the lock is held while the bytes are copied out (the next round's begin and outer step wait for that,
             # never the inner steps), not while the disk takes them: on a lent H200 machine the fsync of 1.1 GB held
-            # an overlapped round's begin for 18-24 s with the GPU idle (docs/benchmarks.md, section 8)
+            # an overlapped round's begin for 18-24 s with the GPU idle (benchmarks/results/gpu-overlap/README.md)
             with outer.lock:
                 epoch, checksum = outer.epoch, outer.checksum()
                 nbytes = state_file.write(
