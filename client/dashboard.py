@@ -2,13 +2,15 @@
 
 ``render`` is a pure function of what the training loop and the swarm watcher
 already hold, so it can be tested with a recording Console and drawn by rich's
-own refresh thread: the training loop never waits for the screen.
+own refresh thread: the training loop never waits for the screen. It stays as
+long for a thousand peers as for twenty: past ``MAX_ROWS`` peers the table says
+what they all come to in one line and shows the rows that matter (``pick_rows``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -18,15 +20,21 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from client.idle import OwnState, why_idle
-from client.swarm_watch import SwarmWatch, TrackedPeer
+from client.idle import NAMED, OwnState, why_idle
+from client.swarm_watch import FADE_SECONDS, SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
 from swarm import PeerState, RunManifest, SwarmView
 from swarm.defence.bans import accused
+from swarm.observer import summary
 
 REFRESH_PER_SECOND = 2
 SPARK = "▁▂▃▄▅▆▇█"
 EVENT_LINES = 8
+MAX_ROWS = 20  # peer rows in the table; past that, a summary line, the rows that matter most and "... and N more"
+# the kinds of rows that matter, in order, and how many rows each may take before the next has its turn
+QUOTAS = (("banned", 4), ("waited for", 6), ("off the epoch", 3), ("mates", 3), ("gone", 3))
+_ROUND = (PeerState.matchmaking.value, PeerState.averaging.value)
+_ACTIVE = (PeerState.training.value, *_ROUND)
 
 
 @dataclass
@@ -79,7 +87,7 @@ def _header(source: DashboardSource, now: float) -> Panel:
     )
     body: list[RenderableType] = [grid]
     if own is not None:
-        body.append(Text.assemble(("why am I idle? ", "bold yellow"), (why_idle(own, view), "yellow")))
+        body.append(Text.assemble(("why am I idle? ", "bold yellow"), (why_idle(own, view, NAMED), "yellow")))
     elif view is not None:
         body.append(Text(_observer_line(view), style="yellow"))
     stale = f" · swarm view {now - snap.updated_at:.0f} s old" if snap.updated_at and now - snap.updated_at > 5 else ""
@@ -100,7 +108,14 @@ def _observer_line(view: SwarmView) -> str:
 
 def _peers_table(source: DashboardSource, now: float) -> Table:
     own = source.own() if source.own else None
-    table = Table(title="peers", title_justify="left", expand=True, header_style="bold")
+    snap, m = source.watch.snapshot, source.manifest
+    banned = accused(peer.record for peer in snap.peers if not peer.gone)
+    rows, hidden = list(snap.peers), 0
+    if len(rows) > MAX_ROWS:
+        epoch = snap.view.global_epoch if snap.view is not None else None
+        rows, hidden = pick_rows(rows, own, banned, epoch, m.inner_steps, m.samples_per_step)
+    title = "peers" if not hidden else f"peers: {summary_line(snap.view, snap.peers, banned)}"
+    table = Table(title=title, title_justify="left", expand=True, header_style="bold")
     for column, justify in (
         ("name", "left"),
         ("id", "left"),
@@ -113,16 +128,89 @@ def _peers_table(source: DashboardSource, now: float) -> Table:
         ("last seen", "right"),
     ):
         table.add_column(column, justify=justify, overflow="ellipsis", no_wrap=column != "device")
-    banned = accused(peer.record for peer in source.watch.snapshot.peers if not peer.gone)
-    for peer in source.watch.snapshot.peers:
+    for peer in rows:
         row = peer_row(peer, own, now)
         why = banned.get(peer.record.peer_id)
         if why is not None and not peer.gone:  # who banned it, and why (docs/security.md, "Bans")
             row[6] = f"banned: {why['reasons'][0]} ({len(why['by'])} of us{', all' if why['quorum'] else ''})"
-        table.add_row(*row, style="dim" if peer.gone else "red" if why is not None else None)
-    if not source.watch.snapshot.peers:
+        style = "dim" if peer.gone else "red" if why is not None else None
+        table.add_row(*(Text(cell) for cell in row), style=style)  # Text: a peer's name is not rich markup
+    if hidden:
+        table.add_row(f"… and {hidden} more", *[""] * 8, style="dim")
+    if not snap.peers:
         table.add_row("(no peers seen yet)", *[""] * 8)
     return table
+
+
+def pick_rows(
+    peers: Sequence[TrackedPeer],
+    own: OwnState | None,
+    banned: Mapping[str, object],
+    epoch: int | None,
+    inner_steps: int,
+    samples_per_step: int,
+    limit: int = MAX_ROWS,
+) -> tuple[list[TrackedPeer], int]:
+    """The rows to show, and how many are left out. Up to ``limit`` peers: all of them, in the watcher's order.
+    Past that, this peer's own row, then (``QUOTAS``) the banned; the peers at our epoch (an observer: the global
+    one) still training towards the round, the slowest first; the live peers off that epoch or neither training nor
+    in a round (downloading state, re-syncing, starting), the farthest off first; the others at that epoch, those
+    in a round first; and those gone, the latest first. Each kind takes its quota, then the rows left go to the
+    kinds in that order. Rows that left come last."""
+    if len(peers) <= limit:
+        return list(peers), 0
+    own_id = own.peer_id if own is not None else None
+    mine = [p for p in peers if p.record.peer_id == own_id][:1]
+    at = own.epoch if own is not None else epoch
+    live = [p for p in peers if not p.gone and p.record.peer_id != own_id]
+
+    def left(p: TrackedPeer) -> float:
+        r = p.record
+        return (inner_steps - r.inner_step) * samples_per_step / r.samples_per_second if r.samples_per_second else 1e18
+
+    def off(p: TrackedPeer) -> bool:
+        return (at is not None and p.record.epoch != at) or p.record.state not in _ACTIVE
+
+    def behind(p: TrackedPeer) -> bool:
+        return not off(p) and p.record.state == PeerState.training and p.record.inner_step < inner_steps
+
+    kinds = {
+        "banned": [p for p in live if p.record.peer_id in banned],
+        "waited for": sorted((p for p in live if behind(p)), key=lambda p: (-left(p), p.record.name)),
+        "off the epoch": sorted(
+            (p for p in live if off(p)), key=lambda p: (-abs(p.record.epoch - (at or 0)), p.record.name)
+        ),
+        "mates": sorted((p for p in live if not off(p)), key=lambda p: (p.record.state not in _ROUND, p.record.name)),
+        "gone": sorted((p for p in peers if p.gone), key=lambda p: -(p.gone_since or 0)),
+    }
+    chosen: dict[str, list[TrackedPeer]] = {kind: [] for kind in kinds}
+    taken = {p.record.peer_id for p in mine}
+    room = limit - len(mine)
+    for second_pass in (False, True):
+        for kind, quota in QUOTAS:
+            for p in kinds[kind]:
+                if room == 0 or (not second_pass and len(chosen[kind]) >= quota):
+                    break
+                if p.record.peer_id not in taken:
+                    chosen[kind].append(p)
+                    taken.add(p.record.peer_id)
+                    room -= 1
+    rows = mine + [p for kind, _ in QUOTAS for p in chosen[kind]]
+    return rows, len(peers) - len(rows)
+
+
+def summary_line(view: SwarmView | None, peers: Sequence[TrackedPeer], banned: Mapping[str, object]) -> str:
+    """What every peer comes to, in one line: "1000 alive (870 training, 130 matchmaking) · epochs 5: 900, 4: 100
+    · 12,345.6 samples/s · 2 banned · 3 gone"."""
+    counts = summary(view.peers if view is not None else [p.record for p in peers if not p.gone])
+    states = ", ".join(f"{n} {state}" for state, n in counts.by_state.items())
+    epochs = ", ".join(f"{e}: {n}" for e, n in counts.by_epoch.items())
+    epochs += f", others: {counts.by_epoch_other}" if counts.by_epoch_other else ""
+    gone = sum(p.gone for p in peers)
+    parts = [f"{counts.peers} alive ({states})", f"epochs {epochs}", f"{counts.samples_per_second:,.1f} samples/s"]
+    parts += [f"{len(banned)} banned"] if banned else []
+    parts += [f"{gone} gone in the last {FADE_SECONDS:.0f} s"] if gone else []
+    return " · ".join(parts)
 
 
 def peer_row(peer: TrackedPeer, own: OwnState | None, now: float) -> list[str]:

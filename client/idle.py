@@ -40,7 +40,13 @@ def shown_state(published: str, round_in_background: bool) -> tuple[str, str | N
     return published, None
 
 
-def why_idle(me: OwnState, view: SwarmView | None) -> str:
+NAMED = 3  # slower peers a dashboard's idle line names before "and N more"
+NAME_CHARS = 20
+
+
+def why_idle(me: OwnState, view: SwarmView | None, names: int = 0) -> str:
+    """``names``: how many of the slower peers to name, the slowest first (the rest are "and N more"); 0 names
+    none, and the line is as long whatever the number of peers."""
     others = [p for p in view.peers if p.peer_id != me.peer_id] if view is not None else []
     if me.state == PeerState.starting:
         return "starting: loading the model and joining the swarm"
@@ -65,7 +71,8 @@ def why_idle(me: OwnState, view: SwarmView | None) -> str:
             eta = _eta(behind, me.inner_steps, me.samples_per_step)
             plural = "peer" if len(behind) == 1 else "peers"
             when = f" (ETA {eta:.0f} s)" if eta is not None else ""
-            return f"waiting for {len(behind)} {plural} to reach step {me.inner_steps}{when}"
+            named = f": {slowest(behind, me.inner_steps, me.samples_per_step, names)}" if names > 0 else ""
+            return f"waiting for {len(behind)} {plural} to reach step {me.inner_steps}{when}{named}"
         if not mates:
             return f"looking for a group: no other peer is at epoch {me.epoch} yet"
         return f"matchmaking with {len(mates)} peer(s) at epoch {me.epoch}"
@@ -84,3 +91,26 @@ def _eta(peers: list, inner_steps: int, samples_per_step: int) -> float | None:
         if p.samples_per_second > 0
     ]
     return max(times) if times else None
+
+
+def slowest(peers: list, inner_steps: int, samples_per_step: int, names: int = NAMED) -> str:
+    """The ``names`` slowest of ``peers`` (the most time left; a peer with no speed yet counts as slowest), then
+    "and N more": as long for a thousand peers as for four."""
+
+    def left(p) -> float:
+        if p.samples_per_second <= 0:
+            return float("inf")
+        return (inner_steps - p.inner_step) * samples_per_step / p.samples_per_second
+
+    order = sorted(peers, key=lambda p: (-left(p), p.peer_id))
+    shown = [_short(p.name) for p in order[:names]]
+    more = len(peers) - len(shown)
+    if more > 0:
+        return ", ".join(shown) + f" and {more} more"
+    if len(shown) > 1:
+        return ", ".join(shown[:-1]) + " and " + shown[-1]
+    return "".join(shown)
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= NAME_CHARS else name[: NAME_CHARS - 1] + "…"

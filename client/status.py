@@ -1,4 +1,8 @@
-"""`swarm-client status`: the swarm view for someone who trains nothing (an operator, a script)."""
+"""`swarm-client status`: the swarm view for someone who trains nothing (an operator, a script).
+
+Bounded whatever the run's size: the printed view is the dashboard's (a summary line and at most
+``client.dashboard.MAX_ROWS`` peer rows past that many peers), and ``--json`` prints
+``swarm.observer.snapshot``, capped lists and counts of every peer, under 64 KiB."""
 
 from __future__ import annotations
 

@@ -4,13 +4,16 @@ Reading the DHT takes milliseconds to seconds, so it never happens on the
 training thread nor on the dashboard's render thread: this thread polls, and
 everyone else reads its latest snapshot. It also remembers peers, so a peer that
 left fades out of the table instead of vanishing, and joins and leaves become
-events.
+events: one by one while they are few, summed up ("12 peers joined: ...") when a
+read brings many or they keep coming, so a swarm of a thousand peers does not
+flood the event log.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +25,17 @@ from swarm.observer import view_of
 
 FADE_SECONDS = 60.0  # how long a departed peer stays (dimmed) in the table
 POLL_INTERVAL = 1.0
+BURST = 3  # joins and leaves one read announces peer by peer; more become one line per kind
+RATE, WINDOW = 6, 60.0  # peer-by-peer announcements per WINDOW seconds; past that, changes are held...
+HOLD = 15.0  # ...and summed up once they have waited this long
+NAMED = 3  # peers a summary names before "and N more"
+# kind of change: (event kind, one peer's message, a summary's words)
+_CHANGES = {
+    "joined": ("joined", "{label} joined ({device})", "joined"),
+    "back": ("joined", "{label} is back", "are back"),
+    "left": ("left", "{label} left", "left"),
+    "vanished": ("left", "{label} vanished (its record expired)", "vanished (their records expired)"),
+}
 
 
 @dataclass
@@ -44,9 +58,12 @@ class PeerTracker:
         self.peers: dict[str, TrackedPeer] = {}
         self.self_id = self_id
         self._first_update = True
+        self._told: deque[float] = deque()  # when the peer-by-peer announcements of the last WINDOW went out
+        self._held: list[tuple[str, ProgressRecord]] = []  # changes to sum up, held since ``_held_since``
+        self._held_since = 0.0
 
     def update(self, entries: list[PeerEntry], now: float) -> list[tuple[str, str]]:
-        events: list[tuple[str, str]] = []
+        changes: list[tuple[str, ProgressRecord]] = []  # (kind of change, record), for ``_announce``
         announce = not self._first_update
         present = {e.record.peer_id: e.record for e in entries}
         for peer_id, record in present.items():
@@ -57,28 +74,48 @@ class PeerTracker:
                     continue
                 self.peers[peer_id] = TrackedPeer(record, now)
                 if announce and peer_id != self.self_id:
-                    events.append(("joined", f"{_label(record)} joined ({record.device})"))
+                    changes.append(("joined", record))
                 continue
             known.record = record
             if peer_id == self.self_id:
                 continue
             if leaving and not known.gone:
                 known.gone_since, known.gone_reason = now, "left"
-                events.append(("left", f"{_label(record)} left"))
+                changes.append(("left", record))
             elif not leaving and known.gone:
                 known.gone_since, known.gone_reason = None, ""
-                events.append(("joined", f"{_label(record)} is back"))
+                changes.append(("back", record))
         for peer_id, known in self.peers.items():
             if peer_id not in present and not known.gone and peer_id != self.self_id:
                 known.gone_since, known.gone_reason = now, "vanished"
-                events.append(("left", f"{_label(known.record)} vanished (its record expired)"))
+                changes.append(("vanished", known.record))
         for peer_id in [p for p, k in self.peers.items() if k.gone and now - k.gone_since > FADE_SECONDS]:
             del self.peers[peer_id]
+        events = self._announce(changes, now)
         others = [p for p in self.peers if p != self.self_id]
         if self._first_update and others:
             events.append(("found", f"found {len(others)} other peer(s) in the run"))
         self._first_update = False
         return events
+
+    def _announce(self, changes: list[tuple[str, ProgressRecord]], now: float) -> list[tuple[str, str]]:
+        """Peer by peer while few (``BURST`` a read, ``RATE`` a minute); else one line per kind of change: at once
+        for a burst, and ``HOLD`` seconds after the first held change for a steady stream."""
+        while self._told and now - self._told[0] > WINDOW:
+            self._told.popleft()
+        if not self._held and len(changes) <= BURST and len(self._told) + len(changes) <= RATE:
+            self._told.extend([now] * len(changes))
+            return [_one(change, record) for change, record in changes]
+        if not self._held:
+            self._held_since = now
+        self._held.extend(changes)
+        if len(changes) <= BURST and now - self._held_since < HOLD:
+            return []
+        held, self._held = self._held, []
+        by_change: dict[str, list[ProgressRecord]] = {}
+        for change, record in held:
+            by_change.setdefault(change, []).append(record)
+        return [_summed(change, records) for change, records in by_change.items()]
 
     def rows(self) -> list[TrackedPeer]:
         """Live peers first (by name), then departed ones, most recent first."""
@@ -150,3 +187,18 @@ class SwarmWatch:
 
 def _label(record: ProgressRecord) -> str:
     return f"{record.name} ({record.peer_id[-6:]})"
+
+
+def _one(change: str, record: ProgressRecord) -> tuple[str, str]:
+    kind, message, _ = _CHANGES[change]
+    return kind, message.format(label=_label(record), device=record.device)
+
+
+def _summed(change: str, records: list[ProgressRecord]) -> tuple[str, str]:
+    """One line for many peers' same change: "12 peers joined: a (1a2b3c), b (4d5e6f), c (7a8b9c) and 9 more"."""
+    if len(records) == 1:
+        return _one(change, records[0])
+    kind, _, words = _CHANGES[change]
+    named = ", ".join(_label(r) for r in records[:NAMED])
+    more = f" and {len(records) - NAMED} more" if len(records) > NAMED else ""
+    return kind, f"{len(records)} peers {words}: {named}{more}"
