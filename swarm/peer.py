@@ -207,16 +207,20 @@ class Peer:
         self.dht.add_validators([run_validator(self.run_id)])
         self._shapes = [tuple(shape) for shape in shapes]
         self.averager = start_averager(self.dht, self._shapes, self.run_id, self.manifest.averaging, self.state_dir)
+        m = self.manifest
+        keep = lambda entries: self._guard.filter(entries)  # noqa: E731 (banned peers are no vote, donor or mate)
+        self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
         self._presence = Presence.of_peer(
             self.dht,
-            self.manifest,
+            m,
             name=self.name,
             device=self.device,
             interval=self._progress_interval,
             ttl=self._progress_ttl,
             download_progress=lambda: self.download_progress,
+            peers_estimate=lambda: self._reader.peers_estimate,
         )
         self._guard = Guard(
             BanList(self.state_dir / "bans.json"),
@@ -225,8 +229,6 @@ class Peer:
             refuse=self.averager.set_bans,
             announce=lambda ban: self._emit(Banned(ban)),
         )
-        m = self.manifest
-        self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=self._guard.filter)
         self._early_end = EarlyEnd(m, self.peer_id, self._reader.recent_view)  # joining rounds early
         self._connected = True
 

@@ -46,7 +46,7 @@ class FakePeer:
             set_state=lambda state, publish=False: None,
         )
 
-    def view(self):
+    def view(self, including=()):
         self.views += 1
         now = time.time()
         records = {r.peer_id: r for r in self.records}

@@ -33,3 +33,25 @@ def get(dht: hivemind.DHT, key: str, timeout: float = DHT_TIMEOUT) -> Any:
     except Exception:
         logger.debug("DHT get of %s failed", key, exc_info=True)
         return None
+
+
+def store_many(
+    dht: hivemind.DHT, keys: list[str], subkey: Any, value: Any, expiration_time: float, timeout: float = DHT_TIMEOUT
+) -> bool:
+    """The same value under several keys at once (the futures run side by side); True if every store took."""
+    try:
+        futures = [
+            dht.store(key, subkey=subkey, value=value, expiration_time=expiration_time, return_future=True)
+            for key in keys
+        ]
+    except Exception:
+        logger.debug("DHT stores of %s failed to start", keys, exc_info=True)
+        return False
+    stored = True
+    for key, future in zip(keys, futures):
+        try:
+            stored = bool(future.result(timeout=timeout)) and stored
+        except Exception:
+            logger.debug("DHT store of %s failed", key, exc_info=True)
+            stored = False
+    return stored

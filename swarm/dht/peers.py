@@ -1,5 +1,14 @@
-"""Everyone's progress records: read on demand, or in the background for the training thread; and the swarm view
-they give.
+"""Everyone's progress records, a few buckets at a time; and the swarm view they give.
+
+Records are spread over bucket keys (``swarm.dht.records``: level L has 2^L buckets, a peer's bucket the first L bits
+of a hash of its id), and a reader reads one bucket at a time, at the level whose buckets hold about
+``BUCKET_SIZE`` records: each read costs the same whatever the swarm's size. ``RecordCache`` keeps the newest record
+of every peer seen in the buckets read lately (each expires with its record), rotates through the level's buckets,
+and moves one level up or down when the buckets it reads are too full or too empty. In a run of a few peers
+(level 0) every read is the one key that holds them all; in a large one the view is a sample that covers a new
+bucket every read, plus the buckets a caller names (its groupmates'). ``peers_estimate`` is how many peers the
+run has, as counted from that sample: it sets the levels a peer writes its own record to
+(``swarm.dht.presence``) and how many matchmaking buckets its round uses.
 
 A record is kept only if it is well formed, unexpired, and its ``peer_id`` is its signer's (``swarm.dht.identity``).
 ``SwarmReader`` builds the view the rules read (``swarm.dht.view``) after the caller's own filter (a peer drops the
@@ -10,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import hivemind
@@ -18,20 +27,22 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import calls
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.records import PeerEntry, ProgressRecord, progress_key
+from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, ProgressRecord, bucket_of, progress_key
 from swarm.dht.view import SwarmView, build_view
 
 logger = logging.getLogger(__name__)
 
+OCCUPANCY_DECAY = 0.7  # how much of the running count of records per bucket one more read leaves
+
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
-    """Every well-formed, unexpired progress record of a run whose ``peer_id`` is its signer's (``swarm.dht.identity``);
-    malformed and mismatched ones are dropped."""
+    """Every well-formed, unexpired progress record of a run (the level-0 key, which holds them all); malformed and
+    mismatched ones are dropped. A census: its cost grows with the run (``SwarmReader`` reads a bucket at a time)."""
     return parse_peers(calls.get(dht, progress_key(run_id)))
 
 
 def parse_peers(found: Any) -> list[PeerEntry]:
-    """``read_peers``'s rules, applied to what a DHT read of the run's progress key returned (None: nothing)."""
+    """``read_peers``'s rules, applied to what a DHT read of one of the run's progress keys returned (None: nothing)."""
     if found is None or not isinstance(found.value, dict):
         return []
     now = get_dht_time()
@@ -49,53 +60,108 @@ def parse_peers(found: Any) -> list[PeerEntry]:
     return entries
 
 
-class PeerFeed:
-    """Everyone's progress records for the training thread's frequent checks, read without waiting on the DHT.
+class RecordCache:
+    """The newest record of each peer seen lately, the level read, and the next bucket to read."""
 
-    ``latest()`` returns the newest copy read so far (None before the first has arrived) and, when that copy
-    is older than ``max_age``, starts the next read, which the DHT process answers into a future. A read not
-    answered within ``timeout`` is given up and another one started. A blocking read costs the caller a round
-    trip through the DHT process and its neighbours (7 ms median, 22 ms at worst on this project's 2-core test
-    host under load), and these checks run once a second and whenever matchmaking is polled.
+    def __init__(self) -> None:
+        self.records: dict[str, PeerEntry] = {}
+        self.level = 0
+        self._occupancy: float | None = None  # records per bucket read at this level, smoothed
+        self._next = 0
+
+    def next_bucket(self) -> int:
+        bucket = self._next % (1 << self.level)
+        self._next = bucket + 1
+        return bucket
+
+    def add(self, level: int, entries: list[PeerEntry]) -> None:
+        """What one read of a bucket at ``level`` returned."""
+        for entry in entries:
+            held = self.records.get(entry.record.peer_id)
+            if held is None or entry.record.time >= held.record.time:
+                self.records[entry.record.peer_id] = entry
+        if level == self.level:
+            count = len(entries)
+            self._occupancy = (
+                count if self._occupancy is None else OCCUPANCY_DECAY * self._occupancy + (1 - OCCUPANCY_DECAY) * count
+            )
+            if self._occupancy > 2 * BUCKET_SIZE and self.level < MAX_LEVEL:
+                self._move(self.level + 1)
+            elif self._occupancy < BUCKET_SIZE / 2 and self.level > 0:
+                self._move(self.level - 1)
+
+    def _move(self, level: int) -> None:
+        self._occupancy = None if self._occupancy is None else self._occupancy * 2 ** (self.level - level)
+        self.level, self._next = level, 0
+
+    def live(self, now: float) -> list[PeerEntry]:
+        self.records = {peer: e for peer, e in self.records.items() if e.expiration >= now}
+        return list(self.records.values())
+
+    @property
+    def peers_estimate(self) -> float:
+        """How many peers the run has: records per bucket times buckets at this level (at least those seen)."""
+        per_bucket = self._occupancy if self._occupancy is not None else len(self.records)
+        return max(float(len(self.records)), per_bucket * (1 << self.level))
+
+
+class PeerFeed:
+    """The records read in the background, for the training thread's frequent checks: never waited for.
+
+    ``latest()`` returns the live records of the cache (None before the first read has arrived) and, when the last
+    read is older than ``max_age``, starts the next one (the cache's next bucket), which the DHT process answers
+    into a future. A read not answered within ``timeout`` is given up and another one started. A blocking read
+    costs the caller a round trip through the DHT process and its neighbours, and these checks run once a second
+    and whenever matchmaking is polled.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, max_age: float = 1.0, timeout: float = calls.DHT_TIMEOUT):
-        self.dht, self.key, self.max_age, self.timeout = dht, progress_key(run_id), max_age, timeout
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        max_age: float = 1.0,
+        timeout: float = calls.DHT_TIMEOUT,
+        cache: RecordCache | None = None,
+    ):
+        self.dht, self.run_id, self.max_age, self.timeout = dht, run_id, max_age, timeout
+        self.cache = cache if cache is not None else RecordCache()
         self._future: Any = None
+        self._level = 0
         self._started = 0.0
         self._read_at = -float("inf")
-        self._entries: list[PeerEntry] | None = None
+        self._read_any = False
 
     def latest(self) -> list[PeerEntry] | None:
         now = time.monotonic()
         if self._future is not None:
             if self._future.done():
-                self._entries = self._collect(self._future)
-                self._read_at, self._future = self._started, None
+                self._collect(self._future)
+                self._read_at, self._future, self._read_any = self._started, None, True
             elif now - self._started > self.timeout:  # the DHT process did not answer: try again
-                logger.debug("a background read of %s took over %.0f s; starting another", self.key, self.timeout)
+                logger.debug("a background read of %s's records took over %.0f s; again", self.run_id, self.timeout)
                 self._future = None
         if self._future is None and now - self._read_at >= self.max_age:
+            self._level = self.cache.level
+            key = progress_key(self.run_id, self._level, self.cache.next_bucket())
             try:
-                self._future = self.dht.get(self.key, latest=True, return_future=True)
+                self._future = self.dht.get(key, latest=True, return_future=True)
                 self._started = now
             except Exception:  # a DHT that is shutting down: no new copy, the last one stands
-                logger.debug("could not start a read of %s", self.key, exc_info=True)
+                logger.debug("could not start a read of %s", key, exc_info=True)
                 self._read_at = now
-        return self._entries
+        return self.cache.live(get_dht_time()) if self._read_any else None
 
-    def _collect(self, future: Any) -> list[PeerEntry] | None:
+    def _collect(self, future: Any) -> None:
         try:
-            return parse_peers(future.result(timeout=0))
+            self.cache.add(self._level, parse_peers(future.result(timeout=0)))
         except Exception:
-            logger.debug("a background read of %s failed", self.key, exc_info=True)
-            return self._entries
+            logger.debug("a background read of %s's records failed", self.run_id, exc_info=True)
 
 
 class SwarmReader:
-    """One run's records and view, for a peer: ``view()`` reads the DHT now, ``recent_view()`` takes the newest copy
-    ``PeerFeed`` read in the background (about a second old at most; None before the first arrived). ``keep``
-    drops records before the view is built (a peer's bans); ``entries()`` is every live record, for dashboards."""
+    """One run's records and view, for a peer: ``view()`` reads a bucket now (and the buckets of the peers it is
+    asked to include), ``recent_view()`` takes the cache the background feed keeps (None before its first read).
+    ``keep`` drops records before the view is built (a peer's bans); ``entries()`` is every live record seen."""
 
     def __init__(
         self,
@@ -107,13 +173,25 @@ class SwarmReader:
     ):
         self.dht, self.run_id, self._keep = dht, run_id, keep
         self._inner_steps, self._samples_per_step = inner_steps, samples_per_step
-        self.feed = PeerFeed(dht, run_id)
+        self.cache = RecordCache()
+        self.feed = PeerFeed(dht, run_id, cache=self.cache)
+        self.reads = 0  # DHT reads of records made, for the benchmarks' traffic figures
 
-    def entries(self) -> list[PeerEntry]:
-        return read_peers(self.dht, self.run_id)
+    @property
+    def peers_estimate(self) -> float:
+        return self.cache.peers_estimate
 
-    def view(self) -> SwarmView:
-        return self._build(self.entries())
+    def entries(self, including: Iterable[str] = ()) -> list[PeerEntry]:
+        """After reading the cache's next bucket, and the buckets of the peers ``including``, at this level."""
+        level = self.cache.level
+        buckets = {self.cache.next_bucket(), *(bucket_of(peer, level) for peer in including)}
+        for bucket in sorted(buckets):
+            self.reads += 1
+            self.cache.add(level, parse_peers(calls.get(self.dht, progress_key(self.run_id, level, bucket))))
+        return self.cache.live(get_dht_time())
+
+    def view(self, including: Iterable[str] = ()) -> SwarmView:
+        return self._build(self.entries(including))
 
     def recent_view(self) -> SwarmView | None:
         entries = self.feed.latest()

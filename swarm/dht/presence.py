@@ -19,7 +19,15 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from swarm.dht import calls
-from swarm.dht.records import CHECKSUM_HISTORY, EpochChecksum, PeerState, ProgressRecord, progress_key
+from swarm.dht.records import (
+    CHECKSUM_HISTORY,
+    EpochChecksum,
+    PeerState,
+    ProgressRecord,
+    bucket_of,
+    progress_key,
+    write_levels,
+)
 from swarm.dht.registry import MANIFEST_TTL, publish_manifest
 from swarm.manifest import RunManifest
 
@@ -42,8 +50,12 @@ class Presence:
         ttl: float = RECORD_TTL,
         manifest: RunManifest | None = None,
         download_progress: Callable[[], float] | None = None,
+        peers_estimate: Callable[[], float] = lambda: 1.0,
     ):
+        """``peers_estimate``: how many peers the run has, as this peer's reader counts them: the record goes to
+        the bucket keys of every level a reader may read (``records.write_levels``)."""
         self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
+        self._peers_estimate = peers_estimate
         self._manifest, self._download_progress = manifest, download_progress
         self._manifest_published_at = 0.0
         self._subkey = RSASignatureValidator().local_public_key
@@ -64,6 +76,7 @@ class Presence:
         interval: float,
         ttl: float,
         download_progress: Callable[[], float],
+        peers_estimate: Callable[[], float] = lambda: 1.0,
     ) -> Presence:
         """A training peer's presence: the manifest published, the record starting, both refreshed from now on."""
         peer_id = dht.peer_id.to_base58()
@@ -83,7 +96,7 @@ class Presence:
             accusations=[],
         )
         presence = cls(dht, manifest.run_id, initial, interval=interval, ttl=ttl, manifest=manifest,
-                       download_progress=download_progress)  # fmt: skip
+                       download_progress=download_progress, peers_estimate=peers_estimate)  # fmt: skip
         presence.publish_manifest()
         presence.start()
         return presence
@@ -127,7 +140,9 @@ class Presence:
     def _publish(self, ttl: float | None = None, timeout: float = calls.DHT_TIMEOUT) -> bool:
         record = self.snapshot()
         expiration = get_dht_time() + (ttl or self.ttl)
-        return calls.store(self.dht, progress_key(self.run_id), self._subkey, record.dict(), expiration, timeout)
+        levels = write_levels(self._peers_estimate())
+        keys = [progress_key(self.run_id, level, bucket_of(record.peer_id, level)) for level in levels]
+        return calls.store_many(self.dht, keys, self._subkey, record.dict(), expiration, timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -10,6 +10,8 @@ one, so every field uses a strict type.
 from __future__ import annotations
 
 import enum
+import hashlib
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,6 +24,12 @@ RUNS_KEY = f"{GLOBAL_PREFIX}_runs"
 _RUN_ID_RE = rb"[0-9a-f]{16}"
 RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"$")
 CHECKSUM_HISTORY = 8  # a peer replaying up to 7 rounds checks each against the majority
+# progress records are spread over 2^L bucket keys so that a read returns about BUCKET_SIZE of them, whatever the
+# swarm's size (``bucket_of``, ``read_level``); level 0 is the one key every record also goes to (a joiner's census)
+BUCKET_SIZE = 4
+MAX_LEVEL = 8  # 256 buckets: about a thousand peers at BUCKET_SIZE
+HEX16 = r"^[0-9a-f]{16}$"
+HEX64 = r"^[0-9a-f]{64}$"
 
 
 class PeerState(enum.StrEnum):
@@ -32,6 +40,7 @@ class PeerState(enum.StrEnum):
     training = "training"
     matchmaking = "matchmaking"
     averaging = "averaging"
+    merging = "merging"  # its group's average is done; the groups' averages are being combined (two-stage rounds)
     resyncing = "re-syncing"
     leaving = "leaving"
     left = "left"
@@ -98,20 +107,70 @@ class PeerEntry:
     expiration: float
 
 
+class GroupRecord(pv1.BaseModel):
+    """One round's averaging group, registered by its delegate (``swarm.dht.groups``): the group's average (stage
+    one), then the swarm's, once the groups' averages are combined (stage two)."""
+
+    epoch: pv1.conint(ge=0, strict=True)
+    group: pv1.constr(strict=True, regex=HEX16)  # a tag of the group id
+    delegate: pv1.constr(strict=True, max_length=64)  # the peer id of the member that speaks for the group
+    size: pv1.conint(ge=1, le=4096, strict=True)  # members
+    weight: pv1.confloat(ge=0.0, strict=True)  # their samples
+    digest: pv1.constr(strict=True, regex=HEX64)  # of the group's average, as its members received it
+    merged: pv1.constr(strict=True, regex=HEX64) | None = None  # of the swarm's average of the epoch, once made
+    included: pv1.conlist(pv1.constr(strict=True, regex=HEX16), max_items=256) = []  # the groups it holds
+    time: pv1.StrictFloat
+
+
 class GlobalSchema(pv1.BaseModel):
     runs: dict[RunSubkey, ManifestRecord | None]
 
 
-class RunSchema(pv1.BaseModel):
-    progress: dict[BytesWithPublicKey, ProgressRecord | None]
+def _run_schema() -> type[pv1.BaseModel]:
+    """The run's keys: the progress records' level-0 key and every bucket key, and the groups key."""
+    records = (dict[BytesWithPublicKey, ProgressRecord | None], None)
+    buckets = {f"progress_L{level}_{b}": records for level in range(1, MAX_LEVEL + 1) for b in range(1 << level)}
+    groups = (dict[BytesWithPublicKey, GroupRecord | None], None)
+    return pv1.create_model("RunSchema", __module__=__name__, progress=records, groups=groups, **buckets)
+
+
+RunSchema = _run_schema()
 
 
 def run_prefix(run_id: str) -> str:
     return f"{GLOBAL_PREFIX}_{run_id}"
 
 
-def progress_key(run_id: str) -> str:
-    return f"{run_prefix(run_id)}_progress"
+def progress_key(run_id: str, level: int = 0, bucket: int = 0) -> str:
+    """The key of one bucket of progress records (level 0: the one key every record goes to)."""
+    if level == 0:
+        return f"{run_prefix(run_id)}_progress"
+    return f"{run_prefix(run_id)}_progress_L{level}_{bucket}"
+
+
+def groups_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}_groups"
+
+
+def bucket_of(peer_id: str, level: int) -> int:
+    """A peer's bucket at ``level``: the first ``level`` bits of a hash of its id, so a bucket's records split
+    between two buckets one level down."""
+    if level == 0:
+        return 0
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") >> (32 - level)
+
+
+def read_level(peers: float) -> int:
+    """The level whose buckets hold about ``BUCKET_SIZE`` records in a run of ``peers``."""
+    if peers <= BUCKET_SIZE:
+        return 0
+    return min(MAX_LEVEL, math.ceil(math.log2(peers / BUCKET_SIZE)))
+
+
+def write_levels(peers: float) -> range:
+    """The levels a peer writes its record to: every level a reader that counts up to twice as many peers would
+    read (readers' counts differ), and level 0 (a joiner's census)."""
+    return range(0, read_level(2 * peers) + 1)
 
 
 def run_subkey(run_id: str, public_key: bytes) -> bytes:
@@ -128,5 +187,18 @@ def global_validators() -> list:
     return [RSASignatureValidator(), SchemaValidator(GlobalSchema, prefix=GLOBAL_PREFIX)]
 
 
+class RunValidator(SchemaValidator):
+    """The run's schema validator, sent to the DHT process as its run id alone: its table of key ids (one per
+    bucket key) is made again there. Pickled whole (20 KB), it reached hivemind's DHT process in pieces that its
+    non-blocking pipe read refused (``BlockingIOError``), and the DHT process died."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        super().__init__(RunSchema, prefix=run_prefix(run_id))
+
+    def __reduce__(self):
+        return RunValidator, (self.run_id,)
+
+
 def run_validator(run_id: str) -> SchemaValidator:
-    return SchemaValidator(RunSchema, prefix=run_prefix(run_id))
+    return RunValidator(run_id)
