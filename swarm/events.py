@@ -52,6 +52,8 @@ class RoundReport:
     # round's end); what the overlap costs in loss grows with it (docs/benchmarks.md, section 6). None: blocking
     steps_late: int | None = None
     resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
+    merged_groups: int = 1  # two-stage rounds: the groups whose averages the swarm's average of the round holds
+    counted: bool = True  # this peer's pseudo-gradient is in the state the round ended on (not re-synced, adopted)
 
 
 @dataclass

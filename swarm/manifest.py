@@ -174,6 +174,11 @@ class AveragingSpec(_Frozen):
     chunk_timeout: PositiveFloat = 20.0  # a peer silent this long in all-reduce is dropped
     target_group_size: PositiveInt = 64
     min_group_size: int = Field(2, ge=2)
+    # two-stage rounds (swarm.round.merge): when a round forms several groups, their delegates average the groups'
+    # averages, and every peer steps with that one swarm's average; false: each group steps with its own, and the
+    # peers outside the group with the most checksum votes re-sync (their round's work is lost)
+    merge_groups: bool = True
+    merge_timeout: PositiveFloat = 60.0  # the most a group waits for the swarm's average before stepping alone
     consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
     # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)

@@ -220,7 +220,7 @@ class Peer:
             interval=self._progress_interval,
             ttl=self._progress_ttl,
             download_progress=lambda: self.download_progress,
-            peers_estimate=lambda: self._reader.peers_estimate,
+            level=lambda: self._reader.cache.level,
         )
         self._guard = Guard(
             BanList(self.state_dir / "bans.json"),

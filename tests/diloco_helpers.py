@@ -32,6 +32,8 @@ def tiny_manifest(
     stand_in: str = "own",
     in_flight_steps_kept: float = 1.0,
     target_group_size: int = 8,
+    merge_groups: bool = True,
+    merge_timeout: float = 60.0,
 ) -> RunManifest:
     return RunManifest(
         name=name,
@@ -66,6 +68,8 @@ def tiny_manifest(
             aggregation=aggregation,
             stand_in=stand_in,
             in_flight_steps_kept=in_flight_steps_kept,
+            merge_groups=merge_groups,
+            merge_timeout=merge_timeout,
         ),
         init_seed=seed,
     )

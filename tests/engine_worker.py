@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -64,7 +65,8 @@ def main() -> int:
         if isinstance(event, StateChanged):
             (args.out / f"state-{event.state.value.replace(' ', '_')}-{peer.epoch}").touch()
         data = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
-        payload = {k: (v.__dict__ if hasattr(v, "__dict__") else v) for k, v in data.items()}
+        payload = {k: v.value if isinstance(v, enum.Enum) else v.__dict__ if hasattr(v, "__dict__") else v
+                   for k, v in data.items()}  # fmt: skip
         events.write(json.dumps(dict(kind=event.kind, time=time.time(), **payload), default=str) + "\n")
 
     with seeded_init(manifest):

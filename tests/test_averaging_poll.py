@@ -71,6 +71,7 @@ def test_a_group_found_while_the_check_read_the_dht_is_kept(finished):
 def host(last_step: Averaging | None):
     """What ``PseudoGradientAverager``'s host side reads of itself, and a record of the calls made to the process."""
     fake = SimpleNamespace(_last_step=last_step, calls=[], is_alive=lambda: True, exitcode=None)
+    fake._outer_pipe, fake._target_group_size = SimpleNamespace(send=lambda message: None), None  # the group's size
     fake.ensure_idle = lambda: PseudoGradientAverager.ensure_idle(fake)
     fake.set_group_bits = lambda bits, wait: fake.calls.append(("bits", bits, last_step_stage(fake))) or done_future()
     fake.step = lambda **kwargs: fake.calls.append(("step", kwargs["gather"])) or FakeControl()
@@ -134,7 +135,9 @@ def test_an_aborted_round_is_over_only_once_its_step_has_ended():
     step = averaging(control, abort_if=lambda: "moved on")
     step._deadline = time.monotonic() + 60
     fake = host(step)
-    ctx = SimpleNamespace(averager=fake, manifest=SimpleNamespace(averaging=SimpleNamespace(overlap=True)))
+    ctx = SimpleNamespace(
+        averager=fake, manifest=SimpleNamespace(averaging=SimpleNamespace(overlap=True, merge_groups=False))
+    )
     rounds = OuterRound(ctx, None, None, RoundSteps(), PeerStats(), on_findings=lambda findings, epoch: None)
     flight = Flight(epoch=2, samples=4, seconds={}, wait_until=0.0, attempt=step)
     finish_later(control, 0.3)

@@ -26,7 +26,7 @@ class FakePeer:
     def __init__(self, records, epoch: int, checksum: str, overlap: bool = True):
         self.records = records
         self.peer_id = A
-        averaging = SimpleNamespace(consistency_timeout=1.0, overlap=overlap, allreduce_timeout=1.0)
+        averaging = SimpleNamespace(consistency_timeout=1.0, overlap=overlap, allreduce_timeout=1.0, merge_groups=False)
         self.manifest = SimpleNamespace(averaging=averaging)
         self.stop_requested = False
         self.views = 0  # DHT reads

@@ -20,6 +20,7 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,17 @@ def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
         else:
             flat[offset : offset + values.numel()].copy_(values)
             offset += values.numel()
+
+
+def held_digest(held: Sequence[Sequence[HeldPart]]) -> str:
+    """A digest of an average's parts as held (a dropped part by its size): the same for every groupmate that
+    received the same bytes."""
+    digest = hashlib.sha256()
+    for parts in held:
+        for part in parts:
+            digest.update(b"dropped:%d" % part.numel if isinstance(part, Dropped) else part_digest(part))
+        digest.update(b"|")
+    return digest.hexdigest()
 
 
 def decode_part(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor | RefusedPart, float, runtime_pb2.Tensor]:

@@ -35,6 +35,8 @@ class AllReduceOutcome:
     # what an overlapped round's host, which looks once per inner step, cannot time itself
     allreduce_started: float | None = None
     allreduce_finished: float | None = None
+    group_id: bytes = b""  # hivemind's id of the group
+    digest: str = ""  # of the average's parts as every groupmate received them (hex): the same for all of them
 
 
 class RoundAborted(RuntimeError):

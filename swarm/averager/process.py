@@ -12,7 +12,9 @@ rounds' averages) are ``transfer.FileTransfer``'s.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +28,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.averager import heap
-from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into, held_digest
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
 from swarm.averager.handle import AllReduceOutcome, Averaging
@@ -90,6 +92,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         **kwargs: Any,
     ):
         self._round_stats: dict[bytes, tuple] = {}
+        self._target_group_size = kwargs.get("target_group_size")
         self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
@@ -175,9 +178,10 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         stats = self._round_stats.pop(group_info.group_id, empty)
         dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes, repair_failures = stats
         epoch = group_epoch(gathered.values())
+        digest = held_digest(held) if held is not None else ""
         if held is not None and epoch is not None:
-            try:  # the average as it came off the wire, for peers that replay the round later
-                await asyncio.get_event_loop().run_in_executor(None, self.keep_update, epoch, held)
+            try:  # the average as it came off the wire: the epoch's update once the host says it is final
+                await asyncio.get_event_loop().run_in_executor(None, self.keep_pending, epoch, held)
             except OSError:
                 logger.debug("could not keep the round's update", exc_info=True)
         del held  # the round's buffers are all gone now (the host reads the average from the shared buffers)
@@ -195,6 +199,8 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
             repair_failures=repair_failures,
             allreduce_started=started,
             allreduce_finished=time.monotonic(),
+            group_id=group_info.group_id,
+            digest=digest,
         )
 
     # ---- averaging (the host's side) -------------------------------------------------------------
@@ -211,19 +217,45 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         abort_if: Callable[[], str | None] = lambda: None,
         leaving: Callable[[], bool] = lambda: False,
         abort_poll: float = 1.0,
+        scheduled_time: float | None = None,
+        target_group_size: int | None = None,
+        follow_only: bool | None = None,
     ) -> Averaging:
         """Start one averaging round over the buffers, in the averager process; poll or wait on the handle.
 
         ``abort_if`` is polled (every ``abort_poll`` s) while looking for a group and returns a reason to
         give up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled throughout,
-        all-reduce included, since a peer told to stop must not wait for one.
+        all-reduce included, since a peer told to stop must not wait for one. ``scheduled_time`` (DHT time): a leader
+        gathers followers until then (a round's second stage waits for every group's delegate).
         """
         self.ensure_idle()  # a step still running would look for a group under the new key with its old data
         self.set_group_bits(group_bits, wait=False).result(timeout=30)
-        control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
+        size, follow = (
+            target_group_size or self._target_group_size,
+            self.client_mode if follow_only is None else follow_only,
+        )
+        self._outer_pipe.send(("_set_matchmaking", [], dict(size=size, follow_only=follow)))
+        control = self.step(
+            weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False, scheduled_time=scheduled_time
+        )
         deadline = time.monotonic() + hard_timeout
         self._last_step = Averaging(control, deadline, hard_timeout, on_stage, abort_if, leaving, abort_poll)
         return self._last_step
+
+    async def _set_matchmaking(self, size: int, follow_only: bool) -> None:
+        """(averager process) A leader assembles its group as soon as it holds ``size`` peers: the run's target in
+        a round's first stage, the number of registered groups in its second. ``follow_only``: this step joins
+        a leader and never leads (hivemind's client mode, for matchmaking only: in the all-reduce it still reduces
+        its share): a round's second stage has one leader (``swarm.dht.groups.stage2_leader``)."""
+        try:
+            matchmaking = self._matchmaking
+            # all three copies: the key manager's draws a bucket per member once a group assembles, and failed
+            # on a group larger than its own copy ("Sample larger than population")
+            matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = size
+            matchmaking.potential_leaders.target_group_size = size
+            matchmaking.client_mode = follow_only
+        except AttributeError:  # no matchmaking yet (the process is starting): it starts with the run's target
+            logger.debug("no matchmaking to set the target group size of", exc_info=True)
 
     def ensure_idle(self) -> None:
         """Wait until the last step started here is over in the averager process; ``HelperError`` if it still
@@ -301,6 +333,24 @@ def group_epoch(gathered: Iterable[Any]) -> int | None:
     return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
-def epoch_group_bits(epoch: int, bits: int = 16) -> str:
-    """Matchmaking key bits for an epoch, so peers of different epochs never average together."""
-    return format(epoch % (1 << bits), f"0{bits}b")
+def epoch_group_bits(epoch: int, bits: int = 16, bucket: str = "") -> str:
+    """Matchmaking key bits for an epoch's first stage, so peers of different epochs never average together;
+    ``bucket`` (``matchmaking_bucket``) splits a large swarm's matchmaking into keys of about a group each."""
+    return format(epoch % (1 << bits), f"0{bits}b") + "0" + bucket
+
+
+def merge_group_bits(epoch: int, bits: int = 16) -> str:
+    """Matchmaking key bits for an epoch's second stage (the groups' delegates): never a first stage's."""
+    return format(epoch % (1 << bits), f"0{bits}b") + "1"
+
+
+def matchmaking_bucket(peer_id: str, peers: float, group_size: int) -> str:
+    """A peer's share of its epoch's first-stage matchmaking: one of about ``peers / group_size`` keys (a power of
+    two, by a hash prefix of its id), so a search reads about a group's worth of entries whatever the swarm's size;
+    the groups that form apart are merged in the second stage. Empty (one key) while the swarm fits one group."""
+    buckets = max(1, peers / max(1, group_size))
+    bits = min(16, math.ceil(math.log2(buckets))) if buckets > 1 else 0
+    if bits == 0:
+        return ""
+    value = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") >> (32 - bits)
+    return format(value, f"0{bits}b")

@@ -55,6 +55,11 @@ def update_path(directory: Path, epoch: int) -> Path:
     return Path(directory) / f"update-{epoch:07d}.bin"
 
 
+def pending_path(directory: Path, epoch: int) -> Path:
+    """A group's average before the round is final (two-stage rounds): never served."""
+    return Path(directory) / f"pending-{epoch:07d}.bin"
+
+
 def write_update(path: Path, run_id: str, epoch: int, held: Sequence[Sequence[HeldPart]]) -> None:
     """The average of round ``epoch`` as it came off the wire: per tensor, its parts in order."""
     blobs, layout = [], []
@@ -223,10 +228,37 @@ class FileTransfer:
         if self._update_dir is None or self._keep_updates <= 0:
             return
         write_update(update_path(self._update_dir, epoch), self._run_id, epoch, held)
+        self._prune_updates(epoch)
+
+    def keep_pending(self, epoch: int, held: Sequence[Sequence[HeldPart]]) -> None:
+        """(averager process) A group's average of round ``epoch``, until the host makes it the epoch's update."""
+        if self._update_dir is not None and self._keep_updates > 0:
+            write_update(pending_path(self._update_dir, epoch), self._run_id, epoch, held)
+
+    def finalize_update(self, epoch: int) -> bool:
+        """(host) The average last kept for ``epoch`` is the one the swarm goes on from: serve it for replay."""
+        if self._update_dir is None or self._keep_updates <= 0:
+            return False
+        return self.adopt_update(epoch, pending_path(self._update_dir, epoch))
+
+    def adopt_update(self, epoch: int, path: Path) -> bool:
+        """(host) A checked file of round ``epoch``'s update (ours, or downloaded) becomes the one we serve."""
+        if self._update_dir is None or self._keep_updates <= 0:
+            Path(path).unlink(missing_ok=True)
+            return False
+        try:
+            os.replace(path, update_path(self._update_dir, epoch))
+        except OSError:
+            return False
+        self._prune_updates(epoch)
+        return True
+
+    def _prune_updates(self, epoch: int) -> None:
         old = update_path(self._update_dir, epoch - self._keep_updates)
-        for path in Path(self._update_dir).glob("update-*.bin"):
-            if path.name <= old.name:
-                path.unlink(missing_ok=True)
+        for pattern in ("update-*.bin", "pending-*.bin"):
+            for path in Path(self._update_dir).glob(pattern):
+                if path.name.split("-", 1)[1] <= old.name.split("-", 1)[1]:
+                    path.unlink(missing_ok=True)
 
     def begin_keeping(self, epoch: int) -> None:
         """The host is encoding its local round's update of ``epoch``: a replayer asking for it waits for it."""

@@ -18,6 +18,7 @@ peers it banned).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,10 +36,34 @@ logger = logging.getLogger(__name__)
 OCCUPANCY_DECAY = 0.7  # how much of the running count of records per bucket one more read leaves
 
 
+PROBE_LEVELS = (2, 4, 6, MAX_LEVEL)  # where a reader that found nobody at level 0 looks next
+
+
+def read_bucket(dht: hivemind.DHT, run_id: str, level: int, bucket: int) -> list[PeerEntry]:
+    return parse_peers(calls.get(dht, progress_key(run_id, level, bucket)))
+
+
+def find_level(dht: hivemind.DHT, run_id: str) -> tuple[int, list[PeerEntry]]:
+    """The level the run's peers write to, and what a bucket there holds: level 0 for a run of a few peers; a large
+    run's peers write only the levels next to theirs (``records.write_levels``: three in a row, so one of the even
+    levels probed here holds them). (0, []) for a run nobody writes to."""
+    for level in (0, *PROBE_LEVELS):
+        entries = read_bucket(dht, run_id, level, random.randrange(1 << level))
+        if entries:
+            return level, entries
+    return 0, []
+
+
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
-    """Every well-formed, unexpired progress record of a run (the level-0 key, which holds them all); malformed and
-    mismatched ones are dropped. A census: its cost grows with the run (``SwarmReader`` reads a bucket at a time)."""
-    return parse_peers(calls.get(dht, progress_key(run_id)))
+    """A census: every well-formed, unexpired progress record of a run, from every bucket of the level its peers
+    write to (malformed and mismatched ones dropped). Its cost grows with the run: for ``status`` and tests; a peer
+    reads a bucket at a time (``SwarmReader``)."""
+    level, entries = find_level(dht, run_id)
+    found = {e.record.peer_id: e for e in entries}
+    for bucket in range(1 << level) if level else ():
+        for entry in read_bucket(dht, run_id, level, bucket):
+            found.setdefault(entry.record.peer_id, entry)
+    return list(found.values())
 
 
 def parse_peers(found: Any) -> list[PeerEntry]:
@@ -89,6 +114,12 @@ class RecordCache:
                 self._move(self.level + 1)
             elif self._occupancy < BUCKET_SIZE / 2 and self.level > 0:
                 self._move(self.level - 1)
+
+    def settle(self, level: int, entries: list[PeerEntry]) -> None:
+        """Read at ``level`` from now on (a probe found the run there), starting with what it found."""
+        if level != self.level:
+            self.level, self._occupancy, self._next = level, None, 0
+        self.add(level, entries)
 
     def _move(self, level: int) -> None:
         self._occupancy = None if self._occupancy is None else self._occupancy * 2 ** (self.level - level)
@@ -182,12 +213,18 @@ class SwarmReader:
         return self.cache.peers_estimate
 
     def entries(self, including: Iterable[str] = ()) -> list[PeerEntry]:
-        """After reading the cache's next bucket, and the buckets of the peers ``including``, at this level."""
+        """After reading the cache's next bucket, and the buckets of the peers ``including``, at this level (a cache
+        that holds nobody looks for the run's level first: ``find_level``)."""
+        now = get_dht_time()
+        if not self.cache.live(now):
+            level, found = find_level(self.dht, self.run_id)
+            self.reads += 1 + (PROBE_LEVELS.index(level) + 1 if level else 0)
+            self.cache.settle(level, found)
         level = self.cache.level
         buckets = {self.cache.next_bucket(), *(bucket_of(peer, level) for peer in including)}
         for bucket in sorted(buckets):
             self.reads += 1
-            self.cache.add(level, parse_peers(calls.get(self.dht, progress_key(self.run_id, level, bucket))))
+            self.cache.add(level, read_bucket(self.dht, self.run_id, level, bucket))
         return self.cache.live(get_dht_time())
 
     def view(self, including: Iterable[str] = ()) -> SwarmView:

@@ -50,12 +50,12 @@ class Presence:
         ttl: float = RECORD_TTL,
         manifest: RunManifest | None = None,
         download_progress: Callable[[], float] | None = None,
-        peers_estimate: Callable[[], float] = lambda: 1.0,
+        level: Callable[[], int] = lambda: 0,
     ):
-        """``peers_estimate``: how many peers the run has, as this peer's reader counts them: the record goes to
-        the bucket keys of every level a reader may read (``records.write_levels``)."""
+        """``level``: the bucket level this peer's reader reads; the record goes to the buckets of that level and its
+        neighbours (``records.write_levels``)."""
         self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
-        self._peers_estimate = peers_estimate
+        self._level = level
         self._manifest, self._download_progress = manifest, download_progress
         self._manifest_published_at = 0.0
         self._subkey = RSASignatureValidator().local_public_key
@@ -76,7 +76,7 @@ class Presence:
         interval: float,
         ttl: float,
         download_progress: Callable[[], float],
-        peers_estimate: Callable[[], float] = lambda: 1.0,
+        level: Callable[[], int] = lambda: 0,
     ) -> Presence:
         """A training peer's presence: the manifest published, the record starting, both refreshed from now on."""
         peer_id = dht.peer_id.to_base58()
@@ -96,7 +96,7 @@ class Presence:
             accusations=[],
         )
         presence = cls(dht, manifest.run_id, initial, interval=interval, ttl=ttl, manifest=manifest,
-                       download_progress=download_progress, peers_estimate=peers_estimate)  # fmt: skip
+                       download_progress=download_progress, level=level)  # fmt: skip
         presence.publish_manifest()
         presence.start()
         return presence
@@ -140,7 +140,7 @@ class Presence:
     def _publish(self, ttl: float | None = None, timeout: float = calls.DHT_TIMEOUT) -> bool:
         record = self.snapshot()
         expiration = get_dht_time() + (ttl or self.ttl)
-        levels = write_levels(self._peers_estimate())
+        levels = write_levels(self._level())
         keys = [progress_key(self.run_id, level, bucket_of(record.peer_id, level)) for level in levels]
         return calls.store_many(self.dht, keys, self._subkey, record.dict(), expiration, timeout)
 

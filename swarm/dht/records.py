@@ -25,7 +25,7 @@ _RUN_ID_RE = rb"[0-9a-f]{16}"
 RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"$")
 CHECKSUM_HISTORY = 8  # a peer replaying up to 7 rounds checks each against the majority
 # progress records are spread over 2^L bucket keys so that a read returns about BUCKET_SIZE of them, whatever the
-# swarm's size (``bucket_of``, ``read_level``); level 0 is the one key every record also goes to (a joiner's census)
+# swarm's size (``bucket_of``, ``read_level``); a run of a few peers keeps them all in the one level-0 key
 BUCKET_SIZE = 4
 MAX_LEVEL = 8  # 256 buckets: about a thousand peers at BUCKET_SIZE
 HEX16 = r"^[0-9a-f]{16}$"
@@ -116,9 +116,10 @@ class GroupRecord(pv1.BaseModel):
     delegate: pv1.constr(strict=True, max_length=64)  # the peer id of the member that speaks for the group
     size: pv1.conint(ge=1, le=4096, strict=True)  # members
     weight: pv1.confloat(ge=0.0, strict=True)  # their samples
-    digest: pv1.constr(strict=True, regex=HEX64)  # of the group's average, as its members received it
+    digest: pv1.constr(strict=True, regex=HEX64) | None = None  # of the group's average (None: a group of one)
     merged: pv1.constr(strict=True, regex=HEX64) | None = None  # of the swarm's average of the epoch, once made
     included: pv1.conlist(pv1.constr(strict=True, regex=HEX16), max_items=256) = []  # the groups it holds
+    client_mode: pv1.StrictBool = False  # the delegate takes no incoming connections: it cannot lead the second stage
     time: pv1.StrictFloat
 
 
@@ -167,10 +168,12 @@ def read_level(peers: float) -> int:
     return min(MAX_LEVEL, math.ceil(math.log2(peers / BUCKET_SIZE)))
 
 
-def write_levels(peers: float) -> range:
-    """The levels a peer writes its record to: every level a reader that counts up to twice as many peers would
-    read (readers' counts differ), and level 0 (a joiner's census)."""
-    return range(0, read_level(2 * peers) + 1)
+def write_levels(level: int) -> range:
+    """The levels a peer that reads ``level`` writes its record to: that one and its neighbours, so a reader whose
+    count of the run differs by up to a level still finds it. Not all levels: a hivemind store first fetches the
+    whole value of its key (``benchmarks/results/dht-scale``), so a write to a key holding every record costs as
+    much as reading them all (the level-0 key of a run that outgrew it)."""
+    return range(max(0, level - 1), min(MAX_LEVEL, level + 1) + 1)
 
 
 def run_subkey(run_id: str, public_key: bytes) -> bytes:

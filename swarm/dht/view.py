@@ -169,10 +169,11 @@ def mates_coming(view: SwarmView, me: str, epoch: int) -> bool:
 
 
 def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: int) -> bool:
-    """Enough of our epoch-mates are already matchmaking to form a group without us (a group in all-reduce
-    is closed), and they are most of them: join now with the steps we have."""
+    """Enough of our epoch-mates are already matchmaking (or merging their groups' averages) to form a group
+    without us (a group in all-reduce is closed), and they are most of them: join now with the steps we have."""
     mates = [p for p in view.peers if p.peer_id != me and p.epoch == epoch]
-    busy = [p for p in mates if p.state == PeerState.matchmaking.value]
+    # merging: their groups' averages are done and wait for ours (two-stage rounds), as a matchmaking peer does
+    busy = [p for p in mates if p.state in (PeerState.matchmaking.value, PeerState.merging.value)]
     return len(busy) >= max(1, min_group_size - 1) and 2 * len(busy) > len(mates)
 
 

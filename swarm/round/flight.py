@@ -13,6 +13,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from swarm.averager.handle import AllReduceOutcome, Averaging, RoundAborted
 from swarm.events import RoundOutcome, RoundReport
+from swarm.round.merge import MergeState
 
 # what other machines and the network do to a round; anything else is a bug of ours
 EXPECTED_FAILURES = (
@@ -44,6 +45,19 @@ class Flight:
     aborted: RoundAborted | None = None
     done: bool = False
     blocking: bool = False  # the training loop waits on it: its checks may read the DHT, not only the feed
+    merge: MergeState | None = None  # two-stage rounds: the second stage, once the first is over
+
+    @property
+    def merged(self) -> bool:
+        """The buffers hold the swarm's average (the second stage's, or the only group's)."""
+        return self.merge is not None and self.merge.result is not None
+
+    @property
+    def contributors(self) -> int:
+        """The peers whose pseudo-gradients the buffers' average holds."""
+        if self.merged:
+            return self.merge.contributors
+        return len(self.outcome.group) if self.outcome is not None and self.fallback is None else 1
 
     def time_stages(self, now: float) -> None:
         """Into ``seconds``: matchmaking, the all-reduce (timed in the averager process when it ran there, since
@@ -60,20 +74,25 @@ class Flight:
     def report(self, epoch: int, group: tuple[str, ...], checksum: str) -> RoundReport:
         """What the finished round did: averaged with ``group``, or not (``fallback`` says why), reaching ``epoch``
         with ``checksum``."""
-        averaged, outcome = self.fallback is None, self.outcome
-        skipped = outcome is not None and not averaged  # a group's values, not used
+        outcome, merge = self.outcome, self.merge
+        adopted = self.merged and not merge.counted  # the swarm's average holds the other groups' work, not ours
+        averaged = self.fallback is None and not adopted and (outcome is not None or self.merged)
+        skipped = outcome is not None and self.fallback is not None  # a group's values, not used
+        kind = RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local
         return RoundReport(
             epoch=epoch,
             averaged=averaged,
             group_size=len(group),
-            outcome=RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local,
-            fallback_reason=self.fallback,
+            outcome=RoundOutcome.adopted if adopted else kind,
+            fallback_reason=self.fallback or (merge.fallback if merge else None),
             dropped_fraction=outcome.dropped_fraction if outcome is not None else 0.0,
             checksum=checksum,
             samples=self.samples,
             seconds=self.seconds,
-            bytes_sent=outcome.bytes_sent if outcome is not None else 0,
-            bytes_received=outcome.bytes_received if outcome is not None else 0,
+            bytes_sent=(outcome.bytes_sent if outcome is not None else 0) + (merge.bytes_sent if merge else 0),
+            bytes_received=(outcome.bytes_received if outcome else 0) + (merge.bytes_received if merge else 0),
             audit_bytes=outcome.audit_bytes if outcome is not None else 0,
             repair_failures=outcome.repair_failures if outcome is not None else (),
+            merged_groups=merge.groups if self.merged else 1,
+            counted=not adopted and not skipped,
         )

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 
 from swarm.averager.codecs import apply_error_feedback
 from swarm.averager.handle import RoundAborted
-from swarm.averager.process import epoch_group_bits
+from swarm.averager.process import epoch_group_bits, matchmaking_bucket
 from swarm.dht.records import PeerState
-from swarm.dht.view import Resync, ResyncReason, mates_coming, swarm_moved_on
+from swarm.dht.view import mates_coming, swarm_moved_on
 from swarm.errors import LeaveRequested
 from swarm.events import AveragingFailed, PeerStats, RoundFinished, RoundOutcome, RoundReport, short_reason
 from swarm.manifest import StandIn
@@ -38,6 +38,8 @@ from swarm.round.consistency import RoundChecks
 from swarm.round.flight import EXPECTED_FAILURES, Flight
 from swarm.round.landing import add_steps, all_finite, damp_steps, share_kept
 from swarm.round.local_update import keep_local_update, round_to_codec
+from swarm.round.merge import Merger
+from swarm.round.recovery import RoundRecovery
 from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
@@ -46,7 +48,7 @@ from swarm.state.sync import StateSync
 logger = logging.getLogger(__name__)
 
 
-class OuterRound:
+class OuterRound(RoundRecovery):
     """``on_findings(findings, epoch)``: what a round's audits found, for the peer's bans."""
 
     def __init__(
@@ -65,19 +67,7 @@ class OuterRound:
         self._last_average: tuple[int, int] | None = None
         self.last_round_local = False  # our last round stepped alone: we may have run ahead of the swarm
         self.checks = RoundChecks(ctx, self.resync_needed, self.resync)  # did the groupmates end on our state?
-
-    # ---- re-syncs ------------------------------------------------------------------------------
-
-    def resync_needed(self, epoch: int) -> Resync | None:
-        return self.sync.resync_needed(epoch, self.last_round_local)
-
-    def resync(self, why: str) -> bool:
-        """Take the swarm's state instead of ours (``StateSync.resync``); whether it worked."""
-        ok = self.sync.resync(why)
-        if ok:
-            self.stats.resyncs += 1
-            self.last_round_local = False
-        return ok
+        self.merger = Merger(ctx, checkpoints) if ctx.manifest.averaging.merge_groups else None  # the second stage
 
     # ---- begin ---------------------------------------------------------------------------------
 
@@ -169,12 +159,20 @@ class OuterRound:
         flight.attempt = ctx.averager.start_averaging(
             weight=float(max(1, flight.samples)),
             gather=dict(epoch=flight.epoch, samples=flight.samples),
-            group_bits=epoch_group_bits(flight.epoch),
+            group_bits=epoch_group_bits(flight.epoch, bucket=self._matchmaking_bucket()),
             timeout=avg.matchmaking_timeout,
             hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
             abort_if=lambda: "moved on" if self._moved_on(flight) else None,
             leaving=ctx.stop_requested,
+        )
+
+    def _matchmaking_bucket(self) -> str:
+        """With two-stage rounds, a large swarm matchmakes in keys of about a group each (merged afterwards)."""
+        if self.merger is None:
+            return ""
+        return matchmaking_bucket(
+            self.ctx.me, self.ctx.reader.peers_estimate, self.ctx.manifest.averaging.target_group_size
         )
 
     def _moved_on(self, flight: Flight) -> bool:
@@ -189,6 +187,9 @@ class OuterRound:
         """Advance the round; True once it is over (then ``finish`` it)."""
         if flight.done:
             return True
+        if flight.merge is not None:  # the second stage: the groups' averages made into the swarm's
+            flight.done = self.merger.poll(flight.merge, flight.blocking)
+            return flight.done
         ctx = self.ctx
         try:
             if not flight.attempt.poll():
@@ -198,6 +199,10 @@ class OuterRound:
             flight.outcome = outcome
             if epochs != {flight.epoch}:
                 flight.fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
+            elif self.merger is not None:
+                samples = {p: d.get("samples", 0) for p, d in outcome.gathered.items() if isinstance(d, dict)}
+                flight.merge = self.merger.after_group(flight.epoch, outcome, samples)
+                return False
         except LeaveRequested:
             raise
         except RoundAborted as e:
@@ -211,6 +216,9 @@ class OuterRound:
             if not isinstance(e, EXPECTED_FAILURES):  # a bug is not "no group": say so, and what the log holds
                 flight.fallback = f"internal error ({type(e).__name__}: {short_reason(e)}; details in the log)"
                 ctx.emit(AveragingFailed(flight.fallback))
+            if self.merger is not None and not ctx.stop_requested() and self.merger.others_at(flight.epoch):
+                flight.merge = self.merger.alone(flight.epoch, flight.samples)  # others formed groups: join them
+                return False
             # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
             coming = mates_coming(ctx.reader.view(), ctx.me, flight.epoch)
             if time.monotonic() < flight.wait_until and coming and not ctx.stop_requested():
@@ -235,51 +243,34 @@ class OuterRound:
         self._ban_caught_reducers(flight)
         group = self._usable_group(flight)
         self._step(flight)
-        if flight.fallback is None and len(group) > 1:
-            self._last_average = (self.ctx.outer.epoch, len(group))
+        if flight.fallback is None and flight.contributors > 1:
+            self._last_average = (self.ctx.outer.epoch, flight.contributors)
         flight.seconds["outer"] = time.monotonic() - started
         report = self._count(flight, group)
         self._announce(report)
         self.checks.after_round(report, group, report.averaged, self.overlapped)
         return report
 
-    def _given_up(self, flight: Flight) -> RoundReport:
-        """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
-        (overlapped: adopt its average; otherwise, or failing that, take the swarm's state)."""
-        ctx = self.ctx
-        if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
-            ctx.set_state(PeerState.leaving, True)
-            return RoundReport(
-                epoch=flight.epoch,
-                averaged=False,
-                group_size=1,
-                outcome=RoundOutcome.abandoned,
-                fallback_reason="the peer is leaving",
-                checksum=ctx.outer.checksum(),
-                seconds=flight.seconds,
-            )
-        if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
-            adopted = self._adopt_round(flight)
-            if adopted is not None:
-                return adopted
-        # our pseudo-gradient is for a round that is over: take the swarm's state
-        return self._resync_round(
-            flight.seconds, "the swarm finished this round without us", reason=ResyncReason.behind
-        )
-
     def _ban_caught_reducers(self, flight: Flight) -> None:
-        """Reducers our audits caught: banned, and the accusations published (``swarm.defence.bans``)."""
-        if flight.outcome is not None and flight.outcome.findings:
-            self._on_findings(flight.outcome.findings, flight.epoch)
+        """Reducers our audits caught (in either stage): banned, and the accusations published
+        (``swarm.defence.bans``)."""
+        findings = (
+            *(flight.outcome.findings if flight.outcome else ()),
+            *(flight.merge.findings if flight.merge else ()),
+        )
+        if findings:
+            self._on_findings(findings, flight.epoch)
 
     def _usable_group(self, flight: Flight) -> tuple[str, ...]:
-        """The group whose average the buffers hold, or ourselves alone: no group, or one whose values cannot be
-        used (``flight.fallback`` then says why)."""
-        if flight.outcome is None or flight.fallback is not None:
+        """The group whose average the buffers hold (or whose swarm's average they hold), or ourselves alone: no
+        group, or one whose values cannot be used (``flight.fallback`` then says why)."""
+        if flight.merged:  # the swarm's average: a group of one that joined the second stage used it too
+            flight.fallback = None
+        if flight.outcome is None and not flight.merged or flight.fallback is not None:
             return (self.ctx.me,)
         with self.ctx.averager.get_tensors() as buffers:
             if all_finite(buffers):
-                return flight.outcome.group
+                return flight.outcome.group if flight.outcome is not None else (self.ctx.me,)
         flight.fallback = "groupmates sent non-finite values"
         return (self.ctx.me,)
 
@@ -289,12 +280,15 @@ class OuterRound:
         state's checksum and file. Under the shield: a stop signal waits for the outer state to be whole again."""
         ctx, avg = self.ctx, self.ctx.manifest.averaging
         skipped = flight.outcome is not None and flight.fallback is not None  # the buffers hold others' values
+        local = flight.outcome is None and not flight.merged  # our own pseudo-gradient: kept for replay here
         steps_kept = share_kept(avg.in_flight_steps_kept, self.steps.inner_step) if flight.stand_in is not None else 1.0
         with ctx.shield():
             if skipped:
                 ctx.outer.reset_residual()
             else:
-                self._outer_step(kept_for_replay=flight.outcome is None and avg.replay_rounds > 0)
+                self._outer_step(kept_for_replay=local and avg.replay_rounds > 0)
+                if flight.merge is None and flight.outcome is not None:  # one stage: the group's average is final
+                    ctx.averager.finalize_update(flight.epoch)
             if flight.stand_in is not None:  # the group's step (or none) replaces the one taken ahead
                 add_steps(ctx.params, flight.stand_in, -1.0)
                 flight.stand_in = None
@@ -317,14 +311,15 @@ class OuterRound:
 
     def _count(self, flight: Flight, group: tuple[str, ...]) -> RoundReport:
         """The round in the peer's stats, and its report."""
-        averaged = flight.fallback is None
+        report = flight.report(self.ctx.outer.epoch, group, self.ctx.outer.checksum())
+        adopted = report.outcome == RoundOutcome.adopted  # the swarm's average, without ours
         self.stats.rounds += 1
-        self.last_round_local = not averaged
-        if averaged:
+        self.last_round_local = not report.averaged and not adopted
+        if report.averaged:
             self.stats.averaged_rounds += 1
-        else:
+        elif not adopted:
             self.stats.local_rounds += 1
-        return flight.report(self.ctx.outer.epoch, group, self.ctx.outer.checksum())
+        return report
 
     def _announce(self, report: RoundReport) -> None:
         """The new state's checksum published and its file offered; training again (blocking: a new round)."""
@@ -333,56 +328,3 @@ class OuterRound:
         self.checkpoints.announce(self.steps.inner_step)
         self.ctx.set_state(PeerState.training, True)
         self.ctx.emit(RoundFinished(report))
-
-    def _adopt_round(self, flight: Flight) -> RoundReport | None:
-        """The swarm finished our round without us (overlapped): its average, replayed (``Replay.adopt``), moves the
-        outer state and the model less our stand-in step, and every inner step taken since stays (damped first, the
-        model would be unusable if the replay then failed and no re-sync replaced it). None: the caller re-syncs."""
-        ctx, t0 = self.ctx, time.monotonic()
-        with ctx.shield():
-            add_steps(ctx.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again
-            flight.stand_in = None
-        self._last_average = None
-        if not self.sync.replay.adopt(ctx.params):
-            return None
-        flight.seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
-        self.last_round_local = False
-        self.stats.rounds += 1
-        report = RoundReport(
-            epoch=ctx.outer.epoch,
-            averaged=False,
-            group_size=1,
-            outcome=RoundOutcome.adopted,
-            fallback_reason="the swarm finished this round without us: its average was applied",
-            checksum=ctx.outer.checksum(),
-            samples=flight.samples,
-            seconds=flight.seconds,
-        )
-        self.checkpoints.announce(self.steps.inner_step)
-        ctx.set_state(PeerState.training, True)
-        ctx.emit(RoundFinished(report))
-        return report
-
-    def _resync_round(
-        self,
-        seconds: dict[str, float],
-        why: str,
-        outcome: RoundOutcome = RoundOutcome.resynced,
-        reason: ResyncReason | None = None,
-    ) -> RoundReport:
-        self._last_average = None
-        t0 = time.monotonic()
-        resynced = self.resync(why)
-        seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
-        self.steps.begin()
-        return RoundReport(
-            epoch=self.ctx.outer.epoch,
-            averaged=False,
-            group_size=1,
-            outcome=outcome,
-            fallback_reason=why,
-            resynced=resynced,
-            resync_reason=reason if resynced else None,
-            checksum=self.ctx.outer.checksum(),
-            seconds=seconds,
-        )

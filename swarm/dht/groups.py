@@ -1,0 +1,154 @@
+"""A round's groups, and the swarm's average made of their averages: the records of two-stage rounds, and their
+rules as pure functions.
+
+When a round forms several groups (more peers than a group holds, or peers that reach matchmaking apart), each
+group's **delegate** (one member, the same for all of them: ``delegate_of``) registers the group under the run's
+groups key: its tag, size, weight (samples) and the digest of its average. The delegates then average their
+groups' averages, weighted by the groups' samples, in a second all-reduce (``swarm.round.merge``); each registers
+the digest of that swarm's average (``merged``) and the groups it holds (``included``). Every peer steps with the
+swarm's average, fetched from a delegate that holds it: one model per round, bitwise, however many groups formed.
+Delegates wait for the epoch's other peers first (``unaccounted``), so a slower peer's work is in the round too.
+
+The key holds one record per delegate (its latest group), so a read returns about as many records as a round has
+groups. ``result_of`` picks, among the swarm's averages registered for an epoch, the one every peer goes on from:
+the one holding the most samples (two second-stage groups may form; the smaller one's members adopt the larger's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from swarm.dht import calls
+from swarm.dht.identity import peer_id_of_owner
+from swarm.dht.records import GroupRecord, PeerState, groups_key
+from swarm.dht.view import SwarmView
+
+logger = logging.getLogger(__name__)
+
+GROUP_TTL = 600.0  # seconds a group's record lives: past the round, for peers that replay it
+# a peer of the epoch whose pseudo-gradient is not in a group yet: training towards the round, or in its first stage
+WORKING = frozenset({PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value})
+
+
+def group_tag(group_id: bytes) -> str:
+    """A short name of a group, the same for all its members."""
+    return hashlib.sha256(group_id).hexdigest()[:16]
+
+
+def delegate_of(members: Sequence[str], group_id: bytes) -> str:
+    """The member that speaks for the group in the second stage: every member picks the same one."""
+    return min(members, key=lambda peer: hashlib.sha256(group_id + peer.encode()).digest())
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The swarm's average of one epoch, as its delegates registered it."""
+
+    digest: str
+    included: frozenset[str]  # group tags
+    weight: float  # the samples of the groups it holds
+    holders: tuple[str, ...]  # delegates that hold it (serve it as the epoch's update)
+
+
+def groups_at(records: Sequence[GroupRecord], epoch: int) -> list[GroupRecord]:
+    return [r for r in records if r.epoch == epoch]
+
+
+def results_of(records: Sequence[GroupRecord], epoch: int) -> dict[str, Merged]:
+    """The swarm's averages registered for ``epoch``, by digest (two second-stage groups give two)."""
+    groups = groups_at(records, epoch)
+    weights = {g.group: g.weight for g in groups}
+    found: dict[str, Merged] = {}
+    for g in groups:
+        if g.merged is None:
+            continue
+        held = found.get(g.merged)
+        included = frozenset(g.included) | (held.included if held else frozenset())
+        holders = (*(held.holders if held else ()), g.delegate)
+        found[g.merged] = Merged(g.merged, included, sum(weights.get(t, 0.0) for t in included), holders)
+    return found
+
+
+def result_of(records: Sequence[GroupRecord], epoch: int) -> Merged | None:
+    """The swarm's average of ``epoch`` every peer goes on from: among the merged digests registered for it, the one
+    whose groups hold the most samples (then the lowest digest), or None while none is."""
+    found = results_of(records, epoch)
+    return min(found.values(), key=lambda m: (-m.weight, m.digest)) if found else None
+
+
+def stage2_leader(records: Sequence[GroupRecord], epoch: int, attempt: int) -> str | None:
+    """The delegate that leads the epoch's second stage (the others only join it, so one group forms, not
+    several that hivemind's matchmaking pairs up as they meet): the same for every delegate that sees the same
+    groups, a new one for each attempt; never a delegate in client mode (it takes no connections)."""
+    leaders = [g.delegate for g in groups_at(records, epoch) if not g.client_mode]
+    if not leaders:
+        return None
+    return min(leaders, key=lambda peer: hashlib.sha256(f"{epoch}/{attempt}/{peer}".encode()).digest())
+
+
+def own_result(records: Sequence[GroupRecord], epoch: int, tag: str) -> Merged | None:
+    """The swarm's average our group's delegate registered (it holds our group's work), or None while there is
+    none: a member goes on from it rather than from another second-stage group's."""
+    mine = next((g.merged for g in groups_at(records, epoch) if g.group == tag and g.merged is not None), None)
+    return None if mine is None else results_of(records, epoch).get(mine)
+
+
+def unaccounted(view: SwarmView, records: Sequence[GroupRecord], epoch: int, group: Sequence[str], tag: str) -> int:
+    """How many peers of ``epoch`` (outside ``group``) the swarm's average would leave out if it were made now:
+    those still training towards the round or averaging in a group, and those merging in a group that is not
+    registered yet (more merging peers than the other registered groups hold). A delegate waits for them (they
+    end their rounds early to join: ``swarm.dht.view.round_started_without``), within the merge's bound."""
+    mates = set(group)
+    others = [p for p in view.peers if p.epoch == epoch and p.peer_id not in mates]
+    coming = sum(p.state in WORKING for p in others)
+    merging = sum(p.state == PeerState.merging.value for p in others)
+    registered = sum(r.size for r in groups_at(records, epoch) if r.group != tag)
+    return coming + max(0, merging - registered)
+
+
+# ---- the DHT ----------------------------------------------------------------------------------------------------
+
+
+def register(dht: hivemind.DHT, run_id: str, record: GroupRecord, timeout: float = calls.DHT_TIMEOUT) -> bool:
+    """Our group's record (we are its delegate), under our own signed subkey."""
+    subkey = RSASignatureValidator().local_public_key
+    return calls.store(dht, groups_key(run_id), subkey, record.dict(), get_dht_time() + GROUP_TTL, timeout)
+
+
+def read_groups(dht: hivemind.DHT, run_id: str, timeout: float = calls.DHT_TIMEOUT) -> list[GroupRecord]:
+    return parse_groups(calls.get(dht, groups_key(run_id), timeout))
+
+
+def parse_groups(found: Any) -> list[GroupRecord]:
+    """Well-formed, unexpired group records whose delegate is their signer."""
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now, records = get_dht_time(), []
+    for subkey, item in found.value.items():
+        if item.value is None or item.expiration_time < now:
+            continue
+        try:
+            record = GroupRecord.parse_obj(item.value)
+        except ValueError:
+            continue
+        if record.delegate == peer_id_of_owner(subkey):
+            records.append(record)
+    return records
+
+
+def group_record(
+    epoch: int, tag: str, me: str, size: int, weight: float, digest: str | None, client_mode: bool, **merge: Any
+) -> GroupRecord:
+    return GroupRecord(
+        epoch=epoch, group=tag, delegate=me, size=size, weight=float(weight), digest=digest, client_mode=client_mode,
+        time=time.time(), **merge,
+    )  # fmt: skip

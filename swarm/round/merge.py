@@ -1,0 +1,265 @@
+"""The second stage of a round: the groups' averages made into the swarm's one average (``swarm.dht.groups``).
+
+After its group's all-reduce a peer does not step yet. Its group's delegate registers the group; once no peer of the
+epoch is still averaging in a group, the delegates average their groups' averages (weighted by the groups' samples,
+robustly, audited: the same all-reduce as the first stage, under the epoch's second-stage key) and each registers
+the digest of the result. Every member then takes that swarm's average: its delegate's (or any holder's) file,
+checked against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's
+update for replay. A round that formed one group registers its own average as the swarm's at once. A peer that
+found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_timeout``:
+a group that hears of no swarm's average by then steps with its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from swarm.averager.allreduce import check_parts, decode_into, held_digest
+from swarm.averager.handle import AllReduceOutcome, Averaging
+from swarm.averager.process import merge_group_bits
+from swarm.averager.transfer import read_update
+from swarm.dht import groups
+from swarm.dht.groups import Merged, group_record, group_tag
+from swarm.dht.records import GroupRecord, PeerState
+from swarm.events import short_reason
+from swarm.state.checkpoints import Checkpoints
+from swarm.state.context import PeerContext
+
+logger = logging.getLogger(__name__)
+
+READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
+SETTLE = 1.0  # a delegate that sees no other group waits this long after registering before it says it is alone
+STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
+
+
+@dataclass
+class MergeState:
+    """One flight's second stage, as it goes."""
+
+    epoch: int
+    tag: str
+    delegate: str
+    members: tuple[str, ...]
+    size: int
+    weight: float
+    digest: str | None  # of our group's average (None: a group of one)
+    deadline: float
+    registered_at: float | None = None
+    stage2: Averaging | None = None
+    stage2_tries: int = 0
+    read_at: float = -float("inf")
+    records: list[GroupRecord] = field(default_factory=list)
+    result: Merged | None = None
+    counted: bool = False  # our group's average is in the swarm's
+    groups: int = 1  # groups the swarm's average holds
+    contributors: int = 1  # peers whose pseudo-gradients it holds
+    done: bool = False
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    findings: tuple[dict, ...] = ()
+    fallback: str | None = None  # why we step with our own group's average
+
+
+class Merger:
+    """Drives the second stage of the round's flights (``OuterRound``), one ``MergeState`` each."""
+
+    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints):
+        self.ctx, self.checkpoints = ctx, checkpoints
+
+    def after_group(self, epoch: int, outcome: AllReduceOutcome, samples: dict[str, int]) -> MergeState:
+        """Our group's all-reduce is done: register it (if we are its delegate) and start waiting."""
+        members = outcome.group
+        state = MergeState(
+            epoch=epoch, tag=group_tag(outcome.group_id), delegate=groups.delegate_of(members, outcome.group_id),
+            members=members, size=len(members), weight=float(sum(samples.values())), digest=outcome.digest,
+            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_timeout,
+        )  # fmt: skip
+        self._start(state)
+        return state
+
+    def alone(self, epoch: int, samples: int) -> MergeState:
+        """No group: join the second stage as a group of one (with our own pseudo-gradient in the buffers)."""
+        me = self.ctx.me
+        state = MergeState(
+            epoch=epoch, tag=group_tag(f"{me}/{epoch}".encode()), delegate=me, members=(me,), size=1,
+            weight=float(max(1, samples)), digest=None,
+            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_timeout,
+        )  # fmt: skip
+        self._start(state)
+        return state
+
+    def others_at(self, epoch: int) -> bool:
+        """Other groups registered this epoch (for a peer without a group: a second stage to join)."""
+        return bool(groups.groups_at(self._read(), epoch))
+
+    def _start(self, state: MergeState) -> None:
+        self.ctx.set_state(PeerState.merging, True)
+        if state.delegate == self.ctx.me:
+            self._register(state)
+
+    # ---- while it waits ------------------------------------------------------------------------------------------
+
+    def poll(self, state: MergeState, blocking: bool) -> bool:
+        """Advance the merge; True once the buffers hold what the round steps with."""
+        if state.done:
+            return True
+        ctx, now = self.ctx, time.monotonic()
+        if state.stage2 is not None:
+            if not self._poll_stage2(state):
+                return False
+        if now - state.read_at >= READ_EVERY:
+            state.read_at, state.records = now, self._read()
+        result = groups.own_result(state.records, state.epoch, state.tag)  # our delegate's: it holds our work
+        if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
+            result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
+        if result is not None:
+            return self._take(state, result)
+        if state.delegate == ctx.me and state.stage2 is None and state.stage2_tries < STAGE2_TRIES:
+            view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
+            if view is not None and self._due(state, view, now):
+                if groups.groups_at(state.records, state.epoch) and not self._others(state):
+                    if state.digest is not None:  # the round's only group: its average is the swarm's
+                        self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
+                        self._register(state, merged=state.digest, included=[state.tag])
+                        state.read_at = -float("inf")
+                        return False
+                elif self._others(state):
+                    self._start_stage2(state)
+                    return False
+        if now > state.deadline:
+            state.fallback = "no swarm's average in time: our group's own was applied"
+            return self._finish(state, counted=False)
+        return False
+
+    @property
+    def _patience(self) -> float:
+        """The last part of the merge's time, in which a member takes another group's swarm's average rather than
+        keep waiting for its delegate's (gone, say)."""
+        return self.ctx.manifest.averaging.merge_timeout / 4
+
+    def _others(self, state: MergeState) -> list[GroupRecord]:
+        return [g for g in groups.groups_at(state.records, state.epoch) if g.group != state.tag]
+
+    def _due(self, state: MergeState, view, now: float) -> bool:
+        """Whether the delegate makes the swarm's average now: every peer of the epoch is accounted for (in a
+        registered group), or half the merge's time is gone waiting for the others (the rest is for fetching)."""
+        if state.registered_at is None or now - state.registered_at < SETTLE:
+            return False
+        waited_enough = now > state.deadline - self.ctx.manifest.averaging.merge_timeout / 2
+        return waited_enough or not groups.unaccounted(view, state.records, state.epoch, state.members, state.tag)
+
+    def _poll_stage2(self, state: MergeState) -> bool:
+        """The delegates' all-reduce: True once it is over (then its average is registered, or it failed)."""
+        try:
+            if not state.stage2.poll():
+                return False
+            outcome = state.stage2.result()
+        except Exception as e:  # no second-stage group (the others' may still come), a vanished delegate
+            logger.debug("the second stage failed", exc_info=True)
+            self.ctx.averager.ensure_idle()
+            state.stage2, state.fallback = None, f"second stage: {short_reason(e)}"
+            return True
+        state.stage2 = None
+        state.bytes_sent += outcome.bytes_sent
+        state.bytes_received += outcome.bytes_received
+        state.findings = outcome.findings
+        included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
+        if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
+            logger.debug("the merged update of epoch %d was not kept", state.epoch)
+        self._register(state, merged=outcome.digest, included=included)
+        state.read_at = -float("inf")
+        return True
+
+    def _start_stage2(self, state: MergeState) -> None:
+        ctx, avg = self.ctx, self.ctx.manifest.averaging
+        leader = groups.stage2_leader(state.records, state.epoch, state.stage2_tries)
+        state.stage2_tries += 1
+        delegates = len(groups.groups_at(state.records, state.epoch))
+        state.stage2 = ctx.averager.start_averaging(
+            weight=state.weight,
+            gather=dict(epoch=state.epoch, samples=int(state.weight), group=state.tag),
+            group_bits=merge_group_bits(state.epoch),
+            timeout=avg.matchmaking_timeout,
+            hard_timeout=avg.attempt_limit,
+            leaving=ctx.stop_requested,
+            # every delegate of the epoch joins one group: its leader waits for all of them, a little longer
+            scheduled_time=time.time() + 2 * avg.matchmaking_time,
+            target_group_size=max(2, delegates),
+            follow_only=leader != ctx.me,  # one leader, whom every other delegate joins
+        )
+
+    # ---- the swarm's average -------------------------------------------------------------------------------------
+
+    def _take(self, state: MergeState, result: Merged) -> bool:
+        """Go on from the swarm's average: ours as it is, or fetched from a holder and checked."""
+        state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
+        sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
+        state.contributors = max(1, sum(sizes.get(tag, 1) for tag in result.included))
+        counted = state.tag in result.included
+        if result.digest == state.digest or state.delegate == self.ctx.me and self._holds(state, result):
+            return self._finish(state, counted=counted)
+        for holder in [h for h in result.holders if h != self.ctx.me]:
+            if self._fetch(state, holder, result.digest):
+                return self._finish(state, counted=counted)
+        if time.monotonic() > state.deadline:
+            state.fallback = "the swarm's average could not be fetched: our group's own was applied"
+            return self._finish(state, counted=False)
+        return False
+
+    def _holds(self, state: MergeState, result: Merged) -> bool:
+        """As a second-stage delegate: our buffers hold that very average (we registered it)."""
+        return any(
+            r.delegate == self.ctx.me and r.merged == result.digest
+            for r in groups.groups_at(state.records, state.epoch)
+        )
+
+    def _fetch(self, state: MergeState, holder: str, digest: str) -> bool:
+        ctx, avg = self.ctx, self.ctx.manifest.averaging
+        destination = self.checkpoints.store.temporary_path(f"merged-{state.epoch}-{holder[-8:]}")
+        try:
+            ctx.averager.download_update(
+                holder,
+                state.epoch,
+                destination,
+                max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
+                chunk_timeout=avg.chunk_timeout,
+                timeout=avg.allreduce_timeout,
+                should_stop=ctx.stop_requested,
+            )
+            held = read_update(destination, ctx.manifest.run_id, state.epoch, len(ctx.outer.params))
+            if held_digest(held) != digest:
+                raise ValueError("it is not the average the delegates registered")
+            with ctx.averager.get_tensors() as buffers:
+                for tensor, parts in zip(buffers, held):
+                    check_parts(tensor, parts)
+                for tensor, parts in zip(buffers, held):
+                    decode_into(tensor, parts)
+            ctx.averager.adopt_update(state.epoch, destination)
+            return True
+        except Exception:
+            logger.debug("the merged average of epoch %d from %s is unusable", state.epoch, holder, exc_info=True)
+            return False
+        finally:
+            destination.unlink(missing_ok=True)
+
+    def _finish(self, state: MergeState, counted: bool) -> bool:
+        state.counted, state.done = counted, True
+        if state.delegate != self.ctx.me and state.result is not None and state.result.digest == state.digest:
+            self.ctx.averager.finalize_update(state.epoch)  # our group's average is the swarm's
+        elif state.fallback is not None and state.digest is not None:
+            self.ctx.averager.finalize_update(state.epoch)  # stepping with our group's own
+        return True
+
+    # ---- the DHT ---------------------------------------------------------------------------------------------
+
+    def _read(self) -> list[GroupRecord]:
+        return groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id)
+
+    def _register(self, state: MergeState, **merge) -> None:
+        client_mode = bool(self.ctx.averager.client_mode)
+        record = group_record(state.epoch, state.tag, self.ctx.me, state.size, state.weight, state.digest, client_mode,
+                              **merge)  # fmt: skip
+        if groups.register(self.ctx.reader.dht, self.ctx.manifest.run_id, record):
+            state.registered_at = state.registered_at or time.monotonic()

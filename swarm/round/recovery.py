@@ -1,0 +1,116 @@
+"""What a round does when it cannot finish as planned: the peer is leaving, or the swarm finished the round
+without us (an overlapped round adopts the swarm's average by replay; otherwise, or failing that, a re-sync), or
+our state is not the swarm's. A mixin of ``OuterRound``: its state (the context, the sync, the stats) is the
+round's."""
+
+from __future__ import annotations
+
+import time
+
+from swarm.dht.records import PeerState
+from swarm.dht.view import Resync, ResyncReason
+from swarm.events import PeerStats, RoundFinished, RoundOutcome, RoundReport
+from swarm.round.flight import Flight
+from swarm.round.landing import add_steps
+from swarm.round.steps import RoundSteps
+from swarm.state.checkpoints import Checkpoints
+from swarm.state.context import PeerContext
+from swarm.state.sync import StateSync
+
+
+class RoundRecovery:
+    ctx: PeerContext
+    sync: StateSync
+    checkpoints: Checkpoints
+    steps: RoundSteps
+    stats: PeerStats
+    last_round_local: bool
+    _last_average: tuple[int, int] | None
+
+    def resync_needed(self, epoch: int) -> Resync | None:
+        return self.sync.resync_needed(epoch, self.last_round_local)
+
+    def resync(self, why: str) -> bool:
+        """Take the swarm's state instead of ours (``StateSync.resync``); whether it worked."""
+        ok = self.sync.resync(why)
+        if ok:
+            self.stats.resyncs += 1
+            self.last_round_local = False
+        return ok
+
+    def _given_up(self, flight: Flight) -> RoundReport:
+        """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
+        (overlapped: adopt its average; otherwise, or failing that, take the swarm's state)."""
+        ctx = self.ctx
+        if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
+            ctx.set_state(PeerState.leaving, True)
+            return RoundReport(
+                epoch=flight.epoch,
+                averaged=False,
+                group_size=1,
+                outcome=RoundOutcome.abandoned,
+                fallback_reason="the peer is leaving",
+                checksum=ctx.outer.checksum(),
+                seconds=flight.seconds,
+            )
+        if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
+            adopted = self._adopt_round(flight)
+            if adopted is not None:
+                return adopted
+        # our pseudo-gradient is for a round that is over: take the swarm's state
+        return self._resync_round(
+            flight.seconds, "the swarm finished this round without us", reason=ResyncReason.behind
+        )
+
+    def _adopt_round(self, flight: Flight) -> RoundReport | None:
+        """The swarm finished our round without us (overlapped): its average, replayed (``Replay.adopt``), moves the
+        outer state and the model less our stand-in step, and every inner step taken since stays (damped first, the
+        model would be unusable if the replay then failed and no re-sync replaced it). None: the caller re-syncs."""
+        ctx, t0 = self.ctx, time.monotonic()
+        with ctx.shield():
+            add_steps(ctx.params, flight.stand_in, -1.0)  # the model is the global one plus our inner steps again
+            flight.stand_in = None
+        self._last_average = None
+        if not self.sync.replay.adopt(ctx.params):
+            return None
+        flight.seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
+        self.last_round_local = False
+        self.stats.rounds += 1
+        report = RoundReport(
+            epoch=ctx.outer.epoch,
+            averaged=False,
+            group_size=1,
+            outcome=RoundOutcome.adopted,
+            fallback_reason="the swarm finished this round without us: its average was applied",
+            checksum=ctx.outer.checksum(),
+            samples=flight.samples,
+            seconds=flight.seconds,
+        )
+        self.checkpoints.announce(self.steps.inner_step)
+        ctx.set_state(PeerState.training, True)
+        ctx.emit(RoundFinished(report))
+        return report
+
+    def _resync_round(
+        self,
+        seconds: dict[str, float],
+        why: str,
+        outcome: RoundOutcome = RoundOutcome.resynced,
+        reason: ResyncReason | None = None,
+    ) -> RoundReport:
+        self._last_average = None
+        t0 = time.monotonic()
+        resynced = self.resync(why)
+        seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
+        self.steps.begin()
+        return RoundReport(
+            epoch=self.ctx.outer.epoch,
+            averaged=False,
+            group_size=1,
+            outcome=outcome,
+            fallback_reason=why,
+            resynced=resynced,
+            resync_reason=reason if resynced else None,
+            checksum=self.ctx.outer.checksum(),
+            seconds=seconds,
+        )
