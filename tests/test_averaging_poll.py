@@ -71,7 +71,6 @@ def test_a_group_found_while_the_check_read_the_dht_is_kept(finished):
 def host(last_step: Averaging | None):
     """What ``PseudoGradientAverager``'s host side reads of itself, and a record of the calls made to the process."""
     fake = SimpleNamespace(_last_step=last_step, calls=[], is_alive=lambda: True, exitcode=None)
-    fake._outer_pipe, fake._target_group_size = SimpleNamespace(send=lambda message: None), None  # the group's size
     fake.ensure_idle = lambda: PseudoGradientAverager.ensure_idle(fake)
     fake.set_group_bits = lambda bits, wait: fake.calls.append(("bits", bits, last_step_stage(fake))) or done_future()
     fake.step = lambda **kwargs: fake.calls.append(("step", kwargs["gather"])) or FakeControl()

@@ -31,6 +31,7 @@ from swarm.averager import heap
 from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into, held_digest
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
+from swarm.averager.fixed_group import FixedGroups
 from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.refusals import Refusals
 from swarm.averager.transfer import FileTransfer
@@ -70,7 +71,7 @@ def averager_options(avg: AveragingSpec) -> dict[str, Any]:
 IDLE_GRACE = 10.0  # a step still running this long after its deadline means a stuck averager process
 
 
-class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAverager):
+class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, DecentralizedAverager):
     """A DecentralizedAverager over pseudo-gradient buffers that checks its reducers (``auditing.Auditing``),
     refuses banned peers (``refusals.Refusals``), and serves and fetches files (``transfer.FileTransfer``): state
     files, and the rounds' averages kept in ``update_dir`` for replay."""
@@ -92,7 +93,6 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         **kwargs: Any,
     ):
         self._round_stats: dict[bytes, tuple] = {}
-        self._target_group_size = kwargs.get("target_group_size")
         self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
         self._init_transfer(update_dir, keep_updates, run_id, secret)
@@ -217,45 +217,35 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, DecentralizedAver
         abort_if: Callable[[], str | None] = lambda: None,
         leaving: Callable[[], bool] = lambda: False,
         abort_poll: float = 1.0,
-        scheduled_time: float | None = None,
-        target_group_size: int | None = None,
-        follow_only: bool | None = None,
     ) -> Averaging:
         """Start one averaging round over the buffers, in the averager process; poll or wait on the handle.
 
         ``abort_if`` is polled (every ``abort_poll`` s) while looking for a group and returns a reason to
         give up (the swarm already moved on), or None to keep waiting; ``leaving`` is polled throughout,
-        all-reduce included, since a peer told to stop must not wait for one. ``scheduled_time`` (DHT time): a leader
-        gathers followers until then (a round's second stage waits for every group's delegate).
+        all-reduce included, since a peer told to stop must not wait for one.
         """
         self.ensure_idle()  # a step still running would look for a group under the new key with its old data
         self.set_group_bits(group_bits, wait=False).result(timeout=30)
-        size, follow = (
-            target_group_size or self._target_group_size,
-            self.client_mode if follow_only is None else follow_only,
-        )
-        self._outer_pipe.send(("_set_matchmaking", [], dict(size=size, follow_only=follow)))
-        control = self.step(
-            weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False, scheduled_time=scheduled_time
-        )
+        control = self.step(weight=weight, gather=gather, timeout=timeout, allow_retries=True, wait=False)
         deadline = time.monotonic() + hard_timeout
         self._last_step = Averaging(control, deadline, hard_timeout, on_stage, abort_if, leaving, abort_poll)
         return self._last_step
 
-    async def _set_matchmaking(self, size: int, follow_only: bool) -> None:
-        """(averager process) A leader assembles its group as soon as it holds ``size`` peers: the run's target in
-        a round's first stage, the number of registered groups in its second. ``follow_only``: this step joins
-        a leader and never leads (hivemind's client mode, for matchmaking only: in the all-reduce it still reduces
-        its share): a round's second stage has one leader (``swarm.dht.groups.stage2_leader``)."""
-        try:
-            matchmaking = self._matchmaking
-            # all three copies: the key manager's draws a bucket per member once a group assembles, and failed
-            # on a group larger than its own copy ("Sample larger than population")
-            matchmaking.target_group_size = matchmaking.group_key_manager.target_group_size = size
-            matchmaking.potential_leaders.target_group_size = size
-            matchmaking.client_mode = follow_only
-        except AttributeError:  # no matchmaking yet (the process is starting): it starts with the run's target
-            logger.debug("no matchmaking to set the target group size of", exc_info=True)
+    def start_fixed_averaging(
+        self,
+        *,
+        group_id: bytes,
+        members: Sequence[tuple[str, bool, Any]],
+        weight: float,
+        hard_timeout: float,
+        leaving: Callable[[], bool] = lambda: False,
+    ) -> Averaging:
+        """``start_averaging`` among known ``members`` (``FixedGroups``): no matchmaking, the all-reduce at once."""
+        self.ensure_idle()
+        control = self.start_fixed_group(group_id, members, weight, timeout=self._allreduce_timeout)
+        deadline = time.monotonic() + hard_timeout
+        self._last_step = Averaging(control, deadline, hard_timeout, lambda stage: None, lambda: None, leaving, 1.0)
+        return self._last_step
 
     def ensure_idle(self) -> None:
         """Wait until the last step started here is over in the averager process; ``HelperError`` if it still
@@ -336,12 +326,7 @@ def group_epoch(gathered: Iterable[Any]) -> int | None:
 def epoch_group_bits(epoch: int, bits: int = 16, bucket: str = "") -> str:
     """Matchmaking key bits for an epoch's first stage, so peers of different epochs never average together;
     ``bucket`` (``matchmaking_bucket``) splits a large swarm's matchmaking into keys of about a group each."""
-    return format(epoch % (1 << bits), f"0{bits}b") + "0" + bucket
-
-
-def merge_group_bits(epoch: int, bits: int = 16) -> str:
-    """Matchmaking key bits for an epoch's second stage (the groups' delegates): never a first stage's."""
-    return format(epoch % (1 << bits), f"0{bits}b") + "1"
+    return format(epoch % (1 << bits), f"0{bits}b") + bucket
 
 
 def matchmaking_bucket(peer_id: str, peers: float, group_size: int) -> str:

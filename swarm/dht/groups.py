@@ -85,16 +85,6 @@ def result_of(records: Sequence[GroupRecord], epoch: int) -> Merged | None:
     return min(found.values(), key=lambda m: (-m.weight, m.digest)) if found else None
 
 
-def stage2_leader(records: Sequence[GroupRecord], epoch: int, attempt: int) -> str | None:
-    """The delegate that leads the epoch's second stage (the others only join it, so one group forms, not
-    several that hivemind's matchmaking pairs up as they meet): the same for every delegate that sees the same
-    groups, a new one for each attempt; never a delegate in client mode (it takes no connections)."""
-    leaders = [g.delegate for g in groups_at(records, epoch) if not g.client_mode]
-    if not leaders:
-        return None
-    return min(leaders, key=lambda peer: hashlib.sha256(f"{epoch}/{attempt}/{peer}".encode()).digest())
-
-
 def own_result(records: Sequence[GroupRecord], epoch: int, tag: str) -> Merged | None:
     """The swarm's average our group's delegate registered (it holds our group's work), or None while there is
     none: a member goes on from it rather than from another second-stage group's."""

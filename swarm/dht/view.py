@@ -177,6 +177,22 @@ def round_started_without(view: SwarmView, me: str, epoch: int, min_group_size: 
     return len(busy) >= max(1, min_group_size - 1) and 2 * len(busy) > len(mates)
 
 
+def nobody_to_group_with(view: SwarmView, me: str, epoch: int) -> bool:
+    """Two-stage rounds: some epoch-mates are merging their groups' averages and none is still training or looking
+    for a group, so a peer looking for one will find nobody: it joins their second stage alone instead of waiting
+    out its matchmaking timeout (which held five-peer rounds in groups of two for 20 s each)."""
+    mates = [p for p in view.peers if p.peer_id != me and p.epoch == epoch]
+    waiting = {PeerState.training.value, PeerState.matchmaking.value}
+    return any(p.state == PeerState.merging.value for p in mates) and not any(p.state in waiting for p in mates)
+
+
+def still_merging(view: SwarmView, epoch: int, me: str) -> list[str]:
+    """Peers still merging the round of ``epoch`` (two-stage rounds): they may yet fetch its swarm's average."""
+    return [
+        p.peer_id for p in view.peers if p.peer_id != me and p.epoch == epoch and p.state == PeerState.merging.value
+    ]
+
+
 def mates_finishing(view: SwarmView, me: str, epoch: int) -> tuple[str, ...]:
     """The peers still matchmaking or averaging the round that took us to ``epoch``: when ours ended without
     them (a local round), they may yet end it together, and theirs is then the swarm's state."""

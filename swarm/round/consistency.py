@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from swarm.dht.view import Resync, groupmates_published, mates_finishing
+from swarm.dht.view import Resync, groupmates_published, mates_finishing, still_merging
 from swarm.events import RoundOutcome, RoundReport
 from swarm.state.context import PeerContext
 
@@ -90,6 +90,11 @@ class RoundChecks:
             epoch, group, ended = self.last_group
             window = min(until, ended + self.ctx.manifest.averaging.allreduce_timeout)
             self.await_checksums(group, epoch, window, until_stopped=True)  # a stop signal leaves at once
+            # two-stage rounds: peers of other groups still merging that round may fetch its average from us
+            while time.monotonic() < window and not self.ctx.stop_requested():
+                if not still_merging(self.ctx.reader.view(), epoch - 1, self.ctx.me):
+                    break
+                time.sleep(0.2)
 
     def await_checksums(
         self, group: Sequence[str], epoch: int, deadline: float | None = None, until_stopped: bool = False

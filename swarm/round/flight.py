@@ -46,6 +46,7 @@ class Flight:
     done: bool = False
     blocking: bool = False  # the training loop waits on it: its checks may read the DHT, not only the feed
     merge: MergeState | None = None  # two-stage rounds: the second stage, once the first is over
+    join_merge: bool = False  # the first stage was given up because every epoch-mate is merging: join them
 
     @property
     def merged(self) -> bool:

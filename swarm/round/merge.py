@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from swarm.averager.allreduce import check_parts, decode_into, held_digest
+from swarm.averager.fixed_group import fixed_group_id
 from swarm.averager.handle import AllReduceOutcome, Averaging
-from swarm.averager.process import merge_group_bits
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
 from swarm.dht.groups import Merged, group_record, group_tag
@@ -30,6 +30,7 @@ from swarm.state.context import PeerContext
 logger = logging.getLogger(__name__)
 
 READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
+FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from its holders
 SETTLE = 1.0  # a delegate that sees no other group waits this long after registering before it says it is alone
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
 
@@ -50,6 +51,7 @@ class MergeState:
     stage2: Averaging | None = None
     stage2_tries: int = 0
     read_at: float = -float("inf")
+    fetched_at: float = -float("inf")
     records: list[GroupRecord] = field(default_factory=list)
     result: Merged | None = None
     counted: bool = False  # our group's average is in the swarm's
@@ -148,7 +150,12 @@ class Merger:
         if state.registered_at is None or now - state.registered_at < SETTLE:
             return False
         waited_enough = now > state.deadline - self.ctx.manifest.averaging.merge_timeout / 2
-        return waited_enough or not groups.unaccounted(view, state.records, state.epoch, state.members, state.tag)
+        missing = groups.unaccounted(view, state.records, state.epoch, state.members, state.tag)
+        if missing and logger.isEnabledFor(logging.DEBUG):
+            seen = [(p.peer_id[-6:], p.epoch, p.state) for p in view.peers]
+            registered = [(g.group, g.size, g.delegate[-6:]) for g in groups.groups_at(state.records, state.epoch)]
+            logger.debug("merge of epoch %d waits for %d peers: %s; groups %s", state.epoch, missing, seen, registered)
+        return waited_enough or not missing
 
     def _poll_stage2(self, state: MergeState) -> bool:
         """The delegates' all-reduce: True once it is over (then its average is registered, or it failed)."""
@@ -173,37 +180,44 @@ class Merger:
         return True
 
     def _start_stage2(self, state: MergeState) -> None:
+        """The delegates' all-reduce, among the delegates registered for the epoch (every one of them that sees
+        the same groups runs the same group: ``swarm.averager.fixed_group``)."""
         ctx, avg = self.ctx, self.ctx.manifest.averaging
-        leader = groups.stage2_leader(state.records, state.epoch, state.stage2_tries)
+        registered = sorted(groups.groups_at(state.records, state.epoch), key=lambda g: g.delegate)
+        members = [(g.delegate, g.client_mode, dict(epoch=state.epoch, samples=int(g.weight), group=g.group))
+                   for g in registered]  # fmt: skip
+        label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{state.stage2_tries}"
         state.stage2_tries += 1
-        delegates = len(groups.groups_at(state.records, state.epoch))
-        state.stage2 = ctx.averager.start_averaging(
+        state.stage2 = ctx.averager.start_fixed_averaging(
+            group_id=fixed_group_id(label, [m[0] for m in members]),
+            members=members,
             weight=state.weight,
-            gather=dict(epoch=state.epoch, samples=int(state.weight), group=state.tag),
-            group_bits=merge_group_bits(state.epoch),
-            timeout=avg.matchmaking_timeout,
-            hard_timeout=avg.attempt_limit,
+            hard_timeout=avg.allreduce_limit + 10,
             leaving=ctx.stop_requested,
-            # every delegate of the epoch joins one group: its leader waits for all of them, a little longer
-            scheduled_time=time.time() + 2 * avg.matchmaking_time,
-            target_group_size=max(2, delegates),
-            follow_only=leader != ctx.me,  # one leader, whom every other delegate joins
         )
 
     # ---- the swarm's average -------------------------------------------------------------------------------------
 
     def _take(self, state: MergeState, result: Merged) -> bool:
-        """Go on from the swarm's average: ours as it is, or fetched from a holder and checked."""
-        state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
-        sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
-        state.contributors = max(1, sum(sizes.get(tag, 1) for tag in result.included))
+        """Go on from the swarm's average: ours as it is, or fetched from a holder (at most one try a second) and
+        checked. A delegate that takes another group's registers it as its group's, so its members take it too."""
         counted = state.tag in result.included
-        if result.digest == state.digest or state.delegate == self.ctx.me and self._holds(state, result):
+        held = result.digest == state.digest or state.delegate == self.ctx.me and self._holds(state, result)
+        now = time.monotonic()
+        if not held and now - state.fetched_at < FETCH_EVERY:
+            return False
+        if not held:
+            state.fetched_at = now
+            holders = [h for h in result.holders if h != self.ctx.me]
+            held = any(self._fetch(state, holder, result.digest) for holder in holders)
+            if held and state.delegate == self.ctx.me:
+                self._register(state, merged=result.digest, included=sorted(result.included))
+        if held:
+            state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
+            sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
+            state.contributors = max(1, sum(sizes.get(tag, 1) for tag in result.included))
             return self._finish(state, counted=counted)
-        for holder in [h for h in result.holders if h != self.ctx.me]:
-            if self._fetch(state, holder, result.digest):
-                return self._finish(state, counted=counted)
-        if time.monotonic() > state.deadline:
+        if now > state.deadline:
             state.fallback = "the swarm's average could not be fetched: our group's own was applied"
             return self._finish(state, counted=False)
         return False

@@ -30,7 +30,7 @@ from swarm.averager.codecs import apply_error_feedback
 from swarm.averager.handle import RoundAborted
 from swarm.averager.process import epoch_group_bits, matchmaking_bucket
 from swarm.dht.records import PeerState
-from swarm.dht.view import mates_coming, swarm_moved_on
+from swarm.dht.view import mates_coming, nobody_to_group_with, swarm_moved_on
 from swarm.errors import LeaveRequested
 from swarm.events import AveragingFailed, PeerStats, RoundFinished, RoundOutcome, RoundReport, short_reason
 from swarm.manifest import StandIn
@@ -163,7 +163,7 @@ class OuterRound(RoundRecovery):
             timeout=avg.matchmaking_timeout,
             hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
-            abort_if=lambda: "moved on" if self._moved_on(flight) else None,
+            abort_if=lambda: self._why_give_up(flight),
             leaving=ctx.stop_requested,
         )
 
@@ -175,11 +175,20 @@ class OuterRound(RoundRecovery):
             self.ctx.me, self.ctx.reader.peers_estimate, self.ctx.manifest.averaging.target_group_size
         )
 
-    def _moved_on(self, flight: Flight) -> bool:
-        """Whether the swarm finished this round without us: from the records read in the background while inner
-        steps run (they must not wait on the DHT), from the DHT once the loop waits (a second sooner)."""
+    def _why_give_up(self, flight: Flight) -> str | None:
+        """Why looking for a group is pointless now, from the records read in the background while inner steps run
+        (they must not wait on the DHT), from the DHT once the loop waits (a second sooner): the swarm finished
+        this round without us; or (two-stage rounds) every epoch-mate is merging its group's average, so nobody
+        is left to form a group with: join their second stage as a group of one (``flight.join_merge``)."""
         view = self.ctx.reader.view() if flight.blocking else self.ctx.reader.recent_view()
-        return view is not None and swarm_moved_on(view, flight.epoch)
+        if view is None:
+            return None
+        if swarm_moved_on(view, flight.epoch):
+            return "moved on"
+        if self.merger is not None and nobody_to_group_with(view, self.ctx.me, flight.epoch):
+            flight.join_merge = True
+            return "the others merge their groups"
+        return None
 
     # ---- while it runs -------------------------------------------------------------------------
 
@@ -206,9 +215,13 @@ class OuterRound(RoundRecovery):
         except LeaveRequested:
             raise
         except RoundAborted as e:
-            flight.aborted = e
             if not e.leaving:  # a leaving peer writes no buffer
                 ctx.averager.ensure_idle()  # a cancelled step may still run: the buffers are not ours till it ends
+            if flight.join_merge and not e.leaving:
+                flight.fallback = "no group: joined the others' second stage"
+                flight.merge = self.merger.alone(flight.epoch, flight.samples)
+                return False
+            flight.aborted = e
         except Exception as e:  # no group, a vanished groupmate, a timeout; or a bug
             logger.debug("averaging attempt failed", exc_info=True)
             ctx.averager.ensure_idle()  # a step that timed out was cancelled: as above

@@ -1,0 +1,112 @@
+"""An all-reduce among peers that are known in advance, without hivemind's matchmaking: a round's second stage.
+
+The delegates of a round's groups are listed in the run's groups key (``swarm.dht.groups``), so each of them can
+build the same ``GroupInfo``: the members sorted by id, a group id made of the epoch, the attempt and the members,
+and each member's gathered data from its record. hivemind's matchmaking, asked to form one group of peers that
+arrive seconds apart, formed pairs and left latecomers out (each pair a different swarm's average); here every
+delegate that sees the same registered groups runs the same all-reduce, as hivemind runs a group it assembled.
+A groupmate's stream may reach us before we have registered the group: it waits for it (``GROUP_WAIT``).
+
+This is a mixin of ``PseudoGradientAverager``: ``start_fixed_group`` runs on the host, the rest in the averager
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import typing
+from collections.abc import Sequence
+
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.control import AveragingStage
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter
+from hivemind.utils.mpfuture import MPFuture
+
+GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
+
+
+def fixed_group_id(label: str, members: Sequence[str]) -> bytes:
+    """The id every member computes for the same group: its label (run, epoch, attempt) and its sorted members."""
+    return hashlib.sha256("/".join([label, *sorted(members)]).encode()).digest()[:20]
+
+
+class FixedStep:
+    """The host's handle on a fixed group's all-reduce, shaped like hivemind's ``StepControl`` for ``Averaging``."""
+
+    def __init__(self, future: MPFuture):
+        self._future = future
+
+    @property
+    def stage(self) -> AveragingStage:
+        return AveragingStage.FINISHED if self._future.done() else AveragingStage.RUNNING_ALLREDUCE
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> typing.Any:
+        return self._future.result()
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+class FixedGroups:
+    """A mixin of ``PseudoGradientAverager``: all-reduces among known members."""
+
+    def start_fixed_group(
+        self, group_id: bytes, members: Sequence[tuple[str, bool, typing.Any]], weight: float, timeout: float
+    ) -> FixedStep:
+        """(host) Average the buffers with ``members`` (each ``(peer id, client mode, gathered data)``, this peer's
+        among them), weighted by ``weight``; the step ends within ``timeout``."""
+        future = MPFuture()
+        members = sorted(members, key=lambda m: m[0])
+        kwargs = dict(group_id=group_id, members=members, weight=weight, timeout=timeout, future=future)
+        self._outer_pipe.send(("_run_fixed_group", [], kwargs))
+        return FixedStep(future)
+
+    async def _run_fixed_group(
+        self, group_id: bytes, members: list, weight: float, timeout: float, future: MPFuture
+    ) -> None:
+        try:
+            gathered = tuple(
+                self.serializer.dumps(
+                    [0.0 if client else 1.0, (AveragingMode.CLIENT if client else AveragingMode.NODE).value,
+                     self.serializer.dumps(data)]
+                )
+                for _, client, data in members
+            )  # fmt: skip
+            group_info = GroupInfo(group_id, tuple(PeerID.from_base58(peer) for peer, _, _ in members), gathered)
+            with self._register_allreduce_group(group_info):
+                outcome = await asyncio.wait_for(
+                    self._aggregate_with_group(
+                        group_info, tensor_infos=self.tensor_infos, weight=weight, **self.allreduce_kwargs
+                    ),
+                    timeout,
+                )
+            if not future.done():
+                future.set_result(outcome)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            if not isinstance(e, Exception):
+                raise
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's part: as hivemind serves it, once the group it names is registered here (a fixed group's
+        member may start a moment before us), or BAD_GROUP_ID after ``GROUP_WAIT``."""
+        request = await anext(stream)
+        deadline = time.monotonic() + GROUP_WAIT
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if request.group_id not in self._running_groups:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
