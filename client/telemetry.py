@@ -117,6 +117,11 @@ class Telemetry:
                 repair_failures=list(report.repair_failures),
                 steps_late=report.steps_late,
                 wall_seconds=round(self.last_round_wall, 4),
+                outcome=report.outcome.value,
+                merged_groups=report.merged_groups,
+                counted=report.counted,
+                records_read=report.records_read,
+                records_written=report.records_written,
             )
         )
 

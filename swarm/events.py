@@ -53,7 +53,11 @@ class RoundReport:
     steps_late: int | None = None
     resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
     merged_groups: int = 1  # two-stage rounds: the groups whose averages the swarm's average of the round holds
-    counted: bool = True  # this peer's pseudo-gradient is in the state the round ended on (not re-synced, adopted)
+    # this peer's pseudo-gradient is in the state the round ended on, and that state is the swarm's: not re-synced,
+    # not adopted from other groups, and (two-stage rounds) not stepped with our group's own average for want of it
+    counted: bool = True
+    records_read: int = 0  # DHT records this peer has read so far (all of them; its traffic, for the benchmarks)
+    records_written: int = 0  # and written
 
 
 @dataclass

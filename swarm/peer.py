@@ -157,8 +157,7 @@ class Peer:
 
     @property
     def flight(self) -> Flight | None:
-        """The overlapped round in the air while the loop trains, or None (its identity marks a round's take-off
-        and landing: ``client.moments``)."""
+        """The overlapped round in the air while the loop trains (its identity marks take-off and landing)."""
         return self._flight
 
     @property
@@ -172,8 +171,7 @@ class Peer:
         return self.averager.download_progress if self.averager is not None else 0.0
 
     @property
-    def checkpoint_idle(self) -> bool:
-        """No state file is being written (or there is no store yet)."""
+    def checkpoint_idle(self) -> bool:  # no state file is being written (or there is no store yet)
         return self._checkpoints is None or self._checkpoints.store.idle
 
     @property
@@ -341,7 +339,7 @@ class Peer:
                 self._finish_flight(waited=time.monotonic() - t0)
             started = self._rounds.begin()
             if isinstance(started, RoundReport):  # replaced by a re-sync
-                self._reports.append(started)
+                self._queue(started)
                 return
             self._flight = started
             if not self._rounds.overlapped:
@@ -382,6 +380,11 @@ class Peer:
         report.seconds["waited"] = waited  # training stood still for the previous round (overlapped)
         if self._rounds.overlapped and report.outcome in _LANDED:  # steps since it took off (a re-sync: none)
             report.steps_late = self.inner_step
+        self._queue(report)
+
+    def _queue(self, report: RoundReport) -> None:
+        """For ``report_step`` to return, with this peer's DHT traffic so far."""
+        report.records_read, report.records_written = self._reader.records_read, self._presence.records_written
         self._reports.append(report)
 
     # ---- what the parts tell the program -------------------------------------------------------

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diloco_helpers import BATCH, inner_step, make_batch, make_model, make_optimizer  # noqa: E402
 
 from swarm import NetworkConfig, Peer, RunManifest, SwarmError, seeded_init, visible_maddrs  # noqa: E402
-from swarm.events import PeerEvent, RoundOutcome, StateChanged  # noqa: E402
+from swarm.events import PeerEvent, RoundOutcome, RoundReport, StateChanged  # noqa: E402
 from swarm.state.store import find_latest  # noqa: E402
 
 
@@ -65,8 +65,8 @@ def main() -> int:
         if isinstance(event, StateChanged):
             (args.out / f"state-{event.state.value.replace(' ', '_')}-{peer.epoch}").touch()
         data = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
-        payload = {k: v.value if isinstance(v, enum.Enum) else v.__dict__ if hasattr(v, "__dict__") else v
-                   for k, v in data.items()}  # fmt: skip
+        payload = {k: v.value if isinstance(v, enum.Enum) else as_json(v) if isinstance(v, RoundReport)
+                   else v.__dict__ if hasattr(v, "__dict__") else v for k, v in data.items()}  # fmt: skip
         events.write(json.dumps(dict(kind=event.kind, time=time.time(), **payload), default=str) + "\n")
 
     with seeded_init(manifest):

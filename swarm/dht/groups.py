@@ -16,6 +16,7 @@ the one holding the most samples (two second-stage groups may form; the smaller 
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import time
@@ -103,6 +104,37 @@ def unaccounted(view: SwarmView, records: Sequence[GroupRecord], epoch: int, gro
     merging = sum(p.state == PeerState.merging.value for p in others)
     registered = sum(r.size for r in groups_at(records, epoch) if r.group != tag)
     return coming + max(0, merging - registered)
+
+
+class Decision(enum.Enum):
+    """What a delegate does next with its round's groups (``delegate_decision``)."""
+
+    wait = "wait"  # peers of the epoch are not accounted for yet
+    alone = "alone"  # ours is the round's only group: its average is the swarm's
+    merge = "merge"  # the registered groups' delegates average their averages
+
+
+SETTLE = 1.0  # seconds after a delegate registers before it decides (the others' records reach it)
+
+
+def delegate_decision(
+    view: SwarmView,
+    records: Sequence[GroupRecord],
+    epoch: int,
+    group: Sequence[str],
+    tag: str,
+    waited: float,
+    patience: float,
+) -> Decision:
+    """A delegate that registered its group ``waited`` seconds ago: wait while peers of the epoch are unaccounted for
+    (at most ``patience``); then, if its group is the only one registered, its average is the swarm's; otherwise
+    the registered groups merge."""
+    registered = groups_at(records, epoch)
+    if waited < SETTLE or not any(g.group == tag for g in registered):
+        return Decision.wait
+    if waited < patience and unaccounted(view, records, epoch, group, tag):
+        return Decision.wait
+    return Decision.merge if any(g.group != tag for g in registered) else Decision.alone
 
 
 # ---- the DHT ----------------------------------------------------------------------------------------------------

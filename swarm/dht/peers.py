@@ -91,6 +91,7 @@ class RecordCache:
     def __init__(self) -> None:
         self.records: dict[str, PeerEntry] = {}
         self.level = 0
+        self.reads = self.records_read = 0  # bucket reads and the records they returned: the peer's DHT traffic
         self._occupancy: float | None = None  # records per bucket read at this level, smoothed
         self._next = 0
 
@@ -101,6 +102,7 @@ class RecordCache:
 
     def add(self, level: int, entries: list[PeerEntry]) -> None:
         """What one read of a bucket at ``level`` returned."""
+        self.reads, self.records_read = self.reads + 1, self.records_read + len(entries)
         for entry in entries:
             held = self.records.get(entry.record.peer_id)
             if held is None or entry.record.time >= held.record.time:
@@ -206,7 +208,12 @@ class SwarmReader:
         self._inner_steps, self._samples_per_step = inner_steps, samples_per_step
         self.cache = RecordCache()
         self.feed = PeerFeed(dht, run_id, cache=self.cache)
-        self.reads = 0  # DHT reads of records made, for the benchmarks' traffic figures
+        self.other_records = 0  # records this peer read from other keys (the round's groups)
+
+    @property
+    def records_read(self) -> int:
+        """Every record this peer's reads returned so far (its DHT traffic, for the benchmarks)."""
+        return self.cache.records_read + self.other_records
 
     @property
     def peers_estimate(self) -> float:
@@ -218,12 +225,10 @@ class SwarmReader:
         now = get_dht_time()
         if not self.cache.live(now):
             level, found = find_level(self.dht, self.run_id)
-            self.reads += 1 + (PROBE_LEVELS.index(level) + 1 if level else 0)
             self.cache.settle(level, found)
         level = self.cache.level
         buckets = {self.cache.next_bucket(), *(bucket_of(peer, level) for peer in including)}
         for bucket in sorted(buckets):
-            self.reads += 1
             self.cache.add(level, read_bucket(self.dht, self.run_id, level, bucket))
         return self.cache.live(get_dht_time())
 

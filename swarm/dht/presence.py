@@ -56,6 +56,7 @@ class Presence:
         neighbours (``records.write_levels``)."""
         self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
         self._level = level
+        self.records_written = 0  # records stored so far (one per key per refresh): the peer's DHT traffic
         self._manifest, self._download_progress = manifest, download_progress
         self._manifest_published_at = 0.0
         self._subkey = RSASignatureValidator().local_public_key
@@ -142,6 +143,7 @@ class Presence:
         expiration = get_dht_time() + (ttl or self.ttl)
         levels = write_levels(self._level())
         keys = [progress_key(self.run_id, level, bucket_of(record.peer_id, level)) for level in levels]
+        self.records_written += len(keys)
         return calls.store_many(self.dht, keys, self._subkey, record.dict(), expiration, timeout)
 
     def _run(self) -> None:

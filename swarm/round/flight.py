@@ -79,6 +79,7 @@ class Flight:
         adopted = self.merged and not merge.counted  # the swarm's average holds the other groups' work, not ours
         averaged = self.fallback is None and not adopted and (outcome is not None or self.merged)
         skipped = outcome is not None and self.fallback is not None  # a group's values, not used
+        apart = merge is not None and merge.fallback is not None  # stepped without the swarm's average
         kind = RoundOutcome.averaged if averaged else RoundOutcome.skipped if skipped else RoundOutcome.local
         return RoundReport(
             epoch=epoch,
@@ -95,5 +96,5 @@ class Flight:
             audit_bytes=outcome.audit_bytes if outcome is not None else 0,
             repair_failures=outcome.repair_failures if outcome is not None else (),
             merged_groups=merge.groups if self.merged else 1,
-            counted=not adopted and not skipped,
+            counted=not adopted and not skipped and not apart,
         )

@@ -21,7 +21,7 @@ from swarm.averager.fixed_group import fixed_group_id
 from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
-from swarm.dht.groups import Merged, group_record, group_tag
+from swarm.dht.groups import Decision, Merged, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.events import short_reason
 from swarm.state.checkpoints import Checkpoints
@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
 FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from its holders
-SETTLE = 1.0  # a delegate that sees no other group waits this long after registering before it says it is alone
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
 
 
@@ -48,6 +47,9 @@ class MergeState:
     digest: str | None  # of our group's average (None: a group of one)
     deadline: float
     registered_at: float | None = None
+    unregistered: dict | None = None  # a registration the DHT did not take (its merge fields): tried again
+    register_tried_at: float = -float("inf")
+    decided: bool = False  # as the round's only group, our average was registered as the swarm's
     stage2: Averaging | None = None
     stage2_tries: int = 0
     read_at: float = -float("inf")
@@ -111,6 +113,8 @@ class Merger:
         if state.stage2 is not None:
             if not self._poll_stage2(state):
                 return False
+        if state.unregistered is not None and now - state.register_tried_at >= READ_EVERY:
+            self._register(state, **state.unregistered)  # a slow DHT (a neighbour vanishing): again
         if now - state.read_at >= READ_EVERY:
             state.read_at, state.records = now, self._read()
         result = groups.own_result(state.records, state.epoch, state.tag)  # our delegate's: it holds our work
@@ -118,18 +122,26 @@ class Merger:
             result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
         if result is not None:
             return self._take(state, result)
-        if state.delegate == ctx.me and state.stage2 is None and state.stage2_tries < STAGE2_TRIES:
+        deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
+        if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
-            if view is not None and self._due(state, view, now):
-                if groups.groups_at(state.records, state.epoch) and not self._others(state):
-                    if state.digest is not None:  # the round's only group: its average is the swarm's
-                        self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
-                        self._register(state, merged=state.digest, included=[state.tag])
-                        state.read_at = -float("inf")
-                        return False
-                elif self._others(state):
-                    self._start_stage2(state)
-                    return False
+            waited = now - state.registered_at if state.registered_at is not None else 0.0
+            patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
+            decision = Decision.wait if view is None else delegate_decision(
+                view, state.records, state.epoch, state.members, state.tag, waited, patience
+            )  # fmt: skip
+            if decision == Decision.alone and state.digest is None:  # alone, and no group to merge with
+                state.fallback = "no other group this round"
+                return self._finish(state, counted=False)
+            if decision == Decision.alone:  # the round's only group
+                self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
+                state.decided = True
+                self._register(state, merged=state.digest, included=[state.tag])
+                state.read_at = -float("inf")
+                return False
+            if decision == Decision.merge:
+                self._start_stage2(state)
+                return False
         if now > state.deadline:
             state.fallback = "no swarm's average in time: our group's own was applied"
             return self._finish(state, counted=False)
@@ -140,22 +152,6 @@ class Merger:
         """The last part of the merge's time, in which a member takes another group's swarm's average rather than
         keep waiting for its delegate's (gone, say)."""
         return self.ctx.manifest.averaging.merge_timeout / 4
-
-    def _others(self, state: MergeState) -> list[GroupRecord]:
-        return [g for g in groups.groups_at(state.records, state.epoch) if g.group != state.tag]
-
-    def _due(self, state: MergeState, view, now: float) -> bool:
-        """Whether the delegate makes the swarm's average now: every peer of the epoch is accounted for (in a
-        registered group), or half the merge's time is gone waiting for the others (the rest is for fetching)."""
-        if state.registered_at is None or now - state.registered_at < SETTLE:
-            return False
-        waited_enough = now > state.deadline - self.ctx.manifest.averaging.merge_timeout / 2
-        missing = groups.unaccounted(view, state.records, state.epoch, state.members, state.tag)
-        if missing and logger.isEnabledFor(logging.DEBUG):
-            seen = [(p.peer_id[-6:], p.epoch, p.state) for p in view.peers]
-            registered = [(g.group, g.size, g.delegate[-6:]) for g in groups.groups_at(state.records, state.epoch)]
-            logger.debug("merge of epoch %d waits for %d peers: %s; groups %s", state.epoch, missing, seen, registered)
-        return waited_enough or not missing
 
     def _poll_stage2(self, state: MergeState) -> bool:
         """The delegates' all-reduce: True once it is over (then its average is registered, or it failed)."""
@@ -269,11 +265,17 @@ class Merger:
     # ---- the DHT ---------------------------------------------------------------------------------------------
 
     def _read(self) -> list[GroupRecord]:
-        return groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id)
+        records = groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id)
+        self.ctx.reader.other_records += len(records)
+        return records
 
     def _register(self, state: MergeState, **merge) -> None:
         client_mode = bool(self.ctx.averager.client_mode)
         record = group_record(state.epoch, state.tag, self.ctx.me, state.size, state.weight, state.digest, client_mode,
                               **merge)  # fmt: skip
+        state.register_tried_at = time.monotonic()
         if groups.register(self.ctx.reader.dht, self.ctx.manifest.run_id, record):
-            state.registered_at = state.registered_at or time.monotonic()
+            state.registered_at, state.unregistered = state.registered_at or time.monotonic(), None
+        else:
+            logger.debug("the DHT did not take our group's record of epoch %d; again shortly", state.epoch)
+            state.unregistered = merge

@@ -1,0 +1,118 @@
+"""Two-stage rounds and bounded records, as pure rules on real records and views (``swarm.dht.groups``,
+``swarm.dht.records``, ``swarm.dht.peers.RecordCache``, ``swarm.averager.process.matchmaking_bucket``)."""
+
+from __future__ import annotations
+
+import time
+
+from test_swarm_view import A, B, C, record
+
+from swarm.averager.process import epoch_group_bits, matchmaking_bucket
+from swarm.dht.groups import (
+    SETTLE,
+    Decision,
+    delegate_decision,
+    delegate_of,
+    group_record,
+    group_tag,
+    own_result,
+    result_of,
+    unaccounted,
+)
+from swarm.dht.peers import RecordCache
+from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, PeerState, bucket_of, read_level, write_levels
+from swarm.dht.view import build_view, nobody_to_group_with, round_started_without
+
+D, E = "d" * 8, "e" * 8
+DIGEST = {name: name * 64 for name in "0123456789"}
+
+
+def view_of(*records):
+    return build_view([PeerEntry(r, time.time() + 60) for r in records], time.time(), 10, 8)
+
+
+def group(epoch, tag, delegate, size=2, weight=16.0, digest="1", **merge):
+    return group_record(epoch, tag, delegate, size, weight, DIGEST[digest], False, **merge)
+
+
+def test_every_member_picks_the_same_delegate_and_tag():
+    members, gid = (A, B, C), b"group-id-1"
+    assert delegate_of(members, gid) == delegate_of((C, A, B), gid) in members
+    assert group_tag(gid) == group_tag(b"group-id-1") != group_tag(b"group-id-2") and len(group_tag(gid)) == 16
+
+
+def test_the_swarms_average_is_the_one_holding_the_most_samples_and_a_member_prefers_its_delegates():
+    g1, g2, g3 = "1" * 16, "2" * 16, "3" * 16
+    records = [
+        group(5, g1, A, weight=16.0, merged=DIGEST["7"], included=[g1, g2]),
+        group(5, g2, B, weight=8.0, merged=DIGEST["7"], included=[g1, g2]),
+        group(5, g3, C, weight=20.0, merged=DIGEST["8"], included=[g3]),  # a second second-stage group, lighter
+        group(4, g1, D, weight=99.0, merged=DIGEST["9"], included=[g1]),  # another epoch's
+    ]
+    best = result_of(records, 5)
+    assert best.digest == DIGEST["7"] and best.weight == 24.0 and set(best.holders) == {A, B}
+    assert own_result(records, 5, g3).digest == DIGEST["8"]  # its delegate's: it holds its work
+    assert own_result(records, 5, "4" * 16) is None and result_of(records, 6) is None
+
+
+def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_itself_alone():
+    mine, other = "1" * 16, "2" * 16
+    view = view_of(
+        record(A, 3, PeerState.merging),
+        record(B, 3, PeerState.merging),
+        record(C, 3, PeerState.training),  # still training towards the round: its group will come
+        record(D, 4),  # another epoch: not waited for
+    )
+    ours = [group(3, mine, A)]
+    assert unaccounted(view, ours, 3, (A, B), mine) == 1
+    assert delegate_decision(view, ours, 3, (A, B), mine, waited=SETTLE / 2, patience=30) == Decision.wait
+    assert delegate_decision(view, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.wait
+    assert delegate_decision(view, ours, 3, (A, B), mine, waited=31, patience=30) == Decision.alone  # gave up on C
+    merging = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging), record(C, 3, PeerState.merging))
+    assert unaccounted(merging, ours, 3, (A, B), mine) == 1  # C merges in a group not registered yet
+    both = [*ours, group(3, other, C, size=1)]
+    assert unaccounted(merging, both, 3, (A, B), mine) == 0
+    assert delegate_decision(merging, both, 3, (A, B), mine, waited=5, patience=30) == Decision.merge
+    alone = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging))
+    assert delegate_decision(alone, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.alone
+    assert delegate_decision(alone, [], 3, (A, B), mine, waited=5, patience=30) == Decision.wait  # not read back
+
+
+def test_a_lone_peer_stops_looking_for_a_group_once_everyone_else_merges():
+    merging = [record(B, 3, PeerState.merging), record(C, 3, PeerState.merging)]
+    assert nobody_to_group_with(view_of(record(A, 3, PeerState.matchmaking), *merging), A, 3)
+    assert not nobody_to_group_with(view_of(*merging, record(D, 3, PeerState.training)), A, 3)  # D may come
+    assert not nobody_to_group_with(view_of(record(B, 3), record(C, 3)), A, 3)  # nobody merging: a first stage
+    # and a peer still training joins the round early when its mates are merging, as when they are matchmaking
+    assert round_started_without(view_of(record(A, 3), *merging), A, 3, min_group_size=2)
+
+
+def test_records_go_to_the_levels_next_to_the_readers_and_a_bucket_splits_in_two_one_level_down():
+    assert read_level(BUCKET_SIZE) == 0 and read_level(1000) == MAX_LEVEL and read_level(12) == 2
+    assert list(write_levels(0)) == [0, 1] and list(write_levels(4)) == [3, 4, 5]
+    assert list(write_levels(MAX_LEVEL)) == [MAX_LEVEL - 1, MAX_LEVEL]
+    for peer in ("QmA", "QmB", "QmC"):
+        assert bucket_of(peer, 3) >> 1 == bucket_of(peer, 2) and 0 <= bucket_of(peer, 3) < 8
+    # even probes find any three consecutive levels a run writes to (swarm.dht.peers.find_level)
+    assert all(any(level % 2 == 0 for level in write_levels(L)) for L in range(MAX_LEVEL + 1))
+
+
+def test_the_cache_moves_up_a_level_when_its_buckets_are_full_and_down_when_they_are_empty():
+    cache, now = RecordCache(), time.time()
+    crowd = [PeerEntry(record(f"peer{i:03d}"), now + 60) for i in range(3 * BUCKET_SIZE)]
+    cache.add(0, crowd)
+    assert cache.level == 1 and cache.peers_estimate >= len(crowd)
+    reads = 0
+    while cache.level == 1 and reads < 6:
+        cache.add(1, [])
+        reads += 1
+    assert cache.level == 0 and reads >= 2  # empty buckets, read after read: one level down, not at the first
+    assert [cache.next_bucket() for _ in range(2)] == [0, 0]
+    assert len(cache.live(now)) == len(crowd) and cache.live(now + 120) == []  # records expire with their TTL
+
+
+def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgrows_one():
+    assert matchmaking_bucket("QmA", peers=12, group_size=64) == ""  # one key, as before
+    keys = {matchmaking_bucket(f"Qm{i}", peers=1000, group_size=64) for i in range(400)}
+    assert len(keys) == 16 and all(len(k) == 4 for k in keys)  # 1000 / 64 -> 16 keys of 4 bits
+    assert epoch_group_bits(5, bucket="0110").endswith("0110") and set(epoch_group_bits(5, bucket="0110")) <= {"0", "1"}
