@@ -164,6 +164,14 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     liar = _peer_id(procs[-1][1]) if attack and not absent else None
     # the round the liar first averaged in (with anyone): it lies from that round on
     liar_rounds = [r["epoch"] - 1 for r in _rounds(workdir / f"peer{args.peers - 1}.jsonl") if r["averaged"]]
+    # or, where the liar never closed a round of its own (dropped, it waits out the merge of the swarm's average
+    # past its grace), the first round an honest peer averaged in a group of every peer (the liar's included)
+    liar_rounds = liar_rounds or [
+        r["epoch"] - 1
+        for i in range(args.peers - 1)
+        for r in _rounds(workdir / f"peer{i}.jsonl")
+        if r["averaged"] and r["group_size"] == args.peers
+    ]
     first_lie = min(liar_rounds) if liar and liar_rounds else None
     for i in range(args.peers - (1 if attack else 0)):
         result = workdir / f"peer{i}.result.json"
