@@ -130,6 +130,13 @@ class Merger:
             decision = Decision.wait if view is None else delegate_decision(
                 view, state.records, state.epoch, state.members, state.tag, waited, patience
             )  # fmt: skip
+            if decision != Decision.wait:
+                seen = [
+                    (g.group, g.delegate[-6:], g.merged and g.merged[:8])
+                    for g in groups.groups_at(state.records, state.epoch)
+                ]
+                logger.debug("merge of epoch %d, group %s: %s after %.1f s; groups %s", state.epoch, state.tag,
+                             decision.value, waited, seen)  # fmt: skip
             if decision == Decision.alone and state.digest is None:  # alone, and no group to merge with
                 state.fallback = "no other group this round"
                 return self._finish(state, counted=False)
@@ -167,6 +174,13 @@ class Merger:
         state.stage2 = None
         state.bytes_sent += outcome.bytes_sent
         state.bytes_received += outcome.bytes_received
+        if outcome.dropped_fraction > 0 or outcome.excluded_senders > 0:
+            # a delegate of the group we started did not take part (it saw other groups, or none): its slice is
+            # zeros and its group's work is missing, yet the group names it. Not a swarm's average: try again with
+            # the groups registered now, or take the one the others made
+            logger.debug("the second stage of epoch %d ran without some delegates: not registered", state.epoch)
+            state.fallback = "second stage: some delegates did not take part"
+            return True
         state.findings = outcome.findings
         included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
         if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
@@ -209,6 +223,8 @@ class Merger:
             if held and state.delegate == self.ctx.me:
                 self._register(state, merged=result.digest, included=sorted(result.included))
         if held:
+            logger.debug("epoch %d, group %s: the swarm's average %s of %d groups (ours: %s)", state.epoch, state.tag,
+                         result.digest[:8], len(result.included), counted)  # fmt: skip
             state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
             sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
             state.contributors = max(1, sum(sizes.get(tag, 1) for tag in result.included))

@@ -113,4 +113,5 @@ class RoundRecovery:
             resync_reason=reason if resynced else None,
             checksum=self.ctx.outer.checksum(),
             seconds=seconds,
+            counted=False,  # the swarm's state replaced this round's: its work is not in it
         )
