@@ -196,10 +196,23 @@ def swarm_phase(args: argparse.Namespace, n: int, workdir: Path, overrides: list
     return phase, start, end
 
 
+def went_on_from(rounds: list[dict]) -> dict[int, str]:
+    """Per epoch, the state the swarm went on from: the checksum most peers' rounds ended on. A round counts when
+    the peer's work is in the swarm's average (its report's ``counted``) and it ended on that state: a round whose
+    swarm's average lost the vote (two second stages, say) and was re-synced away does not."""
+    votes: dict[int, dict[str, int]] = {}
+    for r in rounds:
+        if r.get("checksum"):
+            tally = votes.setdefault(r["epoch"], {})
+            tally[r["checksum"]] = tally.get(r["checksum"], 0) + 1
+    return {epoch: max(tally, key=lambda c: (tally[c], c)) for epoch, tally in votes.items()}
+
+
 def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, solo_side: float) -> dict:
     live = [p for p in phase.peers if not p.killed]
-    rounds = [r for p in phase.peers for r in p.rounds()]
-    counted = [r for r in rounds if r.get("counted")]
+    every = [r for p in phase.peers for r in p.rounds()]
+    rounds = [r for r in every if r.get("outcome") != "resynced"]  # rounds of work (a re-sync's report is not one)
+    counted = [r for r in rounds if r.get("counted") and r.get("checksum") == went_on_from(rounds).get(r["epoch"])]
     last = {p.index: {r["epoch"]: r["checksum"] for r in p.rounds()} for p in live}
     common = min((max(epochs, default=0) for epochs in last.values()), default=0)
     at_end = {epochs.get(common) for epochs in last.values() if common in epochs}
@@ -236,8 +249,8 @@ def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, sol
         vs_n_alone=round(swarm_tps / max(1e-6, n * solo_one), 4),
         vs_n_side_by_side=round(swarm_tps / max(1e-6, solo_side), 4),
         killed=sum(p.killed for p in phase.peers),
-        resyncs=sum(1 for r in rounds if r.get("resynced")),
-        outcomes={o: sum(r.get("outcome") == o for r in rounds) for o in {r.get("outcome") for r in rounds}},
+        resyncs=sum(1 for r in every if r.get("resynced")),
+        outcomes={o: sum(r.get("outcome") == o for r in every) for o in {r.get("outcome") for r in every}},
     )
 
 

@@ -142,6 +142,7 @@ def collect_phase(phase: dict, peers: list[PeerProcess], sampler: CounterSampler
                     epoch=r["epoch"],
                     time=r["time"],  # wall clock when the round was reported (one clock for all peers of the lab)
                     averaged=r["averaged"],
+                    counted=r.get("counted"),  # its work in the average the swarm went on from (two-stage rounds)
                     group_size=r["group_size"],
                     fallback_reason=r.get("fallback_reason"),
                     wall_seconds=r["wall_seconds"],
@@ -205,6 +206,7 @@ def phase_figures(phase: dict, wire: str, numel: int) -> dict:
         rate_mbit=rate,
         rounds=len(all_rows),
         averaged_rounds=sum(r["averaged"] for r in all_rows),
+        counted_rounds=sum(bool(r.get("counted")) for r in all_rows),
         # inner-step seconds over wall seconds, per peer from its first measured round's start to its last's end
         utilization=sum(w["compute"] for w in windows) / wall if wall else None,
         utilization_per_peer=per_peer,
