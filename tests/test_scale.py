@@ -5,7 +5,9 @@ from __future__ import annotations
 from test_benchmarks import left_behind, load_result, run_smoke
 
 
-def test_scale_smoke_peers_in_groups_of_two_end_on_one_model_with_every_round_counted(tmp_path):
+def test_scale_smoke(tmp_path):
+    """Three peers in groups of two end on one model with most rounds counted. (A short name: torch_shm_manager's
+    socket lives in the benchmark's TMPDIR under tmp_path, and a long test name made its path too long under xdist.)"""
     proc = run_smoke("scale", tmp_path, timeout=600)
     record = load_result(tmp_path, "scale", proc)
     (row,) = record["figures"]
