@@ -45,11 +45,6 @@ def group_tag(group_id: bytes) -> str:
     return hashlib.sha256(group_id).hexdigest()[:16]
 
 
-def delegate_rank(tag: str, peer: str) -> bytes:
-    """A member's place in the order in which members speak for a group whose delegate is gone."""
-    return hashlib.sha256(f"{tag}/{peer}".encode()).digest()
-
-
 def delegate_of(members: Sequence[str], group_id: bytes) -> str:
     """The member that speaks for the group in the second stage: every member picks the same one."""
     return min(members, key=lambda peer: hashlib.sha256(group_id + peer.encode()).digest())

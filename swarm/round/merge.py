@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
 FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from its holders
-STAND_IN_EVERY = 2.0  # seconds between two members' turns to speak for a group whose delegate registered nothing
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
 
 
@@ -123,10 +122,6 @@ class Merger:
             result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
         if result is not None:
             return self._take(state, result)
-        if self._stands_in(state, now):
-            logger.debug("epoch %d: group %s's delegate registered nothing; we speak for it", state.epoch, state.tag)
-            state.delegate = ctx.me
-            self._register(state)
         deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
@@ -158,21 +153,6 @@ class Merger:
             state.fallback = "no swarm's average in time: our group's own was applied"
             return self._finish(state, counted=False)
         return False
-
-    def _stands_in(self, state: MergeState, now: float) -> bool:
-        """Our delegate registered nothing in the first quarter of the merge's time (it died in the all-reduce, or
-        its all-reduce failed): the other members speak for the group in turn, in the delegates' order, a few
-        seconds apart, while it is still not registered (every member holds the same average)."""
-        if state.delegate == self.ctx.me or any(
-            g.group == state.tag for g in groups.groups_at(state.records, state.epoch)
-        ):
-            return False
-        others = sorted((m for m in state.members if m != state.delegate),
-                        key=lambda m: groups.delegate_rank(state.tag, m))  # fmt: skip
-        if self.ctx.me not in others:
-            return False
-        started = state.deadline - self.ctx.manifest.averaging.merge_timeout
-        return now >= started + self._patience + STAND_IN_EVERY * others.index(self.ctx.me)
 
     @property
     def _patience(self) -> float:
