@@ -44,7 +44,7 @@ from benchmarks.common import (
     scratch_dir,
     tied_to_us,
 )
-from benchmarks.peers import _JOIN_LINE, JoinInfo, read_records
+from benchmarks.peers import JoinInfo, read_records, wait_for_join_info
 from benchmarks.pss import tree_pss
 
 NAME = "scale"
@@ -96,15 +96,7 @@ def spawn(index: int, workdir: Path, overrides: list[str], join: JoinInfo | None
 
 
 def join_info(peer: Peer, timeout: float = 240) -> JoinInfo:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = peer.stdout.read_text() if peer.stdout.exists() else ""
-        if match := _JOIN_LINE.search(text):
-            return JoinInfo(match["maddrs"].split(), match["run"])
-        if not peer.alive():
-            raise RuntimeError(f"peer {peer.index} exited:\n{text[-3000:]}")
-        time.sleep(0.3)
-    raise RuntimeError(f"peer {peer.index} printed no join line in {timeout:.0f} s")
+    return wait_for_join_info(peer, timeout)  # duck-typed: index, proc, stdout, alive()
 
 
 def sample_memory(phase: Phase, every: float = 2.0) -> threading.Thread:
