@@ -116,3 +116,35 @@ def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgr
     keys = {matchmaking_bucket(f"Qm{i}", peers=1000, group_size=64) for i in range(400)}
     assert len(keys) == 16 and all(len(k) == 4 for k in keys)  # 1000 / 64 -> 16 keys of 4 bits
     assert epoch_group_bits(5, bucket="0110").endswith("0110") and set(epoch_group_bits(5, bucket="0110")) <= {"0", "1"}
+
+
+def test_parse_groups_drops_malformed_and_unsigned_records_without_raising():
+    """Foreign group records: random shapes, wrong types, oversized lists, a delegate that is not the signer."""
+    import random
+
+    from hivemind.utils import ValueWithExpiration, get_dht_time
+
+    from swarm.dht.groups import parse_groups
+
+    rng = random.Random(0)
+    later = get_dht_time() + 60
+    junk = [
+        None,
+        1,
+        "x",
+        b"\x00" * 10,
+        [],
+        {},
+        {"epoch": -1},
+        {"epoch": "1"},
+        {"size": 10**9},
+        {"included": ["0"] * 999},
+    ]
+    for _ in range(300):
+        value = {}
+        for _ in range(rng.randint(0, 6)):
+            key = rng.choice(["epoch", "group", "delegate", "size", "weight", "digest", "merged", "included", "time"])
+            value[key] = rng.choice(junk + [rng.random(), rng.randint(-5, 5), "a" * rng.randint(0, 100)])
+        found = ValueWithExpiration({rng.randbytes(rng.randint(0, 40)): ValueWithExpiration(value, later)}, later)
+        assert parse_groups(found) == []  # nothing here is both well formed and signed by its delegate
+    assert parse_groups(None) == [] and parse_groups(ValueWithExpiration(b"x", later)) == []
