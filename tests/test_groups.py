@@ -13,10 +13,12 @@ from swarm.dht.groups import (
     Decision,
     delegate_decision,
     delegate_of,
+    delegate_rank,
     group_record,
     group_tag,
     own_result,
     result_of,
+    stands_in,
     unaccounted,
 )
 from swarm.dht.peers import RecordCache
@@ -76,6 +78,27 @@ def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_
     alone = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging))
     assert delegate_decision(alone, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.alone
     assert delegate_decision(alone, [], 3, (A, B), mine, waited=5, patience=30) == Decision.wait  # not read back
+
+
+def test_a_member_speaks_for_its_group_only_once_the_delegate_is_gone_and_only_one_member_does():
+    tag, members = "1" * 16, (A, B, C)
+    survivors = sorted((B, C), key=lambda m: delegate_rank(tag, m))
+    first, second = survivors
+    alive = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging), record(C, 3, PeerState.merging))
+    # the delegate is still there (slow, say): nobody speaks for it, however long it takes
+    assert not any(stands_in(alive, [], 3, members, A, tag, me) for me in members)
+    # the delegate's record expired (killed in the all-reduce): the first survivor in the order speaks, only it
+    dead = view_of(record(B, 3, PeerState.merging), record(C, 3, PeerState.merging))
+    assert [stands_in(dead, [], 3, members, A, tag, me) for me in survivors] == [True, False]
+    # once the group is registered (by anyone), nobody else does
+    assert not stands_in(dead, [group(3, tag, first)], 3, members, A, tag, second)
+    # the first survivor is gone too: the second speaks
+    alone = view_of(record(second, 3, PeerState.merging))
+    assert stands_in(alone, [], 3, members, A, tag, second)
+    # a delegate that moved past the epoch (its all-reduce failed, it stepped alone) will not register either
+    moved = view_of(record(A, 4), record(B, 3, PeerState.merging), record(C, 3, PeerState.merging))
+    assert stands_in(moved, [], 3, members, A, tag, first) and not stands_in(moved, [], 3, members, A, tag, second)
+    assert not stands_in(dead, [], 3, members, A, tag, A)  # the delegate itself never "stands in"
 
 
 def test_a_lone_peer_stops_looking_for_a_group_once_everyone_else_merges():

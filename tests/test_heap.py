@@ -32,6 +32,7 @@ def test_freed_part_sized_buffers_are_returned_to_the_system():
     limited, retained = retained_mib("limited")
     assert limited  # glibc here: the settings took
     assert retained < 50, f"{retained:.0f} MiB of 400 MiB freed were kept"
-    # the same buffers under glibc's defaults: most of them stay with the process
+    # the same buffers under glibc's defaults: here most of them stay with the process (300+ MiB), on another
+    # machine's glibc only 24 MiB did; the settings never keep more than the defaults do
     default, kept = retained_mib("default")
-    assert not default and kept > 200, f"{kept:.0f} MiB kept under the defaults"
+    assert not default and retained <= kept + 10, f"{retained:.0f} MiB kept with the settings, {kept:.0f} without"

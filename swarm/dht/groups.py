@@ -45,6 +45,11 @@ def group_tag(group_id: bytes) -> str:
     return hashlib.sha256(group_id).hexdigest()[:16]
 
 
+def delegate_rank(tag: str, peer: str) -> bytes:
+    """A member's place in the order in which members speak for a group whose delegate is gone."""
+    return hashlib.sha256(f"{tag}/{peer}".encode()).digest()
+
+
 def delegate_of(members: Sequence[str], group_id: bytes) -> str:
     """The member that speaks for the group in the second stage: every member picks the same one."""
     return min(members, key=lambda peer: hashlib.sha256(group_id + peer.encode()).digest())
@@ -135,6 +140,32 @@ def delegate_decision(
     if waited < patience and unaccounted(view, records, epoch, group, tag):
         return Decision.wait
     return Decision.merge if any(g.group != tag for g in registered) else Decision.alone
+
+
+def stands_in(
+    view: SwarmView,
+    records: Sequence[GroupRecord],
+    epoch: int,
+    members: Sequence[str],
+    delegate: str,
+    tag: str,
+    me: str,
+) -> bool:
+    """Whether we speak for our group in the second stage in place of its delegate: only while the group is not
+    registered and the delegate is gone (its record expired or says it left: it died in the all-reduce) or has moved
+    past the epoch (its all-reduce failed and it stepped alone), never while it may still register. The first member
+    in ``delegate_rank`` order that is not gone speaks, so members that see the same view pick the same one."""
+    if me == delegate or any(g.group == tag for g in groups_at(records, epoch)):
+        return False
+    live = {p.peer_id: p.epoch for p in view.peers}
+
+    def gone(peer: str) -> bool:
+        return peer != me and (peer not in live or live[peer] > epoch)
+
+    if not gone(delegate):
+        return False
+    speakers = sorted((m for m in members if m != delegate and not gone(m)), key=lambda m: delegate_rank(tag, m))
+    return bool(speakers) and speakers[0] == me
 
 
 # ---- the DHT ----------------------------------------------------------------------------------------------------

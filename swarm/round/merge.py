@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
 FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from its holders
+STAND_IN_EVERY = 2.0  # seconds between two looks at whether our group's delegate is gone (a view read)
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
 
 
@@ -53,6 +54,7 @@ class MergeState:
     stage2: Averaging | None = None
     stage2_tries: int = 0
     read_at: float = -float("inf")
+    looked_at: float = -float("inf")  # at whether our delegate is gone
     fetched_at: float = -float("inf")
     records: list[GroupRecord] = field(default_factory=list)
     result: Merged | None = None
@@ -122,6 +124,8 @@ class Merger:
             result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
         if result is not None:
             return self._take(state, result)
+        if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
+            self._stand_in_if_gone(state, now, blocking)
         deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
@@ -153,6 +157,20 @@ class Merger:
             state.fallback = "no swarm's average in time: our group's own was applied"
             return self._finish(state, counted=False)
         return False
+
+    def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
+        """Our delegate died in the all-reduce or moved on without registering the group: one member speaks for
+        it (``groups.stands_in``), so that the group's average still reaches the swarm's in this round's bound."""
+        state.looked_at = now
+        view = self.ctx.reader.view([state.delegate]) if blocking else self.ctx.reader.recent_view()
+        if view is None or not groups.stands_in(
+            view, state.records, state.epoch, state.members, state.delegate, state.tag, self.ctx.me
+        ):
+            return
+        logger.debug("epoch %d: group %s's delegate is gone; we speak for the group", state.epoch, state.tag)
+        state.delegate = self.ctx.me
+        self._register(state)
+        state.read_at = -float("inf")
 
     @property
     def _patience(self) -> float:
