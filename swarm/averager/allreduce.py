@@ -20,8 +20,10 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from swarm.averager.bounds import OutOfBounds, admit, declared_numel
 from swarm.averager.codecs import SPARSE
 from swarm.averager.spill import SpilledParts
 from swarm.defence.audit import part_digest
@@ -93,11 +96,21 @@ def _decoded(part: HeldPart) -> torch.Tensor | None:
         raise AllreduceException(f"a reducer returned a part that does not decode: {e!r}") from None
 
 
-def check_parts(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
-    """Raise unless every part decodes and together they are exactly ``tensor``'s size: checked before
-    anything is written, so a broken reducer never leaves a tensor half averaged."""
+def check_parts(tensor: torch.Tensor, parts: Sequence[HeldPart], compression: int) -> None:
+    """Raise unless every part is admitted (``swarm.averager.bounds``: within what is left of ``tensor``, in the
+    run's ``compression``), decodes, and together they are exactly ``tensor``'s size: checked before anything is
+    written, so a broken reducer never leaves a tensor half averaged."""
     total = 0
     for part in parts:
+        left = tensor.numel() - total
+        try:
+            numel = part.numel if isinstance(part, Dropped) else declared_numel(part)
+            if not 0 <= numel <= left:
+                raise OutOfBounds(f"a part of {numel} values where {left} are left of the tensor")
+            if not isinstance(part, Dropped):
+                admit(part, numel, compression)
+        except OutOfBounds as e:
+            raise AllreduceException(f"a reducer returned a part out of bounds: {e}") from None
         values = _decoded(part)
         total += part.numel if values is None else values.numel()
     if total != tensor.numel():
@@ -129,9 +142,13 @@ def held_digest(held: Sequence[Sequence[HeldPart]]) -> str:
     return digest.hexdigest()
 
 
-def decode_part(message: averaging_pb2.AveragingData) -> tuple[torch.Tensor | RefusedPart, float, runtime_pb2.Tensor]:
-    """A sender's part as values, or RefusedPart if its bytes do not decode (a wrong size for its shape, say)."""
+def decode_part(
+    message: averaging_pb2.AveragingData, numel: int, compression: int
+) -> tuple[torch.Tensor | RefusedPart, float, runtime_pb2.Tensor]:
+    """A sender's part as values, or RefusedPart if it declares other than the ``numel`` values in the run's
+    ``compression`` we expect of it (checked before it is decoded), or if its bytes do not decode."""
     try:
+        admit(message.tensor_part, numel, compression)
         return deserialize_torch_tensor(message.tensor_part), message.weight, message.tensor_part
     except (ValueError, RuntimeError, TypeError, KeyError) as e:
         logger.debug("a sender's part did not decode", exc_info=True)
@@ -247,6 +264,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             async for message in aiter_with_timeout(stream, self.reducer_timeout):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                expected = container.num_parts_by_peer[peer_index]
+                if part_index >= expected:
+                    raise AllreduceException(f"{peer_id} sent more than the {expected} parts of its slice")
+                numel = container._input_parts_by_peer[peer_index][part_index][0].numel()
+                try:
+                    admit(message.tensor_part, numel, container.compression.compression_type)
+                except OutOfBounds as e:
+                    raise AllreduceException(f"{peer_id} returned a part out of bounds: {e}") from None
                 container.register_processed_part(peer_index, part_index, message.tensor_part)
                 part_index += 1
             if part_index != container.num_parts_by_peer[peer_index]:
@@ -256,6 +281,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException:
             container.register_failed_reducer(peer_index)
             raise
+
+    async def _expected_numels(self) -> AsyncIterator[int]:
+        for shape in self.tensor_part_reducer.part_shapes:
+            yield math.prod(shape)
 
     def _refuse(self, sender: PeerID) -> None:
         """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
@@ -272,7 +301,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, message in amap_in_executor(
-                decode_part, self._count(stream, received=True), max_prefetch=self.tensor_part_container.prefetch
+                functools.partial(decode_part, compression=ours),
+                self._count(stream, received=True),
+                self._expected_numels(),  # a sender's parts past the slice's count are never read
+                max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
                     if message.compression != ours:  # the run's codec for everyone, so everyone decodes the same

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
 from swarm.averager.audit_requests import _retried
 from swarm.averager.audit_serving import AuditRound, AuditServing
+from swarm.averager.bounds import admitted
 from swarm.averager.repair import RepairFailure, SliceRepair, drop_slice, restore_slice, slices_to_repair
 from swarm.defence.audit import (
     FALSE_ACCUSATION,
@@ -239,12 +240,14 @@ class Auditing(AuditServing, SliceRepair):
                 again = _retried(lambda: fetch(reducer), deadline)
                 fetched[i] = (await asyncio.gather(again, return_exceptions=True))[0]
         served = {me: ours}
+        compression = record.runner.tensor_part_container.compression.compression_type
         for sender, parts in zip(others, fetched):
             if isinstance(parts, BaseException):
                 logger.debug("no audit parts from %s: %r", sender, parts)
+            elif not admitted(parts, [numels[i] for i in checked], compression):
+                logger.debug("%s's audit parts are out of bounds: not served", sender)
             else:
                 served[sender] = parts
-        compression = record.runner.tensor_part_container.compression.compression_type
 
         def check() -> Verdict:
             return judge(

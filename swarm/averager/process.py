@@ -153,7 +153,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
 
         def commit() -> None:  # only after the whole all-reduce succeeded, and every part was checked
             for tensor, parts in zip(tensors, held):
-                check_parts(tensor, parts)
+                check_parts(tensor, parts, runner.tensor_part_container.compression.compression_type)
             for tensor, parts in zip(tensors, held):
                 decode_into(tensor, parts)
 

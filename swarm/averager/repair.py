@@ -14,6 +14,7 @@ import math
 from swarm.averager.allreduce import Dropped, HeldPart
 from swarm.averager.audit_requests import AuditRequests, _retried
 from swarm.averager.audit_serving import AuditRequest, AuditRound
+from swarm.averager.bounds import admitted
 from swarm.defence.audit import digest_parts
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,11 @@ class SliceRepair(AuditRequests):
             logger.debug("%s's average again: %d parts of %d, digest as signed: %s", reducer, len(parts), len(have),
                          digest_parts(parts) == receipt.output)  # fmt: skip
             return RepairFailure.not_signed
-        for index, (got, held, numel) in enumerate(zip(parts, have, numels)):
-            if math.prod(got.size) != numel or (
-                not isinstance(held, Dropped) and got.SerializeToString() != held.SerializeToString()
-            ):
+        if not admitted(parts, numels, record.runner.tensor_part_container.compression.compression_type):
+            logger.debug("%s's average again: its parts are out of bounds", reducer)
+            return RepairFailure.disagrees
+        for index, (got, held) in enumerate(zip(parts, have)):
+            if not isinstance(held, Dropped) and got.SerializeToString() != held.SerializeToString():
                 logger.debug("%s's average again: part %d differs from what we received", reducer, index)
                 return RepairFailure.disagrees
         return parts

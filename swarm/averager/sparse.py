@@ -110,7 +110,9 @@ def sparse_decode(buffer: bytes, numel: int) -> torch.Tensor:
     counts = body[: 2 * nchunks].view("<u2").astype(np.int64)
     total = int(counts.sum())
     bits = 2 if kind == _SENDER else 4
-    if np.any(counts > SPARSE_CHUNK) or body.size != 2 * nchunks + 2 * total + math.ceil(total * bits / 8):
+    if np.any(
+        counts > (SPARSE_K if kind == _SENDER else SPARSE_CHUNK)
+    ) or body.size != 2 * nchunks + 2 * total + math.ceil(total * bits / 8):
         raise ValueError(f"a sparse part of {numel} values has {raw.size} bytes for {total} entries")
     cols = body[2 * nchunks : 2 * nchunks + 2 * total].view("<u2").astype(np.int64)
     codes = _unpack(body[2 * nchunks + 2 * total :], bits, total)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from swarm.averager.allreduce import check_parts, decode_into, held_digest
+from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import fixed_group_id
 from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.transfer import read_update
@@ -277,7 +278,7 @@ class Merger:
                 raise ValueError("it is not the average the delegates registered")
             with ctx.averager.get_tensors() as buffers:
                 for tensor, parts in zip(buffers, held):
-                    check_parts(tensor, parts)
+                    check_parts(tensor, parts, codec(ctx.manifest.averaging.compression).compression_type)
                 for tensor, parts in zip(buffers, held):
                     decode_into(tensor, parts)
             ctx.averager.adopt_update(state.epoch, destination)

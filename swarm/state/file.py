@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import zlib
@@ -28,7 +29,9 @@ import torch
 from swarm.errors import SwarmError
 
 FORMAT = "swarm-outer-state-1"
+logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 << 20
+MAX_DIM = 1 << 40  # a tensor dimension past this is no model's: refused before any size is computed from it
 _CRC_PLACEHOLDER = "crc32:" + "0" * 8
 READ_CHUNK = 8 << 20
 
@@ -136,7 +139,7 @@ def read_header(path: Path, *, run_id: str | None = None, shapes: Sequence[Seque
             header = json.loads(f.read(length))
     except OSError as e:
         raise StateFileError(f"{path.name} cannot be read: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested past Python's stack
         raise StateFileError(f"{path.name} has a header that is not JSON") from None
     try:
         meta = header.pop("__metadata__")
@@ -148,8 +151,8 @@ def read_header(path: Path, *, run_id: str | None = None, shapes: Sequence[Seque
         for kind in ("param", "momentum"):
             for i in range(n):
                 entry = header[f"{kind}.{i:05d}"]
-                shape = tuple(int(d) for d in entry["shape"])
-                if entry["dtype"] != "F32" or any(d < 0 for d in shape):
+                shape = tuple(entry["shape"])
+                if entry["dtype"] != "F32" or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
                     raise StateFileError(f"{path.name}: {kind}.{i:05d} is not a float32 tensor")
                 if entry["data_offsets"] != [offset, offset + 4 * _numel(shape)]:
                     raise StateFileError(f"{path.name}: {kind}.{i:05d} is not where the layout puts it")
@@ -170,7 +173,7 @@ def read_header(path: Path, *, run_id: str | None = None, shapes: Sequence[Seque
         )
     except StateFileError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, RecursionError):
         raise StateFileError(f"{path.name} has a malformed header") from None
     if len(header) != 2 * n or result.data_start + offset != size:
         raise StateFileError(f"{path.name} is truncated or has extra bytes ({size} bytes)")
@@ -280,7 +283,8 @@ def load_residual(path: Path, *, run_id: str, checksum: str, residual: Sequence[
             ] or len(header) != len(residual):
                 return False
             data = f.read()
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ArithmeticError, RecursionError, struct.error):
+        logger.debug("the residual file %s is unusable", path, exc_info=True)
         return False
     if len(data) != sum(4 * t.numel() for t in residual) or f"{zlib.crc32(data):08x}" != meta.get("crc32"):
         return False

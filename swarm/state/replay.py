@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from swarm.averager.allreduce import check_parts, decode_into
+from swarm.averager.codecs import codec
 from swarm.averager.transfer import DownloadStopped, read_update
 from swarm.dht.view import consensus
 from swarm.events import DownloadFailed, Replayed, ReplayFailed, ReplayStarted, short_reason
@@ -106,7 +107,7 @@ class Replay:
                 held = read_update(destination, ctx.manifest.run_id, epoch, len(ctx.outer.params))
                 with ctx.averager.get_tensors() as buffers:
                     for tensor, parts in zip(buffers, held):
-                        check_parts(tensor, parts)
+                        check_parts(tensor, parts, codec(ctx.manifest.averaging.compression).compression_type)
             except DownloadStopped:
                 return ReplayStep.broken  # leaving: no more donors
             except Exception as e:
