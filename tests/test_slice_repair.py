@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.compression import serialize_torch_tensor
+from hivemind.compression import NoCompression, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -68,7 +69,9 @@ def partial_copy(reducer: str, whole: list[runtime_pb2.Tensor]) -> tuple[AuditRo
     mine = part(99, 300)
     held = [[mine, whole[0], whole[1], Dropped(whole[2].size[0])]]
     owner = {(0, 0): "us", (0, 1): reducer, (0, 2): reducer, (0, 3): reducer}
-    record = AuditRound(members=["us", reducer], runner=None)
+    # the round's runner: only its codec is read (a repair's parts are admitted in the run's codec)
+    runner = SimpleNamespace(tensor_part_container=SimpleNamespace(compression=NoCompression()))
+    record = AuditRound(members=["us", reducer], runner=runner)
     record.outputs[reducer] = [held[0][1], held[0][2], held[0][3]]
     return record, held, owner
 
