@@ -204,7 +204,7 @@ class Peer:
         check_access(self.run_id, self.manifest.access, getattr(self.dht, "run_secret", None))
         self.dht.add_validators([run_validator(self.run_id)])
         self._shapes = [tuple(shape) for shape in shapes]
-        self.averager = start_averager(self.dht, self._shapes, self.run_id, self.manifest.averaging, self.state_dir)
+        self.averager = start_averager(self.dht, self._shapes, self.manifest, self.state_dir)
         m = self.manifest
         keep = lambda entries: self._guard.filter(entries)  # noqa: E731 (banned peers are no vote, donor or mate)
         self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep)

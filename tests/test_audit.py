@@ -98,6 +98,18 @@ def test_an_honest_reducer_passes_and_a_lying_one_is_caught(keys, codec):
         assert run_judge(codec, served, weights, numels, output, receipt, names) == Verdict.wrong_average
 
 
+def test_a_receipt_that_counts_a_sender_for_more_than_a_rounds_samples_is_a_wrong_average(keys):
+    # the reducer's arithmetic is right for the weights it lists, but it listed a sender past the round's cap
+    names = [peer_of(k) for k in keys[:3]]
+    served, weights, numels, output = honest_round("fp16")
+    receipt = receipt_for(keys[0], names, served, weights, output)
+    encode = lambda v: encode_average(v, CODEC_TYPES["fp16"])  # noqa: E731
+    served_by = dict(zip(names, served))
+    args = (receipt, output, served_by, numels, Aggregation.centered_clip, encode)
+    assert judge(*args, max_weight=max(weights)) == Verdict.passed
+    assert judge(*args, max_weight=max(weights) - 1) == Verdict.wrong_average
+
+
 def test_a_few_values_moved_far_are_caught_and_rounding_flips_are_not(keys):
     names = [peer_of(k) for k in keys[:3]]
 

@@ -181,8 +181,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     excluded), which the dashboard and the benchmarks report per round.
     """
 
-    def __init__(self, *args: Any, aggregation: Aggregation = Aggregation.centered_clip, **kwargs: Any):
+    def __init__(
+        self, *args: Any, aggregation: Aggregation = Aggregation.centered_clip, max_weight: float = math.inf, **kwargs
+    ):
         super().__init__(*args, **kwargs)
+        self.max_weight = max_weight  # a sender's weight above it counts as it (its receipt says so)
         self.tensor_part_container.__class__ = HeldOutputContainer
         plain = self.tensor_part_reducer  # hivemind's running sum, replaced before any part arrives
         self.tensor_part_reducer = RobustPartReducer(plain.part_shapes, plain.num_senders, aggregation)
@@ -243,10 +246,11 @@ class ExactAllReduceRunner(AllReduceRunner):
                 # check (lossless for fp4 and sparse, whose values are already on the grid)
                 sent = await loop.run_in_executor(None, serialize_torch_tensor, tensor_part, ours)
                 self.sent_parts.append(peer_index, sent)
-                self._received_from(sender_index, sent, self.weight)
+                weight = min(self.weight, self.max_weight)  # as a groupmate's reducer would count it
+                self._received_from(sender_index, sent, weight)
                 values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
                 averaged = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, values, weight=self.weight
+                    sender_index, part_index, values, weight=weight
                 )
                 held = await loop.run_in_executor(None, encode_average, averaged, ours)
                 container.register_processed_part(peer_index, part_index, held)
@@ -311,6 +315,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                         raise RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
                     if isinstance(tensor_part, RefusedPart):
                         raise tensor_part
+                    if math.isfinite(weight):  # any other is refused as it is (``check_part``)
+                        weight = min(weight, self.max_weight)
                     self._received_from(sender_index, message, weight)
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight

@@ -253,6 +253,7 @@ class Auditing(AuditServing, SliceRepair):
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
                 lambda values: encode_average(values, compression), indices=checked, listed=listed,
+                max_weight=record.runner.max_weight,
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)

@@ -72,6 +72,7 @@ class FixedGroups:
     async def _run_fixed_group(
         self, group_id: bytes, members: list, weight: float, timeout: float, future: MPFuture
     ) -> None:
+        self._fixed_group_ids.append(group_id)  # a second stage: its senders' weights are groups' samples
         try:
             gathered = tuple(
                 self.serializer.dumps(

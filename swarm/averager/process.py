@@ -17,6 +17,7 @@ import logging
 import math
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from swarm.errors import HelperError
 from swarm.hivemind_fixes.helpers import check_alive, start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.pace import pace_matchmaking
-from swarm.manifest import Aggregation, AveragingSpec
+from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         audit: bool = True,
         audit_timeout: float = 60.0,
         audit_parts: int = 0,
+        max_weight: float = math.inf,
         secret: RunSecret | None = None,
         start: bool = False,
         **kwargs: Any,
@@ -95,6 +97,10 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         self._round_stats: dict[bytes, tuple] = {}
         self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
+        # a sender's weight is its samples in the round: capped at what a round can hold (a group's, in a second
+        # stage), so that claiming more buys nothing in a group of any size, two included
+        self._max_weights = (max_weight, max_weight * int(kwargs.get("target_group_size") or 64))
+        self._fixed_group_ids: deque[bytes] = deque(maxlen=64)  # the last second stages' (``FixedGroups``)
         self._init_transfer(update_dir, keep_updates, run_id, secret)
         self._init_auditing(audit, audit_timeout, audit_parts)
         self._init_refusals()
@@ -127,6 +133,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self.aggregation,
+            max_weight=self._max_weights[group_id in self._fixed_group_ids],
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
@@ -281,12 +288,13 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         return self.start_averaging(**kwargs).wait()
 
 
-def start_averager(dht, shapes: Sequence[Sequence[int]], run_id: str, spec: AveragingSpec, update_dir: Path):
+def start_averager(dht, shapes: Sequence[Sequence[int]], manifest: RunManifest, update_dir: Path):
     """The peer's averager process over zeroed pseudo-gradient buffers of these shapes, forked and ready.
 
     Start it before the model exists: a fork made while the model exists keeps a private copy of every page the
     training loop rewrites. A closed run's keys come from the DHT's (``swarm.dht.network.start_dht``)."""
     buffers = [torch.zeros(tuple(shape)) for shape in shapes]
+    run_id, spec = manifest.run_id, manifest.averaging
     handler = signal.getsignal(signal.SIGINT)
     averager = PseudoGradientAverager(
         buffers,
@@ -297,6 +305,7 @@ def start_averager(dht, shapes: Sequence[Sequence[int]], run_id: str, spec: Aver
         start=True,
         prefix=run_prefix(run_id),
         client_mode=dht.client_mode,
+        max_weight=float(manifest.inner_steps * manifest.samples_per_step),  # a round's samples, at most
         **averager_options(spec),
     )
     signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it

@@ -245,6 +245,7 @@ def judge(
     encode,
     indices: Sequence[int] | None = None,
     listed: dict[str, Sequence[bytes]] | None = None,
+    max_weight: float = math.inf,
 ) -> Verdict:
     """Audit one reducer: ``received_output`` is its average as this peer received it (every part), ``numels``
     each part's size, ``encode`` the run's codec for an average. ``served`` is each sender's parts for it as
@@ -254,6 +255,8 @@ def judge(
         return Verdict.equivocated
     if len(received_output) != len(numels):
         return Verdict.wrong_average  # another count of parts than it was sent
+    if any(not w <= max_weight for w in receipt.weights):
+        return Verdict.wrong_average  # it counted a sender for more samples than a round holds
     if any(not digest for digest in receipt.inputs):
         return Verdict.inconclusive  # a sender dropped mid-way: not checked (rare; the reducer saw it too)
     indices = range(len(numels)) if indices is None else indices

@@ -7,8 +7,10 @@ inputs alone):
 1. **checks**: a part of the wrong size, or with a NaN or an infinity, is refused (its
    sender is dropped from the round); a weight that is not a finite number >= 0 is
    refused the same way;
-2. **capped weights**: each sender's sample weight is capped at the group's median,
-   so claiming a huge sample count buys nothing;
+2. **capped weights**: each sender's sample weight is capped at the samples a round can hold
+   (by the all-reduce, before this: ``ExactAllReduceRunner.max_weight``, and an auditor refuses a
+   receipt that lists more), then at the group's median, so claiming a huge sample count buys
+   nothing, in a group of two too;
 3. **norm clipping**: each part is scaled down to at most the median of the parts'
    norms, so a scaled pseudo-gradient counts as an ordinary one;
 4. **against the grain**: a part with no positive cosine with any other part (a sign-flipped or
