@@ -15,6 +15,7 @@ from hivemind.compression import Float16Compression, deserialize_torch_tensor, s
 from client.data import SequenceStream, eval_batches, load_tokenizer, shard_order
 from client.model import build_model
 from client.presets import build_manifest
+from client.sources import data_source
 from client.step import lr_at
 from swarm import RunManifest
 from swarm.averager import codecs
@@ -105,13 +106,14 @@ def prepare(
     batch = batch or base.samples_per_step
     tokenizer = load_tokenizer(base.tokenizer)
     seeds = worker_seeds(base, workers, seed)
+    data = data_source(base.dataset)
     batches = []
     for name, shard in seeds:
-        stream = SequenceStream(base.dataset, tokenizer, base.seq_len, peer_seed=name)
+        stream = SequenceStream(data, tokenizer, base.seq_len, peer_seed=name)
         batches.append([stream.next_batch(batch) for _ in range(steps)])
         if stream.position.order_index != 0:
             print(f"  note: worker seed {name} ran past its first shard ({shard}); shards may overlap")
-    eval_set = eval_batches(base.dataset, tokenizer, base.seq_len, eval_sequences)
+    eval_set = eval_batches(data, tokenizer, base.seq_len, eval_sequences)
     return Setup(preset, workers, steps, batch, eval_every, batches, eval_set, [s for _, s in seeds], seed)
 
 

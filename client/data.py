@@ -25,7 +25,9 @@ import datasets
 import torch
 
 from client.byte_tokenizer import ByteTokenizer
+from client.sources import DataSource, hub_name
 from swarm import DatasetSpec, SwarmError, TokenizerSpec
+from swarm.manifest import DatasetSource, TokenizerKind
 
 logger = logging.getLogger(__name__)
 _BUILD_LOCK = threading.Lock()
@@ -45,15 +47,10 @@ class Tokenizer(Protocol):
 
 
 class HFTokenizer:
-    """Any ``AutoTokenizer``, by hub name or local path."""
+    """A transformers tokenizer (``hub_tokenizer``'s), as packing uses it."""
 
-    def __init__(self, name: str):
-        from transformers import AutoTokenizer
-
-        try:
-            self._tok = AutoTokenizer.from_pretrained(name)
-        except Exception as e:
-            raise SwarmError(f"Could not load tokenizer '{name}': {e}. Give a hub name or a local directory.") from None
+    def __init__(self, tok):
+        self._tok = tok
         self.vocab_size = len(self._tok)
         eos = self._tok.eos_token_id
         self.eos_id = int(eos if eos is not None else self._tok.sep_token_id or 0)
@@ -69,8 +66,20 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
 
+def hub_tokenizer(name: str) -> HFTokenizer:
+    """``AutoTokenizer``'s tokenizer of ``name`` from the hub (or its cache), never a directory on this machine."""
+    from transformers import AutoTokenizer
+
+    hub_name(name, "tokenizer.name")
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(name))
+    except Exception as e:
+        logger.debug("loading the tokenizer failed", exc_info=True)
+        raise SwarmError(f"Could not load tokenizer '{name}' from the hub: {e}") from None
+
+
 def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
-    return ByteTokenizer() if spec.kind == "bytes" else HFTokenizer(spec.name or "")
+    return ByteTokenizer() if spec.kind is TokenizerKind.bytes else hub_tokenizer(spec.name or "")
 
 
 def stdlib_sources() -> list[Path]:
@@ -100,30 +109,15 @@ def _builtin_documents() -> Iterator[dict]:
             continue
 
 
-def _local_data_files(path: str) -> tuple[str, list[str]]:
-    p = Path(path).expanduser()
-    files = (
-        sorted(str(f) for f in p.rglob("*") if f.is_file())
-        if p.is_dir()
-        else sorted(str(f) for f in Path().glob(path))
-        if any(c in path for c in "*?[")
-        else [str(p)]
-    )
-    if not files or not all(Path(f).exists() for f in files):
-        raise SwarmError(f"dataset.path '{path}' matches no files.")
-    builder = "json" if all(f.endswith((".json", ".jsonl")) for f in files) else "text"
-    return builder, files
-
-
-def load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
+def load_documents(source: DataSource) -> datasets.IterableDataset:
     """The raw documents as an iterable ``datasets`` pipeline with a ``text`` column."""
     # datasets patches a builder module's globals (open, os.path.join, ...) when it builds that module's first
     # streaming pipeline, and not under a lock: the prefetch thread and the held-out set build theirs at once
     with _BUILD_LOCK:
-        return _load_documents(spec)
+        return _load_documents(source)
 
 
-def read_documents(docs: datasets.IterableDataset, spec: DatasetSpec) -> Iterator[dict]:
+def read_documents(docs: datasets.IterableDataset, source: DataSource) -> Iterator[dict]:
     """The rows of a documents pipeline. A file that cannot be read or parsed (broken JSON, bad encoding, a
     connection lost mid-stream) ends the run with one message instead of the reader's traceback."""
     try:
@@ -132,22 +126,23 @@ def read_documents(docs: datasets.IterableDataset, spec: DatasetSpec) -> Iterato
         raise
     except Exception as e:
         logger.debug("reading the dataset failed", exc_info=True)
-        where = f"{spec.source} dataset {spec.path}" if spec.path else f"{spec.source} dataset"
         raise SwarmError(
-            f"The {where} could not be read: {type(e).__name__}: {e}. Fix or remove the file it names (or check "
+            f"The {source} could not be read: {type(e).__name__}: {e}. Fix or remove the file it names (or check "
             f"the connection), then start again."
         ) from None
 
 
-def _load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
-    if spec.source == "builtin":
+def _load_documents(source: DataSource) -> datasets.IterableDataset:
+    spec = source.spec
+    if spec.source is DatasetSource.builtin:
         return datasets.IterableDataset.from_generator(_builtin_documents)
-    if spec.source == "local":
-        builder, files = _local_data_files(spec.path or "")
-        if builder == "text":
+    if spec.source is DatasetSource.local:  # this peer's own files (--data-path)
+        files = list(source.files)
+        if not all(f.endswith((".json", ".jsonl")) for f in files):
             return datasets.load_dataset("text", data_files=files, split="train", streaming=True, sample_by="document")
         ds = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
     else:
+        _check_hub_dataset(spec.path or "")
         try:
             ds = datasets.load_dataset(spec.path, spec.config, split=spec.split, streaming=spec.streaming)
         except Exception as e:
@@ -157,6 +152,19 @@ def _load_documents(spec: DatasetSpec) -> datasets.IterableDataset:
     if spec.text_field != "text":
         ds = ds.rename_column(spec.text_field, "text")
     return ds.select_columns(["text"])
+
+
+def _check_hub_dataset(name: str) -> None:
+    """A hub dataset's name must reach the hub: ``datasets`` reads a directory of that name here instead, and its
+    file readers (``json``, ``text``, ...) without data files read the current directory's."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    if name in _PACKAGED_DATASETS_MODULES:
+        raise SwarmError(
+            f"The run's dataset.path {name!r} is the name of one of the datasets library's file readers, which would "
+            "read files on this machine, not a hub dataset. This peer does not train on it."
+        )
+    hub_name(name, "dataset.path")
 
 
 def shard_documents(docs: datasets.IterableDataset, num_shards: int, shard: int) -> datasets.IterableDataset:
@@ -209,20 +217,20 @@ class SequenceStream:
 
     def __init__(
         self,
-        spec: DatasetSpec,
+        source: DataSource,
         tokenizer: Tokenizer,
         seq_len: int,
         peer_seed: str,
         position: DataPosition | None = None,
     ):
-        self.spec, self.tokenizer, self.seq_len = spec, tokenizer, seq_len
-        self.order = shard_order(spec, peer_seed)
+        self.source, self.spec, self.tokenizer, self.seq_len = source, source.spec, tokenizer, seq_len
+        self.order = shard_order(source.spec, peer_seed)
         self.position = position or DataPosition()
         self._iterator = self._sequences()
 
     def _shard_sequences(self, shard: int) -> Iterator[torch.Tensor]:
-        docs = shard_documents(load_documents(self.spec), self.spec.num_shards, shard)
-        return pack((row["text"] for row in read_documents(docs, self.spec)), self.tokenizer, self.seq_len)
+        docs = shard_documents(load_documents(self.source), self.spec.num_shards, shard)
+        return pack((row["text"] for row in read_documents(docs, self.source)), self.tokenizer, self.seq_len)
 
     def _sequences(self) -> Iterator[torch.Tensor]:
         empty_in_a_row = 0
@@ -245,14 +253,15 @@ class SequenceStream:
 
 
 def eval_batches(
-    spec: DatasetSpec, tokenizer: Tokenizer, seq_len: int, num_sequences: int, batch_size: int = 8
+    source: DataSource, tokenizer: Tokenizer, seq_len: int, num_sequences: int, batch_size: int = 8
 ) -> list[torch.Tensor]:
     """Fixed held-out sequences from the last shard, the same on every peer: at most ``EVAL_PER_DOCUMENT``
     from any one document (the rest of it is skipped), so that the set spans many documents."""
-    docs = shard_documents(load_documents(spec), spec.num_shards, spec.num_shards - 1)
+    spec = source.spec
+    docs = shard_documents(load_documents(source), spec.num_shards, spec.num_shards - 1)
     sequences: list[torch.Tensor] = []
     buffer: list[int] = []
-    for row in read_documents(docs, spec):
+    for row in read_documents(docs, source):
         buffer.extend(tokenizer.encode(row["text"]))
         buffer.append(tokenizer.eos_id)
         taken = 0

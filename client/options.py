@@ -39,6 +39,7 @@ ENV_VARS = {
     "max_age": "SWARM_HEALTH_MAX_AGE",
     "secret_file": "SWARM_SECRET_FILE",
     "nice": "SWARM_NICE",
+    "data_path": "SWARM_DATA_PATH",
 }
 
 
@@ -203,6 +204,13 @@ def add_peer_options(p: argparse.ArgumentParser, initial_peers_required: bool) -
         help=f"CPU priority of the training, 0 (as started) to {MAX_NICE} (lowest); the averaging beside it keeps "
         f"the priority it started with, so a background average is not kept waiting. Default: {DEFAULT_NICE} "
         "[SWARM_NICE]",
+    )
+    p.add_argument(
+        "--data-path",
+        default=env_default("data_path", None),
+        metavar="PATH",
+        help="this peer's own training text, for a run whose dataset is local (the manifest never names a path on "
+        "your machine): a file, a directory or a glob of .txt or .jsonl files [SWARM_DATA_PATH]",
     )
     p.add_argument(
         "--max-epochs",

@@ -22,6 +22,7 @@ from typing import IO
 import psutil
 
 from client.presets import build_manifest
+from client.sources import DataSource, data_source
 from swarm.dht.access import RunSecret
 from swarm.dht.config import NetworkConfig
 from swarm.errors import SwarmError
@@ -115,6 +116,7 @@ class PeerInputs:
 
     workdir: Path  # writable, and locked by this process
     manifest: RunManifest | None  # the run `start` creates; None for `join`, which reads its run from the swarm
+    data: DataSource | None  # `start`: its run's dataset, with this peer's --data-path; None for `join`
     device: DeviceRequest
     network: NetworkConfig  # with the run's keys when it is closed
 
@@ -175,6 +177,7 @@ def check_peer_command(args: argparse.Namespace, creating: bool) -> PeerInputs:
     manifest = build_manifest(args.preset, args.manifest, args.overrides) if creating else None
     if manifest is not None and network.secret is not None:  # a closed run: its id is another run's
         manifest = manifest.model_copy(update=dict(access=network.secret.tag))
+    data = data_source(manifest.dataset, args.data_path) if manifest is not None else None
     workdir = prepare_workdir(args.workdir, exclusive=True)
     identity = args.identity or workdir / "identity.key"
-    return PeerInputs(workdir, manifest, device, network.model_copy(update=dict(identity_path=identity)))
+    return PeerInputs(workdir, manifest, data, device, network.model_copy(update=dict(identity_path=identity)))

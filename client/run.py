@@ -16,6 +16,7 @@ from client.logs import setup_logging
 from client.options import held_out_sequences
 from client.preflight import PeerInputs
 from client.signals import STOP
+from client.sources import data_source
 
 FIND_RUN_WAIT = 30.0  # seconds a joiner reads the DHT again while it shows no run at all (swarm.choose_run)
 
@@ -43,7 +44,10 @@ def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
     watch = tick = None
     try:
         manifest = _the_run(dht, getattr(args, "run", None), inputs.manifest)  # `start` has no --run
-        trainer = _trainer(args, inputs.workdir, manifest, dht, hardware, telemetry, say, lambda: watch.start())
+        data = inputs.data or data_source(manifest.dataset, args.data_path)  # `join`: its run is known now
+        if data.files:
+            print(f"Training on your own {len(data.files)} files of --data-path {data.data_path}.", flush=True)
+        trainer = _trainer(args, inputs.workdir, manifest, data, dht, hardware, telemetry, say, lambda: watch.start())
         watch, tick = _watch(trainer, dht, manifest, telemetry, args, dashboard, say)
         result = _train(trainer, watch, args, dashboard, hardware)
     finally:
@@ -87,7 +91,7 @@ def _the_run(dht, run_id: str | None, creating):
     return creating
 
 
-def _trainer(args, workdir: Path, manifest, dht, hardware, telemetry, say, on_connected):
+def _trainer(args, workdir: Path, manifest, data, dht, hardware, telemetry, say, on_connected):
     """The training loop, which prints the join line once this peer has its state and has published it: a peer
     that joined sooner found no state here, started the run afresh, and this one downloaded from it."""
     from client.trainer import Trainer, TrainerSettings
@@ -97,6 +101,7 @@ def _trainer(args, workdir: Path, manifest, dht, hardware, telemetry, say, on_co
     join_line = join_command_line(maddrs[:1], manifest.run_id)
     settings = TrainerSettings(
         workdir=workdir,
+        data=data,
         name=args.name,
         micro_batch=args.micro_batch,
         max_epochs=args.max_epochs,

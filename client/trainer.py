@@ -32,6 +32,7 @@ from client.peer_events import describe
 from client.priority import lower_priority
 from client.round_line import round_line
 from client.signals import STOP, Stopper
+from client.sources import DataSource, data_source
 from client.step import InnerStep, evaluate, evaluate_outer, lr_at
 from client.telemetry import Telemetry
 from swarm import LeaveRequested, Peer, PeerState, RoundOutcome, RoundReport, RunManifest, SwarmError
@@ -46,6 +47,7 @@ UNHURRIED_LEAVE = 300.0  # leaving without a signal (--max-epochs, SIGUSR1): the
 @dataclass
 class TrainerSettings:
     workdir: Path
+    data: DataSource | None = None  # with this peer's --data-path (client.sources.data_source); None: the manifest's
     name: str = ""
     micro_batch: int | None = None  # None: automatic
     max_epochs: int | None = None  # leave after this many outer rounds
@@ -94,9 +96,7 @@ class Trainer:
         self.result = TrainerResult()
         self.peer: Peer | None = None
         self.parameters = 0
-        self.stop = stopper
-        self._on_connected = on_connected
-        self._on_ready = on_ready
+        self.stop, self._on_connected, self._on_ready = stopper, on_connected, on_ready
         self.batches: Prefetcher | None = None
         self.eval_set: list[torch.Tensor] | None = None  # the held-out sequences, once read
         self.ckpt_dir = checkpoint.checkpoint_dir(settings.workdir, manifest.run_id)
@@ -122,7 +122,7 @@ class Trainer:
 
     def _prepare(self) -> None:
         m, s = self.manifest, self.settings
-        self.tokenizer = load_tokenizer(m.tokenizer)
+        self.tokenizer, self.data = load_tokenizer(m.tokenizer), s.data or data_source(m.dataset)
         config = model_config(m)
         if self.tokenizer.vocab_size > config.vocab_size:
             raise SwarmError(
@@ -175,7 +175,7 @@ class Trainer:
             self.peer.start(self.model, resume=found.path if found else None)
             self.peer.set_micro_batch(self.micro_batch)
             if self.settings.eval_sequences:  # read before the prefetch thread starts reading the training shards
-                self.eval_set = eval_batches(m.dataset, self.tokenizer, m.seq_len, self.settings.eval_sequences)
+                self.eval_set = eval_batches(self.data, self.tokenizer, m.seq_len, self.settings.eval_sequences)
             self._build_optimizer()
             self.note(
                 "log",
@@ -219,7 +219,7 @@ class Trainer:
         if extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         position = DataPosition(**extra["data"]) if isinstance(extra.get("data"), dict) else None
-        stream = SequenceStream(m.dataset, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position)
+        stream = SequenceStream(self.data, self.tokenizer, m.seq_len, peer_seed=self.peer.peer_id, position=position)
         self.batches = Prefetcher(stream, m.samples_per_step)
         self.inner_step = InnerStep(
             self.model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -32,24 +33,52 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TokenizerSpec(_Frozen):
-    """``bytes`` is the built-in byte-level tokenizer; ``auto`` loads ``name`` with AutoTokenizer."""
+# A name on the Hugging Face hub, ``owner/name`` or ``name``: never a path on a peer's machine. Each part starts with
+# a letter or a digit (no ``/``, ``.``, ``~``), has no ``..`` and at most 96 characters, as the hub's repo ids.
+HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 
-    kind: Literal["bytes", "auto"] = "bytes"
-    name: str | None = None
+
+def check_hub_name(value: str, field: str) -> str:
+    """``value`` if it is a hub name, else a ValueError saying that a manifest names no path on a peer's machine."""
+    if not HUB_NAME.fullmatch(value) or ".." in value:
+        raise ValueError(
+            f"{field} {value!r} is not a hub name ('owner/name' or 'name': letters, digits, '.', '_' and '-', "
+            "each part starting with a letter or digit). A manifest never names a path on a peer's machine"
+        )
+    return value
+
+
+class TokenizerKind(enum.StrEnum):
+    bytes = "bytes"  # the built-in byte-level tokenizer
+    auto = "auto"  # AutoTokenizer, from the hub
+
+
+class TokenizerSpec(_Frozen):
+    """``bytes`` is the built-in byte-level tokenizer; ``auto`` loads ``name`` from the hub with AutoTokenizer."""
+
+    kind: TokenizerKind = TokenizerKind.bytes
+    name: str | None = None  # a hub name, never a local path
 
     @model_validator(mode="after")
-    def _name_for_auto(self) -> TokenizerSpec:
-        if self.kind == "auto" and not self.name:
-            raise ValueError("tokenizer.kind 'auto' needs tokenizer.name (a hub name or a local path)")
+    def _hub_name_for_auto(self) -> TokenizerSpec:
+        if self.kind is TokenizerKind.auto and not self.name:
+            raise ValueError("tokenizer.kind 'auto' needs tokenizer.name, a tokenizer's name on the hub")
+        if self.name is not None:
+            check_hub_name(self.name, "tokenizer.name")
         return self
 
 
-class DatasetSpec(_Frozen):
-    """Where the training text comes from: the built-in corpus, local files or a hub dataset."""
+class DatasetSource(enum.StrEnum):
+    builtin = "builtin"  # Python's standard library, which every machine has
+    local = "local"  # files each peer names itself (--data-path); the manifest names none
+    hub = "hub"  # a dataset on the hub, by name
 
-    source: Literal["builtin", "local", "hub"] = "builtin"
-    path: str | None = None  # local: a file, directory or glob; hub: the dataset name
+
+class DatasetSpec(_Frozen):
+    """Where the training text comes from: the built-in corpus, each peer's own files or a hub dataset."""
+
+    source: DatasetSource = DatasetSource.builtin
+    path: str | None = None  # hub: the dataset's name (never a path); local: none, each peer names its own files
     config: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -57,9 +86,17 @@ class DatasetSpec(_Frozen):
     num_shards: int = Field(64, ge=2)  # documents are dealt round-robin; the last shard is held out for eval
 
     @model_validator(mode="after")
-    def _path_for_non_builtin(self) -> DatasetSpec:
-        if self.source != "builtin" and not self.path:
-            raise ValueError(f"dataset.source '{self.source}' needs dataset.path")
+    def _no_path_on_a_peers_machine(self) -> DatasetSpec:
+        if self.source is DatasetSource.hub and not self.path:
+            raise ValueError("dataset.source 'hub' needs dataset.path, the dataset's name on the hub")
+        if self.source is DatasetSource.local and self.path is not None:
+            raise ValueError(
+                f"dataset.path {self.path!r} cannot be set with dataset.source 'local': a manifest never names a path "
+                "on a peer's machine. Each peer, the run's creator included, gives its own files with --data-path "
+                "(on the command line: --set dataset.path=null)"
+            )
+        if self.path is not None:  # builtin ignores it, but a manifest carries no path at all
+            check_hub_name(self.path, "dataset.path")
         return self
 
 

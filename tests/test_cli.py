@@ -8,12 +8,12 @@ import time
 
 import hivemind
 import pytest
-from client_helpers import LOCAL, assert_clean_error, cli, spawn, wait_for_line
+from client_helpers import FAST, LOCAL, assert_clean_error, cli, spawn, wait_for_line
 from diloco_helpers import tiny_manifest
 
 from client.cli import build_parser
 from client.options import ENV_VARS, EVAL_SEQUENCES_DEFAULT, held_out_sequences
-from swarm import NetworkConfig, publish_manifest, start_dht, visible_maddrs
+from swarm import DatasetSpec, NetworkConfig, publish_manifest, start_dht, visible_maddrs
 
 PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMgLAsHqV95yhKK1Chk3q2GRsUsfnukFcEN4U5RqpfDt5"
 
@@ -66,6 +66,7 @@ ENV_VALUES = {
     "log_json": ("/tmp/steps.jsonl", "/tmp/steps.jsonl"),
     "secret_file": ("/run/secrets/swarm", "/run/secrets/swarm"),
     "nice": ("0", 0),
+    "data_path": ("/srv/corpus/*.txt", "/srv/corpus/*.txt"),
 }
 
 
@@ -135,6 +136,55 @@ def test_unknown_and_ambiguous_run_ids(tmp_path):
         assert_clean_error(result, "hosts 2 runs", "--run")
     finally:
         dht.shutdown()
+
+
+def test_a_local_run_without_data_path_is_one_line_saying_what_to_give(tmp_path):
+    """The manifest never names a path on a peer's machine: each peer gives its own files, the creator included."""
+    start = ["start", "--preset", "tiny", "--set", "dataset.source=local", "--workdir", str(tmp_path), *LOCAL]
+    result = cli(*start)
+    assert_clean_error(result, "This run's dataset is local", "--data-path")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    put_in = cli(*start, "--set", f"dataset.path={tmp_path}")  # the old way: refused, saying the new one
+    assert_clean_error(put_in, "manifest is invalid", "never names a path on a peer's machine", "--data-path")
+    assert_clean_error(cli(*start, "--data-path", str(tmp_path / "none.txt")), "matches no files")
+
+    dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0))
+    try:
+        local = tiny_manifest(name="local-data").model_copy(update=dict(dataset=DatasetSpec(source="local")))
+        publish_manifest(dht, local)
+        maddr = visible_maddrs(dht)[0]
+        result = cli("join", "--initial-peers", maddr, "--workdir", str(tmp_path / "joiner"), *LOCAL, timeout=150)
+        assert_clean_error(result, "This run's dataset is local", "--data-path")
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    finally:
+        dht.shutdown()
+
+
+def test_a_local_run_trains_on_the_files_of_its_data_path(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"part-{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 400)
+    result_file = tmp_path / "result.json"
+    args = [
+        "start",
+        "--preset",
+        "tiny",
+        *FAST,
+        *LOCAL,
+        "--workdir",
+        str(tmp_path / "w"),
+        "--set",
+        "dataset.source=local",
+    ]
+    args += ["--set", "dataset.num_shards=2", "--data-path", str(corpus), "--eval-sequences", "4"]
+    done = cli(*args, "--max-epochs", "1", "--result-file", str(result_file), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    assert f"Training on your own 4 files of --data-path {corpus}." in done.stdout
+    result = json.loads(result_file.read_text())
+    assert result["rounds"] == 1 and result["eval_loss_end"] < result["eval_loss_start"], result
+    manifest = json.loads(next((tmp_path / "w" / "runs").glob("*/manifest.json")).read_text())
+    assert manifest["dataset"]["source"] == "local" and manifest["dataset"]["path"] is None  # no path published
 
 
 def test_invalid_manifest_file(tmp_path):
@@ -216,7 +266,7 @@ def test_a_dataset_file_that_cannot_be_parsed_ends_the_run_with_one_line_and_kee
     broken = tmp_path / "docs.jsonl"
     broken.write_text('{"text": "a first document that parses"}\n{"text": cut off here\n')
     workdir = tmp_path / "w"
-    data = ("--set", "dataset.source=local", "--set", f"dataset.path={broken}")
+    data = ("--set", "dataset.source=local", "--data-path", str(broken))  # the peer's own file, not the manifest's
     # with held-out sequences the main thread reads the file too, while the prefetch thread reads its shard
     result = cli("start", "--preset", "tiny", "--workdir", str(workdir), *LOCAL, *data, "--eval-sequences", "4")
     assert_clean_error(result, f"The local dataset {broken} could not be read", "JSON parse error")

@@ -1,10 +1,12 @@
+import hashlib
 import json
 
 import pytest
 from diloco_helpers import tiny_manifest
+from pydantic import ValidationError
 
-from swarm import ManifestError, RunManifest
-from swarm.manifest import AveragingSpec
+from swarm import DatasetSpec, ManifestError, RunManifest, TokenizerSpec
+from swarm.manifest import RUN_ID_LENGTH, AveragingSpec, DatasetSource, TokenizerKind
 
 
 def test_run_id_is_a_stable_hash_of_the_canonical_manifest():
@@ -75,3 +77,62 @@ def test_the_averagers_options_follow_the_manifest():
     unchecked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=2.0, checked_reducers=False))
     assert unchecked["allreduce_timeout"] == 40.0 and unchecked["audit"] is False
     assert unchecked["request_timeout"] == 1.0
+
+
+PATHS = ["/etc/passwd", "../x", "~/.ssh", "./data", "/dev/zero", "data/../../etc", "a/b/c", "C:\\corpus", ".env"]
+PATHS += ["corpus/", "-rf", "name\n", "x" * 97]
+HUB_NAMES = ["allenai/c4", "TinyLlama/TinyLlama_v1.1", "gpt2", "wikitext", "HuggingFaceFW/fineweb-edu", "a.b-c_d/e"]
+
+
+def as_received(data: dict) -> tuple[str, str]:
+    """A manifest's JSON and the run id it hashes to, as a joiner gets them from the DHT: validated only there."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:RUN_ID_LENGTH], text
+
+
+def test_a_local_dataset_names_no_path_built_here_or_received_from_the_swarm():
+    with pytest.raises(ValidationError, match="never names a path on a peer's machine.*--data-path"):
+        DatasetSpec(source="local", path="corpus/*.txt")
+    local = DatasetSpec(source="local")
+    assert local.source is DatasetSource.local and local.path is None
+    manifest = tiny_manifest().model_copy(update=dict(dataset=local))
+    assert RunManifest.from_json(manifest.canonical_json()).dataset == local  # the path-free one travels
+    for path in ("/etc/passwd", "/home/ada/.ssh/id_ed25519", "corpus"):
+        data = json.loads(manifest.canonical_json())
+        data["dataset"]["path"] = path
+        run_id, text = as_received(data)
+        with pytest.raises(ManifestError, match="never names a path"):
+            RunManifest.from_record(run_id, text)
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_a_path_is_refused_as_a_hub_dataset_or_tokenizer_name(name):
+    with pytest.raises(ValidationError, match="is not a hub name"):
+        DatasetSpec(source="hub", path=name)
+    with pytest.raises(ValidationError, match="is not a hub name"):
+        DatasetSpec(source="builtin", path=name)  # ignored there, but a manifest carries no path at all
+    with pytest.raises(ValidationError, match="is not a hub name"):
+        TokenizerSpec(kind="bytes", name=name)
+    base = json.loads(tiny_manifest().canonical_json())
+    for field, value in (("dataset", dict(source="hub", path=name)), ("tokenizer", dict(kind="auto", name=name))):
+        run_id, text = as_received({**base, field: {**base[field], **value}})
+        with pytest.raises(ManifestError, match="is not a hub name"):
+            RunManifest.from_record(run_id, text)
+
+
+@pytest.mark.parametrize("name", HUB_NAMES)
+def test_hub_names_are_taken(name):
+    assert DatasetSpec(source="hub", path=name).path == name
+    spec = TokenizerSpec(kind="auto", name=name)
+    assert spec.kind is TokenizerKind.auto and spec.name == name
+
+
+def test_the_sources_are_enums_whose_manifest_words_are_unchanged():
+    data = json.loads(
+        tiny_manifest().model_copy(update=dict(dataset=DatasetSpec(source="hub", path="a/b"))).canonical_json()
+    )
+    assert data["dataset"]["source"] == "hub" and data["tokenizer"]["kind"] == "bytes"
+    with pytest.raises(ValidationError, match="needs dataset.path"):
+        DatasetSpec(source="hub")
+    with pytest.raises(ValidationError, match="needs tokenizer.name"):
+        TokenizerSpec(kind="auto")

@@ -174,6 +174,9 @@ def test_bad_command_lines_are_refused_without_importing_torch_or_hivemind(tmp_p
     argvs = [
         f"start --device tpu --workdir {tmp_path}/w",
         f"start --manifest {tmp_path}/missing.toml --workdir {tmp_path}/w",
+        f"start --set dataset.source=local --workdir {tmp_path}/w",  # no --data-path: the manifest names no files
+        f"start --set dataset.source=local --data-path {tmp_path}/none.txt --workdir {tmp_path}/w",
+        f"start --data-path {tmp_path}/a-file --workdir {tmp_path}/w",  # the built-in corpus takes no files
         f"join --initial-peers /ip4/1.2.3/tcp/1 --workdir {tmp_path}/w",
         f"join --initial-peers {PEER} --secret-file {tmp_path}/missing --workdir {tmp_path}/w",
         f"join --initial-peers {PEER} --workdir {tmp_path}/a-file/w",
@@ -181,7 +184,7 @@ def test_bad_command_lines_are_refused_without_importing_torch_or_hivemind(tmp_p
         f"status --initial-peers {PEER} --secret-file {tmp_path}/missing",
     ]
     result = subprocess.run([sys.executable, "-c", probe, *argvs], capture_output=True, text=True, timeout=120)
-    assert "HEAVY [] CODES [2, 2, 2, 2, 2, 2, 2]" in result.stdout, result.stdout + result.stderr
+    assert "HEAVY [] CODES [2, 2, 2, 2, 2, 2, 2, 2, 2, 2]" in result.stdout, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == len(argvs) and all(line.startswith("error: ") for line in lines), result.stderr
 
