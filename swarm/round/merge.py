@@ -164,9 +164,11 @@ class Merger:
         it (``groups.stands_in``), so that the group's average still reaches the swarm's in this round's bound."""
         state.looked_at = now
         view = self.ctx.reader.view([state.delegate]) if blocking else self.ctx.reader.recent_view()
-        if view is None or not groups.stands_in(
-            view, state.records, state.epoch, state.members, state.delegate, state.tag, self.ctx.me
-        ):
+        args = (state.epoch, state.members, state.delegate, state.tag, self.ctx.me)
+        if view is None or not groups.stands_in(view, state.records, *args):
+            return
+        state.read_at, state.records = now, self._read()  # the groups as they are now: it may have just registered
+        if not groups.stands_in(view, state.records, *args):
             return
         logger.debug("epoch %d: group %s's delegate is gone; we speak for the group", state.epoch, state.tag)
         state.delegate = self.ctx.me

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from swarm.averager.transfer import DownloadStopped
 from swarm.dht.records import PeerState
-from swarm.dht.view import Resync, SwarmView, consensus, resync_needed
+from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     CheckpointUnusable,
@@ -31,6 +31,7 @@ from swarm.events import (
     short_reason,
 )
 from swarm.state import file as state_file
+from swarm.state import trust
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 from swarm.state.file import StateFileError
@@ -165,7 +166,7 @@ class StateSync:
             for donor in donors:
                 if ctx.stop_requested():
                     return False
-                if self._download_from(donor, avg.chunk_timeout, avg.allreduce_timeout):
+                if self._download_from(donor, agreed, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
@@ -192,15 +193,17 @@ class StateSync:
                 break
         return view
 
-    def _download_from(self, donor: str, chunk_timeout: float, timeout: float) -> bool:
+    def _download_from(self, donor: str, wanted: Consensus, chunk_timeout: float, timeout: float) -> bool:
         self.ctx.emit(DownloadStarted(donor))
         destination = self.checkpoints.store.temporary_path(f"download-{donor[-8:]}")
         try:
-            return self._fetch_and_load(donor, destination, chunk_timeout, timeout)
+            return self._fetch_and_load(donor, wanted, destination, chunk_timeout, timeout)
         finally:
             destination.unlink(missing_ok=True)  # adopted files were renamed away; anything left is a failure
 
-    def _fetch_and_load(self, donor: str, destination: Path, chunk_timeout: float, timeout: float) -> bool:
+    def _fetch_and_load(
+        self, donor: str, wanted: Consensus, destination: Path, chunk_timeout: float, timeout: float
+    ) -> bool:
         ctx = self.ctx
         started = time.monotonic()
         # a header is well under a kilobyte per tensor; anything much larger is not this run's state
@@ -223,9 +226,9 @@ class StateSync:
         self._download_rate = destination.stat().st_size / max(time.monotonic() - started, 1e-3)
         try:
             header = state_file.check(destination, run_id=ctx.manifest.run_id, shapes=ctx.outer.shapes)
-            agreed = consensus(ctx.reader.view().peers, header.epoch)
-            if agreed is None or not agreed.agrees(header.checksum):
-                raise StateFileError("the state is not the one most peers hold for its epoch")
+            refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me)
+            if refused is not None:  # the swarm's view decides, not the donor's header
+                raise StateFileError(refused)
         except StateFileError as e:
             ctx.emit(DownloadFailed(donor, str(e)))
             return False
