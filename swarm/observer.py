@@ -117,9 +117,10 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
     ``PEERS_LISTED`` (100) of them, the most useful first (``ranked``: banned, outvoted on their checksum, off the
     global epoch, not training, then the slowest). ``"banned": [{"peer_id", "reasons", "by", "epoch", "quorum"}]``
     lists the peers a live peer banned (``swarm.defence.bans.accused``): why, who says so, since which round, and
-    whether enough of its groupmates say so for every peer to refuse it; at most ``BANNED_LISTED`` (10) of them,
-    those banned for every peer and by the most peers first, each with at most ``ACCUSERS_LISTED`` (8) peer ids in
-    ``by`` and as many reasons as there are ban reasons (6), ids and reasons over 64 characters cut.
+    whether a quorum of its groupmates says so (shown, never applied: each peer bans on its own evidence); at most
+    ``BANNED_LISTED`` (10) of them, those with a quorum and by the most peers first, each with at most
+    ``ACCUSERS_LISTED`` (8) peer ids in ``by`` and as many reasons as there are ban reasons (6), ids and reasons
+    over 64 characters cut.
 
     The counts cover every live peer: ``"peers_total"`` (live peers), ``"peers_listed"`` (entries of ``peers``),
     ``"by_state": {state: n}``, ``"by_epoch": {"epoch": n}`` (the 10 most populous epochs; ``"by_epoch_other"``

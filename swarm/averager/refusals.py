@@ -23,11 +23,12 @@ class Refusals:
         self._banned: set[str] = set()
 
     def set_bans(self, peers: typing.Iterable[str]) -> None:
-        """(host) Refuse these peers from now on, in addition to those the averager caught itself."""
+        """(host) Refuse exactly these peers from now on: every ban the host holds, the ones the averager caught
+        itself included (they reach the host with the round's findings); a ban the host lifted is lifted here."""
         self._outer_pipe.send(("_set_bans", [], dict(peers=sorted(peers))))
 
     async def _set_bans(self, peers: list[str]) -> None:
-        self._banned.update(peers)
+        self._banned = set(peers)
 
     def _is_banned(self, peer: PeerID) -> bool:
         return peer.to_base58() in self._banned

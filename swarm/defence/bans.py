@@ -1,13 +1,18 @@
 """Bans: peers caught by checked reducers, kept out for the rest of the run, and accusations others can check.
 
-A peer bans a groupmate when its own audit (``swarm.averager.auditing``) caught it returning a wrong
-average (or accusing an honest reducer), or when, as its reducer, it received parts from it that
-no honest client sends (NaN or infinite values, a wrong size, bytes that do not decode). It then
-publishes an accusation in its progress record, with the reducer's own signed receipt inside
-when there is one. Another peer applies a ban it did not see itself only when ``QUORUM``
-groupmates of the accused, each named as a sender in the accused's own receipt, accuse it of
-a wrong average or equivocation: one claim, checked by nobody else, bans no one (the accuser
-may be the liar).
+A peer bans a groupmate only on evidence it holds itself: its own audit (``swarm.averager.auditing``)
+caught it returning a wrong average (or accusing an honest reducer), or, as its reducer, it received
+parts from it that no honest client sends (NaN or infinite values, a wrong size, bytes that do not
+decode). It then publishes an accusation in its progress record, with the reducer's own signed
+receipt inside when there is one. Accusations are shown (``accused``; "quorum" when ``QUORUM``
+groupmates of the accused, each named as a sender in its own receipt, accuse it), never applied:
+keys are free, so two keys that joined an honest reducer's group could otherwise get it banned by
+every peer, those whose own audit of it passed included. A liar still meets an audit in every group
+it reduces for, and each of its auditors bans it.
+
+A ban lasts ``BAN_ROUNDS`` outer rounds from the round it was caught in, then is lifted (a peer caught
+again is banned again): a peer that was wrongly judged, or whose machine was broken, is not out of
+the run forever, and a liar gains one round in ``BAN_ROUNDS`` before its next auditor catches it.
 
 A banned peer is dropped from this peer's swarm view, so it is never a state donor, a
 replay donor, a vote on the global epoch or the checksum, or a mate to wait for; the
@@ -35,7 +40,8 @@ from swarm.dht.records import PeerEntry, ProgressRecord
 logger = logging.getLogger(__name__)
 
 _open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are re-read every second
-QUORUM = 2  # distinct groupmates whose accusations ban a peer we did not catch ourselves
+QUORUM = 2  # distinct groupmates of the accused whose accusations are shown as a quorum (never applied as a ban)
+BAN_ROUNDS = 100  # outer rounds a ban lasts, from the round the peer was caught in
 MAX_ACCUSATIONS = 8  # kept in our record, newest last
 
 
@@ -58,6 +64,9 @@ class Ban:
 
     def to_json(self) -> dict:
         return dict(asdict(self), reason=self.reason.value, by=list(self.by))
+
+    def lifted_at(self, epoch: int) -> bool:
+        return epoch >= self.epoch + BAN_ROUNDS
 
 
 def accusation_entry(finding: dict, epoch: int) -> dict | None:
@@ -141,17 +150,30 @@ class BanList:
         if ban.peer_id in self.bans:
             return False
         self.bans[ban.peer_id] = ban
+        self._write()
+        return True
+
+    def lift(self, epoch: int) -> list[Ban]:
+        """Lift the bans that have lasted ``BAN_ROUNDS`` by round ``epoch``; those lifted."""
+        lifted = [ban for ban in self.bans.values() if ban.lifted_at(epoch)]
+        for ban in lifted:
+            del self.bans[ban.peer_id]
+        if lifted:
+            self._write()
+        return lifted
+
+    def _write(self) -> None:
         tmp = self.path.with_name(f".tmp-{self.path.name}")
         try:
             tmp.write_text(json.dumps([b.to_json() for b in self.bans.values()], indent=1))
             os.replace(tmp, self.path)
         except OSError:
             logger.debug("could not write %s", self.path, exc_info=True)
-        return True
 
 
 class Guard:
-    """Keeps a peer's bans: from its own audits, and from others' accusations once a quorum holds."""
+    """Keeps a peer's bans, from its own evidence; publishes its accusations; lifts bans that have lasted.
+    ``refuse`` is given every peer banned now, each time that changes."""
 
     def __init__(
         self,
@@ -177,15 +199,16 @@ class Guard:
             if entry is not None:
                 self.accusations = (self.accusations + [entry])[-MAX_ACCUSATIONS:]
                 self._publish(self.accusations)
+        lifted = self.bans.lift(epoch)
+        if lifted:
+            logger.info("bans lifted after %d rounds: %s", BAN_ROUNDS, ", ".join(b.peer_id[-8:] for b in lifted))
+            self._refuse(list(self.bans.bans))
 
     def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
-        """Apply the quorum's bans, and return the entries of peers that are not banned."""
-        for ban in quorum_bans(e.record for e in entries).values():
-            if ban.peer_id != self.own_peer_id:
-                self._ban(ban)
+        """The entries of peers that are not banned (others' accusations are not applied: ``accused``)."""
         return [e for e in entries if e.record.peer_id not in self.bans]
 
     def _ban(self, ban: Ban) -> None:
         if self.bans.add(ban):
-            self._refuse([ban.peer_id])
+            self._refuse(list(self.bans.bans))
             self._announce(ban)
