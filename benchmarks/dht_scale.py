@@ -272,7 +272,7 @@ async def read(node: Node, key: str, kind: str) -> list[str]:
     as ``GroupKeyManager.get_averagers`` lists them."""
     found = await node.dht.get(key, latest=True)
     if kind == "records":
-        return [e.record.peer_id for e in parse_peers(found)]
+        return [e.record.peer_id for e in parse_peers(found, ttl=TTL)]  # its records outlive a client's
     if found is None or not isinstance(found.value, dict):
         return []
     return [PeerID(subkey).to_base58() for subkey, item in found.value.items() if item.value]

@@ -17,7 +17,7 @@ from client.idle import NAMED, OwnState, why_idle
 from client.presets import build_manifest
 from client.swarm_watch import BURST, HOLD, RATE, WINDOW, PeerTracker, SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
-from swarm.dht.records import Accusation, PeerEntry, PeerState
+from swarm.dht.records import Accusation, AccusationVerdict, PeerEntry, PeerState
 from swarm.dht.view import build_view
 from swarm.observer import ACCUSERS_LISTED, BANNED_LISTED, EPOCHS_LISTED, PEERS_LISTED, snapshot
 
@@ -196,12 +196,15 @@ def test_status_json_of_a_few_peers_lists_them_all():
 
 
 def test_status_json_stays_bounded_when_peers_spread_over_epochs_and_accuse_each_other():
-    """A thousand distinct epochs, and each peer accusing 8 others with a long made-up verdict: the counts are cut
-    to the most populous epochs, and the banned list, each entry's accusers and its strings, to their caps."""
-    records = []
+    """A thousand distinct epochs, and each peer accusing 8 others (ids as long as the schema allows, every verdict):
+    the counts are cut to the most populous epochs, and the banned list, each entry's accusers and its strings, to
+    their caps."""
+    records, verdicts = [], [v.value for v in AccusationVerdict]
     for i in range(N):
         accusations = [
-            Accusation(accused=f"{'z' * 200}{(i + k) % 300}", verdict="v" * 300 + str(k), epoch=i, receipt=b"")
+            Accusation(
+                accused=f"{'z' * 60}{(i + k) % 300:04d}", verdict=verdicts[k % len(verdicts)], epoch=i, receipt=b""
+            )
             for k in range(8)
         ]
         r = record(pid(i), epoch=i, checksums=[(i, CHECKSUM)], sps=1.0)

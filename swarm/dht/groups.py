@@ -30,12 +30,11 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import calls
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.records import GroupRecord, PeerState, groups_key
+from swarm.dht.records import GROUP_TTL, GroupRecord, PeerState, groups_key, live_items, parse_record
 from swarm.dht.view import SwarmView
 
 logger = logging.getLogger(__name__)
 
-GROUP_TTL = 600.0  # seconds a group's record lives: past the round, for peers that replay it
 # a peer of the epoch whose pseudo-gradient is not in a group yet: training towards the round, or in its first stage
 WORKING = frozenset({PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value})
 
@@ -182,18 +181,12 @@ def read_groups(dht: hivemind.DHT, run_id: str, timeout: float = calls.DHT_TIMEO
 
 
 def parse_groups(found: Any) -> list[GroupRecord]:
-    """Well-formed, unexpired group records whose delegate is their signer."""
-    if found is None or not isinstance(found.value, dict):
-        return []
-    now, records = get_dht_time(), []
-    for subkey, item in found.value.items():
-        if item.value is None or item.expiration_time < now:
-            continue
-        try:
-            record = GroupRecord.parse_obj(item.value)
-        except ValueError:
-            continue
-        if record.delegate == peer_id_of_owner(subkey):
+    """Well-formed, unexpired group records whose delegate is their signer; none set to outlive ``GROUP_TTL``
+    (``records.fresh``)."""
+    records = []
+    for subkey, value, _ in live_items(found, get_dht_time(), GROUP_TTL):
+        record = parse_record(GroupRecord, value)
+        if record is not None and record.delegate == peer_id_of_owner(subkey):
             records.append(record)
     return records
 

@@ -17,18 +17,22 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import re
 import tempfile
 from pathlib import Path
 
 import base58
 import multihash
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
 
 _OWNER = re.compile(RSASignatureValidator.PUBLIC_KEY_REGEX)
 
@@ -64,7 +68,8 @@ def peer_id_of_owner(subkey: bytes) -> str | None:
         return None
     try:
         public = serialization.load_ssh_public_key(found.group(1))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):  # not a key, or of a kind (curve) this library lacks
+        logger.debug("a subkey's owner is not a public key", exc_info=True)
         return None
     if not isinstance(public, rsa.RSAPublicKey):
         return None

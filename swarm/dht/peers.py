@@ -10,7 +10,8 @@ bucket every read, plus the buckets a caller names (its groupmates'). ``peers_es
 run has, as counted from that sample: it sets the levels a peer writes its own record to
 (``swarm.dht.presence``) and how many matchmaking buckets its round uses.
 
-A record is kept only if it is well formed, unexpired, and its ``peer_id`` is its signer's (``swarm.dht.identity``).
+A record is kept only if it is well formed, unexpired but set to live no longer than its writer could give it
+(``records.fresh``), and its ``peer_id`` is its signer's (``swarm.dht.identity``).
 ``SwarmReader`` builds the view the rules read (``swarm.dht.view``) after the caller's own filter (a peer drops the
 peers it banned).
 """
@@ -28,7 +29,17 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import calls
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, ProgressRecord, bucket_of, progress_key
+from swarm.dht.records import (
+    BUCKET_SIZE,
+    MAX_LEVEL,
+    RECORD_TTL,
+    PeerEntry,
+    ProgressRecord,
+    bucket_of,
+    live_items,
+    parse_record,
+    progress_key,
+)
 from swarm.dht.view import SwarmView, build_view
 
 logger = logging.getLogger(__name__)
@@ -66,22 +77,15 @@ def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
     return list(found.values())
 
 
-def parse_peers(found: Any) -> list[PeerEntry]:
-    """``read_peers``'s rules, applied to what a DHT read of one of the run's progress keys returned (None: nothing)."""
-    if found is None or not isinstance(found.value, dict):
-        return []
-    now = get_dht_time()
+def parse_peers(found: Any, ttl: float = RECORD_TTL) -> list[PeerEntry]:
+    """``read_peers``'s rules, applied to what a DHT read of one of the run's progress keys returned (None: nothing):
+    well formed, unexpired, not set to outlive ``ttl`` (``records.fresh``; a benchmark that writes longer-lived
+    records says so), and signed by its ``peer_id``."""
     entries = []
-    for subkey, item in found.value.items():
-        if item.value is None or item.expiration_time < now:
-            continue
-        try:
-            record = ProgressRecord.parse_obj(item.value)
-        except ValueError:
-            continue
-        if record.peer_id != peer_id_of_owner(subkey):  # posing as another peer, or as a second one
-            continue
-        entries.append(PeerEntry(record, item.expiration_time))
+    for subkey, value, expiration in live_items(found, get_dht_time(), ttl):
+        record = parse_record(ProgressRecord, value)
+        if record is not None and record.peer_id == peer_id_of_owner(subkey):  # not posing as another, or a second
+            entries.append(PeerEntry(record, expiration))
     return entries
 
 

@@ -9,6 +9,7 @@ outlives its creator, and copies the state download's progress into the record.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,12 @@ from hivemind.utils import get_dht_time
 from swarm.dht import calls
 from swarm.dht.records import (
     CHECKSUM_HISTORY,
+    CONTROL,
+    MANIFEST_TTL,
+    MAX_DEVICE,
+    MAX_NAME,
+    MAX_RATE,
+    RECORD_TTL,
     EpochChecksum,
     PeerState,
     ProgressRecord,
@@ -28,13 +35,12 @@ from swarm.dht.records import (
     progress_key,
     write_levels,
 )
-from swarm.dht.registry import MANIFEST_TTL, publish_manifest
+from swarm.dht.registry import publish_manifest
 from swarm.manifest import RunManifest
 
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL = 2.0
-RECORD_TTL = 15.0
 
 
 class Presence:
@@ -54,6 +60,8 @@ class Presence:
     ):
         """``level``: the bucket level this peer's reader reads; the record goes to the buckets of that level and its
         neighbours (``records.write_levels``)."""
+        if not 0 < ttl <= RECORD_TTL:  # readers refuse a record set to live longer (``records.fresh``)
+            raise ValueError(f"a progress record lives at most {RECORD_TTL} s, not {ttl}")
         self.dht, self.run_id, self.interval, self.ttl = dht, run_id, interval, ttl
         self._level = level
         self.records_written = 0  # records stored so far (one per key per refresh): the peer's DHT traffic
@@ -126,7 +134,7 @@ class Presence:
 
     def snapshot(self) -> ProgressRecord:
         with self._lock:
-            return ProgressRecord(**{**self._fields, "time": time.time()})
+            return ProgressRecord(**within_bounds({**self._fields, "time": time.time()}))
 
     # ---- publishing -------------------------------------------------------------------------------------------
 
@@ -176,6 +184,23 @@ class Presence:
             self._thread.join(timeout=timeout)
         self.update(state=final_state.value)
         self._publish(ttl=ttl, timeout=timeout)
+
+
+def within_bounds(fields: dict[str, Any]) -> dict[str, Any]:
+    """Our record's fields made to fit the schema's bounds (``swarm.dht.records``), which would refuse the whole
+    record otherwise: a loss that is not finite is published as unknown (None), the speed is kept finite and in range,
+    and the name and device lose control characters and are cut to their lengths."""
+    fitted = dict(fields)
+    loss = fitted.get("last_loss")
+    if isinstance(loss, float) and not math.isfinite(loss):
+        fitted["last_loss"] = None
+    speed = fitted.get("samples_per_second")
+    if isinstance(speed, float):
+        fitted["samples_per_second"] = 0.0 if math.isnan(speed) else min(MAX_RATE, max(0.0, speed))
+    for field, limit in (("name", MAX_NAME), ("device", MAX_DEVICE)):
+        if isinstance(fitted.get(field), str):
+            fitted[field] = CONTROL.sub("", fitted[field])[:limit]
+    return fitted
 
 
 def _relayed(dht: hivemind.DHT) -> bool:

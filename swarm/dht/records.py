@@ -5,31 +5,107 @@ Every record lives under a subkey holding its author's RSA public key, so
 ``SchemaValidator`` refuses records of the wrong shape. hivemind's schema
 validation is built on pydantic.v1 and compares the parsed value with the raw
 one, so every field uses a strict type.
+
+Every field is bounded (strings by length and alphabet, lists by count, numbers to finite values in a sane range),
+so a record an honest node accepts is small; the DHT nodes run these validators on store and on get. A record's
+lifetime is bounded too, on read (``fresh``): one whose expiration lies further ahead than its writer could have set
+it is refused, so a key cannot keep a record (and its votes) alive long after its process is gone.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import math
 import re
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pydantic.v1 as pv1
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator, conbytes
+from hivemind.dht.schema import SchemaValidator, conbytes
+
+logger = logging.getLogger(__name__)
 
 GLOBAL_PREFIX = "swarm"
 RUNS_KEY = f"{GLOBAL_PREFIX}_runs"
 _RUN_ID_RE = rb"[0-9a-f]{16}"
-RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"$")
+MAX_SUBKEY = 2048  # bytes: "[owner:ssh-rsa ...]" of an RSA key up to 8192 bits (hivemind's and libp2p's: 2048)
+RunSubkey = conbytes(regex=_RUN_ID_RE + rb":" + RSASignatureValidator.PUBLIC_KEY_REGEX + rb"\Z", max_length=MAX_SUBKEY)
+OwnerSubkey = conbytes(regex=b".*" + RSASignatureValidator.PUBLIC_KEY_REGEX + b".*", max_length=MAX_SUBKEY)
 CHECKSUM_HISTORY = 8  # a peer replaying up to 7 rounds checks each against the majority
+MAX_ACCUSATIONS = 8  # in one progress record (``swarm.defence.bans`` keeps its newest 8)
 # progress records are spread over 2^L bucket keys so that a read returns about BUCKET_SIZE of them, whatever the
 # swarm's size (``bucket_of``, ``read_level``); a run of a few peers keeps them all in the one level-0 key
 BUCKET_SIZE = 4
 MAX_LEVEL = 8  # 256 buckets: about a thousand peers at BUCKET_SIZE
-HEX16 = r"^[0-9a-f]{16}$"
-HEX64 = r"^[0-9a-f]{64}$"
+HEX16 = r"^[0-9a-f]{16}\Z"  # \Z, not $: a regex's $ also matches before a final newline
+HEX64 = r"^[0-9a-f]{64}\Z"
+# a libp2p peer id in base58 is at most about 61 characters (sha2-256 multihash: 46, "Qm..."; identity multihash of
+# an ed25519 key: 52, "12D3KooW..."); letters and digits, not strictly base58, so that tests and the simulator may
+# name peers "peer001" (a reader keeps a record only if its id is the one its signing key gives: ``peers``)
+PEER_ID = r"^[0-9A-Za-z]{1,64}\Z"
+TEXT = r"^[^\x00-\x1f\x7f-\x9f]*\Z"  # no control characters (C0, DEL, C1): a name is printed on others' terminals
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_COUNT = 2**40  # epochs, steps: a peer doing a round a second for 30,000 years stays below
+MAX_TOKENS = 2**62  # msgpack's integers end at 2**64
+MAX_TIME = 2.0**40  # seconds since the epoch: the year 36,800
+MAX_RATE = 1e12  # samples per second
+MAX_NAME, MAX_DEVICE = 64, 128  # characters of a peer's display name and of its device's
+MAX_MANIFEST_JSON = 65536  # characters: a manifest holds a transformers config (a few KB)
+
+# seconds a record lives, as its writer stores it (``presence``, ``groups``, ``registry``), and the slack a reader
+# allows on top for clock skew: the writer's clock sets the expiration, so a writer ahead of the reader by d seconds
+# gives a record that looks d seconds longer-lived. hivemind calls DHT clocks more than 3 s apart out of sync
+# (``MAX_DHT_TIME_DISCREPANCY_SECONDS``; ``swarm-client doctor`` fails above 3 s); 10 s lets an honest peer with a
+# clock thrice that far off be seen, while a dead peer's progress record still lives at most 25 s
+RECORD_TTL = 15.0  # progress records, refreshed every few seconds
+GROUP_TTL = 600.0  # seconds a group's record lives: past the round, for peers that replay it
+MANIFEST_TTL = 120.0  # manifests, republished every MANIFEST_TTL / 3
+EXPIRY_SLACK = 10.0
+
+_Count = pv1.conint(ge=0, le=MAX_COUNT, strict=True)
+_Time = pv1.confloat(ge=0.0, le=MAX_TIME, strict=True, allow_inf_nan=False)
+_Fraction = pv1.confloat(ge=0.0, le=1.0, strict=True, allow_inf_nan=False)
+PeerId = pv1.constr(strict=True, regex=PEER_ID)
+Checksum = pv1.constr(strict=True, regex=HEX64)
+Tag = pv1.constr(strict=True, regex=HEX16)
+
+
+def fresh(expiration: Any, now: float, ttl: float) -> bool:
+    """Whether a record read back with ``expiration`` is kept: a finite time, not past, and no further ahead than
+    its writer could have set it (``ttl``, plus ``EXPIRY_SLACK`` for clock skew). One set further ahead is refused,
+    not clamped: a clamp is applied again at every read, and the record would never expire."""
+    if isinstance(expiration, bool) or not isinstance(expiration, (int, float)) or not math.isfinite(expiration):
+        return False
+    return now <= expiration <= now + ttl + EXPIRY_SLACK
+
+
+def live_items(found: Any, now: float, ttl: float) -> list[tuple[Any, Any, float]]:
+    """(subkey, value, expiration) of every fresh record in what a DHT read of a key with subkeys returned (None:
+    nothing; anything else that is not hivemind's dictionary of values with expirations: nothing either)."""
+    items = getattr(found, "value", None)
+    if not isinstance(items, dict):
+        return []
+    kept = []
+    for subkey, item in items.items():
+        value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
+        if value is not None and fresh(expiration, now, ttl):
+            kept.append((subkey, value, expiration))
+    return kept
+
+
+Model = TypeVar("Model", bound=pv1.BaseModel)
+
+
+def parse_record(model: type[Model], value: Any) -> Model | None:
+    """``value`` as a ``model``, or None if it is not one (logged at debug level: others' malformed records)."""
+    try:
+        return model.parse_obj(value)
+    except (ValueError, TypeError):  # TypeError: a dict whose keys are not strings
+        logger.debug("refused a malformed %s", model.__name__, exc_info=True)
+        return None
 
 
 class PeerState(enum.StrEnum):
@@ -46,45 +122,62 @@ class PeerState(enum.StrEnum):
     left = "left"
 
 
+class AccusationVerdict(enum.StrEnum):
+    """Why an accusation's author banned the accused: the values of ``swarm.defence.bans.BanReason``, which reads
+    these records (so this layer cannot import it); ``tests/test_records_fuzz.py`` keeps the two equal."""
+
+    wrong_average = "wrong average"
+    equivocated = "equivocated"
+    unanswered = "did not answer its audit"
+    withheld = "withheld its own parts"
+    false_accusation = "false accusation"
+    malformed = "sent malformed parts"
+
+
 class ManifestRecord(pv1.BaseModel):
-    manifest_json: pv1.StrictStr
-    name: pv1.StrictStr
-    created_at: pv1.StrictFloat
+    manifest_json: pv1.constr(strict=True, max_length=MAX_MANIFEST_JSON)
+    name: pv1.constr(strict=True, min_length=1, max_length=MAX_NAME, regex=TEXT)  # the manifest's name
+    created_at: _Time
 
 
 class EpochChecksum(pv1.BaseModel):
-    epoch: pv1.conint(ge=0, strict=True)
-    checksum: pv1.constr(strict=True, regex=r"^[0-9a-f]{64}$")
+    epoch: _Count
+    checksum: Checksum
 
 
 class Accusation(pv1.BaseModel):
     """A groupmate caught as a lying reducer, with its own signed receipt of that round (``swarm.defence.bans``)."""
 
-    accused: pv1.StrictStr
-    verdict: pv1.StrictStr
-    epoch: pv1.conint(ge=0, strict=True)
+    accused: PeerId
+    verdict: pv1.StrictStr  # an ``AccusationVerdict``'s value
+    epoch: _Count
     receipt: pv1.conbytes(strict=True, max_length=16384)
+
+    @pv1.validator("verdict")
+    def _known_verdict(cls, value: str) -> str:
+        AccusationVerdict(value)
+        return value
 
 
 class ProgressRecord(pv1.BaseModel):
     """One peer's signed self-report, refreshed every few seconds."""
 
-    peer_id: pv1.StrictStr
-    name: pv1.constr(strict=True, max_length=64)
-    device: pv1.constr(strict=True, max_length=128)
-    epoch: pv1.conint(ge=0, strict=True)
-    inner_step: pv1.conint(ge=0, strict=True)
-    samples_per_second: pv1.confloat(ge=0.0, strict=True)
-    tokens_processed: pv1.conint(ge=0, strict=True)
-    state: pv1.StrictStr
-    last_loss: pv1.StrictFloat | None
+    peer_id: PeerId
+    name: pv1.constr(strict=True, max_length=MAX_NAME, regex=TEXT)
+    device: pv1.constr(strict=True, max_length=MAX_DEVICE, regex=TEXT)
+    epoch: _Count
+    inner_step: _Count
+    samples_per_second: pv1.confloat(ge=0.0, le=MAX_RATE, strict=True, allow_inf_nan=False)
+    tokens_processed: pv1.conint(ge=0, le=MAX_TOKENS, strict=True)
+    state: pv1.StrictStr  # a ``PeerState``'s value
+    last_loss: pv1.confloat(strict=True, allow_inf_nan=False) | None  # finite (``presence`` publishes others as None)
     client_mode: pv1.StrictBool
     relayed: pv1.StrictBool
-    micro_batch: pv1.conint(ge=0, strict=True) = 0
-    download_progress: pv1.confloat(ge=0.0, le=1.0, strict=True) = 0.0  # while downloading state or re-syncing
-    checksums: list[EpochChecksum] = []
-    accusations: pv1.conlist(Accusation, max_items=8) = []
-    time: pv1.StrictFloat
+    micro_batch: _Count = 0
+    download_progress: _Fraction = 0.0  # while downloading state or re-syncing
+    checksums: pv1.conlist(EpochChecksum, max_items=CHECKSUM_HISTORY) = []
+    accusations: pv1.conlist(Accusation, max_items=MAX_ACCUSATIONS) = []
+    time: _Time
 
     @pv1.validator("state")
     def _known_state(cls, value: str) -> str:
@@ -111,16 +204,16 @@ class GroupRecord(pv1.BaseModel):
     """One round's averaging group, registered by its delegate (``swarm.dht.groups``): the group's average (stage
     one), then the swarm's, once the groups' averages are combined (stage two)."""
 
-    epoch: pv1.conint(ge=0, strict=True)
-    group: pv1.constr(strict=True, regex=HEX16)  # a tag of the group id
-    delegate: pv1.constr(strict=True, max_length=64)  # the peer id of the member that speaks for the group
+    epoch: _Count
+    group: Tag  # a tag of the group id
+    delegate: PeerId  # the peer id of the member that speaks for the group
     size: pv1.conint(ge=1, le=4096, strict=True)  # members
-    weight: pv1.confloat(ge=0.0, strict=True)  # their samples
-    digest: pv1.constr(strict=True, regex=HEX64) | None = None  # of the group's average (None: a group of one)
-    merged: pv1.constr(strict=True, regex=HEX64) | None = None  # of the swarm's average of the epoch, once made
-    included: pv1.conlist(pv1.constr(strict=True, regex=HEX16), max_items=256) = []  # the groups it holds
+    weight: pv1.confloat(ge=0.0, le=MAX_TOKENS, strict=True, allow_inf_nan=False)  # their samples
+    digest: Checksum | None = None  # of the group's average (None: a group of one)
+    merged: Checksum | None = None  # of the swarm's average of the epoch, once made
+    included: pv1.conlist(Tag, max_items=256) = []  # the groups it holds
     client_mode: pv1.StrictBool = False  # the delegate takes no incoming connections: it cannot lead the second stage
-    time: pv1.StrictFloat
+    time: _Time
 
 
 class GlobalSchema(pv1.BaseModel):
@@ -129,9 +222,9 @@ class GlobalSchema(pv1.BaseModel):
 
 def _run_schema() -> type[pv1.BaseModel]:
     """The run's keys: the progress records' level-0 key and every bucket key, and the groups key."""
-    records = (dict[BytesWithPublicKey, ProgressRecord | None], None)
+    records = (dict[OwnerSubkey, ProgressRecord | None], None)
     buckets = {f"progress_L{level}_{b}": records for level in range(1, MAX_LEVEL + 1) for b in range(1 << level)}
-    groups = (dict[BytesWithPublicKey, GroupRecord | None], None)
+    groups = (dict[OwnerSubkey, GroupRecord | None], None)
     return pv1.create_model("RunSchema", __module__=__name__, progress=records, groups=groups, **buckets)
 
 

@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from swarm.dht import calls as dht_calls
-from swarm.dht.records import RUNS_KEY, ManifestRecord, run_id_of_subkey, run_subkey
+from swarm.dht.records import (
+    MANIFEST_TTL,
+    RUNS_KEY,
+    ManifestRecord,
+    live_items,
+    parse_record,
+    run_id_of_subkey,
+    run_subkey,
+)
 from swarm.errors import ManifestError
 from swarm.manifest import RunManifest
 
-MANIFEST_TTL = 120.0
 RETRY_INTERVAL = 2.0  # seconds between reads of the runs key while it shows no run
 
 
@@ -31,24 +39,26 @@ class RunListing:
 
 
 def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
+    if not 0 < ttl <= MANIFEST_TTL:  # readers refuse a record set to live longer (``records.fresh``)
+        raise ValueError(f"a manifest record lives at most {MANIFEST_TTL} s, not {ttl}")
     record = ManifestRecord(manifest_json=manifest.canonical_json(), name=manifest.name, created_at=time.time())
     subkey = run_subkey(manifest.run_id, RSASignatureValidator().local_public_key)
     return dht_calls.store(dht, RUNS_KEY, subkey, record.dict(), get_dht_time() + ttl)
 
 
 def _manifest_records(dht: hivemind.DHT) -> list[tuple[str, ManifestRecord]]:
-    found = dht_calls.get(dht, RUNS_KEY)
-    if found is None or not isinstance(found.value, dict):
-        return []
+    return parse_manifests(dht_calls.get(dht, RUNS_KEY))
+
+
+def parse_manifests(found: Any) -> list[tuple[str, ManifestRecord]]:
+    """(run id, record) of every well-formed, unexpired manifest record in a read of the runs key; none set to
+    outlive ``MANIFEST_TTL`` (``records.fresh``). A misbehaving peer's malformed ones are dropped."""
     records = []
-    for subkey, item in found.value.items():
+    for subkey, value, _ in live_items(found, get_dht_time(), MANIFEST_TTL):
         run_id = run_id_of_subkey(subkey) if isinstance(subkey, bytes) else None
-        if run_id is None or item.value is None:
-            continue
-        try:
-            records.append((run_id, ManifestRecord.parse_obj(item.value)))
-        except ValueError:
-            continue  # a malformed record from a misbehaving peer
+        record = parse_record(ManifestRecord, value) if run_id is not None else None
+        if record is not None:
+            records.append((run_id, record))
     return records
 
 
