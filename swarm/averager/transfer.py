@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import logging
 import multiprocessing as mp
 import os
 import struct
@@ -35,7 +36,10 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from swarm.averager.allreduce import Dropped, HeldPart
+from swarm.averager.serving_limits import ServingLimits
 from swarm.dht.access import RunSecret
+
+logger = logging.getLogger(__name__)
 
 SERVE_CHUNK = 1 << 19  # hivemind's part size; p2pd caps a message at 4 MiB
 STALE_FILE_WAIT = 30.0  # a donor asked right after a round waits this long for that round's file
@@ -129,6 +133,7 @@ class FileTransfer:
 
     def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str, secret: RunSecret | None) -> None:
         self._secret = secret
+        self._serving = ServingLimits()  # per requester (``serving_limits``), in the averager process that serves
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         self._served_path = mp.Array(ctypes.c_char, 4096)
         self._served_epoch = mp.Value(ctypes.c_int64, -1)
@@ -200,10 +205,17 @@ class FileTransfer:
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
-        current = await self._current_file()
-        if current is not None:
-            async for message in self._stream_file(*current):
-                yield message
+        requester = context.remote_id.to_base58()
+        if not self._serving.acquire(requester):
+            logger.debug("a state download by %s refused: over its serving limits", requester)
+            return
+        try:
+            current = await self._current_file()
+            if current is not None:
+                async for message in self._stream_file(*current):
+                    yield message
+        finally:
+            self._serving.release(requester)
 
     async def rpc_download_update(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -213,13 +225,18 @@ class FileTransfer:
         if not self.allow_state_sharing or self._update_dir is None or fields is None:
             return
         epoch = fields.get("epoch")
-        if isinstance(epoch, int) and epoch >= 0:
+        requester = context.remote_id.to_base58()
+        if not (isinstance(epoch, int) and epoch >= 0) or not self._serving.acquire(requester):
+            return
+        try:
             path = update_path(self._update_dir, epoch)
             deadline = time.monotonic() + STALE_FILE_WAIT
             while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
             async for message in self._stream_file(path, epoch):
                 yield message
+        finally:
+            self._serving.release(requester)
 
     # ---- keeping the rounds' averages (the averager process after a group's round; the host after a local one)
 
