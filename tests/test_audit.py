@@ -18,6 +18,7 @@ from swarm.defence.audit import (
     auditor_of,
     digest_parts,
     judge,
+    lists_every_sender,
     open_receipt,
     part_digest,
     recompute,
@@ -117,6 +118,17 @@ def test_a_receipt_that_counts_a_sender_for_more_than_a_rounds_samples_is_a_wron
     args = (receipt, output, served_by, numels, Aggregation.centered_clip, encode)
     assert judge(*args, max_weight=max(weights)) == Verdict.passed
     assert judge(*args, max_weight=max(weights) - 1) == Verdict.wrong_average
+
+
+def test_a_receipt_must_name_exactly_the_groups_senders(keys):
+    names = [peer_of(k) for k in keys[:3]]
+    served, weights, _, output = honest_round("fp16")
+    assert lists_every_sender(receipt_for(keys[0], names, served, weights, output), names[::-1])
+    # only itself, or all but one: the recomputation would use the parts it chose, and pass
+    assert not lists_every_sender(receipt_for(keys[0], names[:1], served[:1], weights[:1], output), names)
+    assert not lists_every_sender(receipt_for(keys[0], names[:2], served[:2], weights[:2], output), names)
+    twice = [names[0], names[0], names[1]]  # a sender listed twice, another left out
+    assert not lists_every_sender(receipt_for(keys[0], twice, served, weights, output), names)
 
 
 def test_a_few_values_moved_far_are_caught_and_rounding_flips_are_not(keys):

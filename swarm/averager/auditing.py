@@ -36,6 +36,7 @@ from swarm.defence.audit import (
     digest_of,
     digest_parts,
     judge,
+    lists_every_sender,
     sample_parts,
     served_as_signed,
     suspect_parts,
@@ -215,6 +216,9 @@ class Auditing(AuditServing, SliceRepair):
         if receipt is None:
             logger.debug("audited %s: no valid receipt", reducer)
             return Verdict.unanswered, None, []
+        if not lists_every_sender(receipt, [p.to_base58() for p in record.runner.sender_peer_ids]):
+            logger.debug("audited %s: its signed receipt leaves senders out", reducer)
+            return Verdict.withheld, blob, []  # signed, so alive, and uncheckable as it stands: struck
         count, numels = len(ours), [math.prod(p.size) for p in ours]  # parts in its slice, and each one's size
         if 0 < self._audit_parts < count:  # a sample: those drawn at random, and those that stand out
             outputs, size = record.outputs[reducer], self._audit_parts

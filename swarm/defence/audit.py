@@ -236,6 +236,12 @@ def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | N
     return valid and digest_of(listed) == digest
 
 
+def lists_every_sender(receipt: Receipt, senders: Sequence[str]) -> bool:
+    """Whether a receipt names exactly the group's senders, each once: a reducer that leaves one out (or lists only
+    itself) would otherwise have its recomputation made from the parts it chose, and pass."""
+    return len(receipt.senders) == len(set(receipt.senders)) and set(receipt.senders) == set(senders)
+
+
 def judge(
     receipt: Receipt,
     received_output: Sequence[runtime_pb2.Tensor],
