@@ -27,7 +27,7 @@ from swarm.averager.fp4 import fp4_quantize
 from swarm.averager.sparse import sparse_quantize
 from swarm.averager.transfer import read_update, write_update
 from swarm.defence.robust import RefusedPart
-from swarm.state.file import StateFileError, read_header
+from swarm.state.file import FORMAT, StateFileError, read_header
 
 CT = runtime_pb2.CompressionType
 CODECS = [CT.NONE, CT.MEANSTD_16BIT, CT.FLOAT16, CT.QUANTILE_8BIT, CT.UNIFORM_8BIT]
@@ -140,7 +140,7 @@ def state_file(tmp_path: Path, header: object, payload: bytes = b"") -> Path:
 
 
 def test_crafted_state_headers_are_refused_with_a_clear_error(tmp_path):
-    meta = {"format": "swarm-outer-state-1", "run_id": "r", "epoch": 1, "checksum": "0" * 64, "momentum_crc32": "x"}
+    meta = {"format": FORMAT, "run_id": "r", "epoch": 1, "checksum": "0" * 64, "momentum_crc32": "x"}
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     crafted = [
         b"[" * 100_000 + b"]" * 100_000,  # nested past Python's recursion limit
@@ -169,7 +169,7 @@ JSON = st.recursive(
 @given(JSON)
 def test_any_json_state_header_is_parsed_or_refused(header):
     tmp = Path(__import__("tempfile").mkdtemp())
-    ours = {"format": "swarm-outer-state-1"}
+    ours = {"format": FORMAT}
     for candidate in (header, {"__metadata__": header}, {"__metadata__": ours, "x": header}):
         try:
             read_header(state_file(tmp, candidate, b"\0" * 8))

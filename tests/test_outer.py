@@ -39,16 +39,19 @@ def test_checksum_sees_a_single_bit_and_load_refuses_wrong_shapes():
     before = state.checksum()
     flipped = torch.zeros(4)
     flipped[2] = torch.finfo(torch.float32).tiny
-    assert checksum([flipped]) != before and checksum([torch.zeros(4)]) == before
+    assert checksum([flipped, torch.zeros(4)]) != before and checksum([torch.zeros(4), torch.zeros(4)]) == before
     state.step([flipped])  # the cached checksum follows every change made through the state
-    assert state.checksum() == checksum(state.params) != before
+    assert state.checksum() == checksum([*state.params, *state.momentum]) != before
+    momentum_only = OuterState([torch.zeros(4)], OuterOptimizerSpec())
+    momentum_only.load(0, [torch.zeros(4), torch.ones(4)])  # the same parameters, another momentum: another state
+    assert momentum_only.checksum() != OuterState([torch.zeros(4)], OuterOptimizerSpec()).checksum()
     with pytest.raises(ValueError, match="shape"):
         state.load(3, [torch.zeros(5), torch.zeros(5)])
     with pytest.raises(ValueError, match="expected 2"):
         state.load(3, [torch.zeros(4)])
     state.load(3, [torch.ones(4), torch.zeros(4)])
     assert state.epoch == 3 and torch.equal(state.params[0], torch.ones(4))
-    assert state.checksum() == checksum([torch.ones(4)])
+    assert state.checksum() == checksum([torch.ones(4), torch.zeros(4)])
 
 
 def test_pseudo_gradient_is_written_into_the_callers_buffers():

@@ -4,7 +4,7 @@ The layout is safetensors' (an 8-byte little-endian header length, a JSON header
 then the raw bytes), so any safetensors tool can open it: the global parameters
 ``param.NNNNN`` followed by their momentum ``momentum.NNNNN``, all float32. The
 header's metadata says which run and epoch the state belongs to, the sha256 of the
-parameters' bytes (the checksum peers vote on) and a CRC32 of the momentum's, so
+parameters' and then the momentum's bytes (the checksum peers vote on) and a CRC32 of the momentum's, so
 a damaged or forged file is refused before anything is loaded from it.
 
 The same file is a checkpoint, what a donor streams to a joiner (as raw bytes),
@@ -28,7 +28,7 @@ import torch
 
 from swarm.errors import SwarmError
 
-FORMAT = "swarm-outer-state-1"
+FORMAT = "swarm-outer-state-2"  # 2: the checksum covers the momentum too
 logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 << 20
 MAX_DIM = 1 << 40  # a tensor dimension past this is no model's: refused before any size is computed from it
@@ -44,7 +44,7 @@ class StateFileError(SwarmError):
 class StateHeader:
     run_id: str
     epoch: int
-    checksum: str  # sha256 of the parameters' bytes: what peers vote on
+    checksum: str  # sha256 of the parameters' bytes, then the momentum's: what peers vote on
     momentum_crc32: str
     shapes: tuple[tuple[int, ...], ...]  # of the parameters; the momentum has the same
     data_start: int  # offset of the first tensor byte in the file
@@ -196,16 +196,18 @@ def _chunks(f, count: int) -> Iterator[bytes]:
 
 
 def verify(path: Path, header: StateHeader) -> None:
-    """Recompute the parameters' sha256 and the momentum's CRC32; raise if either differs from the header."""
+    """Recompute the sha256 of the parameters and the momentum (the checksum peers vote on) and the momentum's
+    CRC32; raise if either differs from the header."""
     sha, crc = hashlib.sha256(), 0
     with open(path, "rb") as f:
         f.seek(header.data_start)
         for chunk in _chunks(f, header.params_bytes):
             sha.update(chunk)
         for chunk in _chunks(f, header.momentum_bytes):
+            sha.update(chunk)
             crc = zlib.crc32(chunk, crc)
     if sha.hexdigest() != header.checksum:
-        raise StateFileError(f"{path.name}: the parameters do not match their checksum")
+        raise StateFileError(f"{path.name}: the parameters and momentum do not match their checksum")
     if f"crc32:{crc:08x}" != header.momentum_crc32:
         raise StateFileError(f"{path.name}: the momentum does not match its CRC32")
 

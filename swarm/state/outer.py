@@ -136,13 +136,15 @@ class OuterState:
                 p.copy_(g.to(p.device, p.dtype))
 
     def checksum(self) -> str:
-        """The parameters' sha256, computed once per change of the state."""
+        """The sha256 of the parameters and then the momentum: everything a peer loads from another's state, so the
+        swarm's vote covers the momentum too (a donor cannot serve poisoned momentum under a CRC of its own).
+        Computed once per change of the state."""
         cached = self._checksum
         if cached is not None:
             return cached
         with self.lock:
             if self._checksum is None:
-                self._checksum = checksum(self.params)
+                self._checksum = checksum(self.tensors())
             return self._checksum
 
     def keep_residual(self) -> None:

@@ -1,9 +1,9 @@
 """Getting the swarm's state: on joining, when behind, after a disagreement, and from our own checkpoint.
 
 Every state that did not come out of our own outer step arrives as a file and is
-checked before anything is loaded from it: the header's run and shapes, the
-parameters' sha256 against what the majority of peers published for that epoch,
-and the momentum's CRC32. Only then is it read into the outer state, and the file
+checked before anything is loaded from it: the header's run and shapes, the sha256 of
+the parameters and momentum against what peers published for the epoch the joiner
+chose (``trust``), and the momentum's CRC32. Only then is it read into the outer state, and the file
 becomes our newest checkpoint as it is. A peer a few rounds behind replays the
 rounds it missed instead (``swarm.state.replay``).
 """
