@@ -148,3 +148,17 @@ def test_a_joiner_that_sees_no_run_yet_reads_again_until_one_is_announced(honest
         assert choose_run(joiner, manifest.run_id, wait=60.0) == manifest
     finally:
         announce.join()
+
+
+def test_a_joiner_without_run_id_is_told_why_the_only_announced_manifest_is_refused(monkeypatch):
+    """Not "no run is announced": the run is there, and its manifest names a path on the joiner's machine."""
+    from swarm.dht import registry
+    from swarm.dht.records import ManifestRecord
+
+    text = json.loads(tiny_manifest().canonical_json())
+    text["dataset"] = dict(text["dataset"], source="local", path="/etc/passwd")
+    record = ManifestRecord(manifest_json=json.dumps(text), name="x", created_at=1.0)
+    monkeypatch.setattr(registry, "_manifest_records", lambda dht: [("0123456789abcdef", record)])
+    with pytest.raises(ManifestError) as refused:
+        registry.choose_run(None, None)
+    assert "never names a path" in str(refused.value) and "no run is announced" not in str(refused.value)

@@ -119,6 +119,8 @@ def choose_run(dht: hivemind.DHT, run_id: str | None, wait: float = 0.0) -> RunM
     if run_id is not None:
         return _fetch(records, run_id)
     runs = _listings(records)
+    if not runs and records:  # announced, but no manifest passes: say why (a path it names, a bad hash)
+        return _fetch(records, records[0][0])
     if not runs:
         raise ManifestError(
             "The initial peers answered, but no run is announced on this swarm yet. Start one with "
