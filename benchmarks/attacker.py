@@ -32,6 +32,9 @@ it claims, is replaced:
   what an audit of a sample of each slice's parts (``averaging.audit_parts``) can miss;
 - ``hide``: the ``reducer`` lie, and it serves no auditor the parts of its own slice (it
   signs its receipt, so it is plainly alive), hoping the slice goes unchecked;
+- ``oversized``: every fp4 part it sends (as a sender, and its averages as a reducer) declares ``factor`` times
+  2**20 values (default 2047: just under 2**31) and carries about 1 MB of deflated zeros that inflate to
+  exactly that: a decoder that trusts the declared size allocates gigabytes per part;
 - ``cut``: no lie in any value, but as a reducer it ends its stream to every groupmate after
   ``factor`` of its slice's parts (default 0.5), as a link cut mid-way does; it still signs
   for the whole average and serves it when asked again. Prints ``cut: ...`` when it did.
@@ -62,6 +65,7 @@ ATTACKS = {
     "few": 16.0,
     "hide": 4.0,
     "cut": 0.5,
+    "oversized": 2047.0,
 }
 
 
@@ -71,6 +75,9 @@ def install(attack: str, factor: float) -> None:
         return
     if attack == "few":
         _install_few(int(factor))
+        return
+    if attack == "oversized":
+        _install_oversized(int(factor) << 20)
         return
     if attack in ("reducer", "hide"):
         import swarm.averager.allreduce
@@ -154,6 +161,26 @@ def _install_nonfinite_fp4() -> None:
         return fp4.fp4_raw(t, codes, flat.numel())
 
     codecs.fp4_encode = encode
+
+
+def _install_oversized(numel: int) -> None:
+    import math
+    import zlib
+
+    from hivemind.proto import runtime_pb2
+
+    import swarm.averager.codecs as codecs
+
+    raw = math.ceil(numel / codecs.FP4_BLOCK) + math.ceil(numel / 2)  # what an fp4 part of ``numel`` inflates to
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    zeros = b"".join(deflate.compress(bytes(1 << 26)) for _ in range(raw >> 26))
+    zeros += deflate.compress(bytes(raw - ((raw >> 26) << 26))) + deflate.flush()
+
+    def compress(self, tensor, info, allow_inplace=False):
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=zeros, size=[numel], dtype="float32")
+
+    codecs.Fp4Codec.compress = compress
+    os.write(2, f"oversized: fp4 parts of {len(zeros)} bytes declaring {numel} values\n".encode())
 
 
 def _install_few(every: int) -> None:

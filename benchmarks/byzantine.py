@@ -61,10 +61,11 @@ from benchmarks.common import (
     save_figure,
     tied_to_us,
 )
+from benchmarks.pss import TreeSampler
 
 NAME = "byzantine"
 # a liar banned in its first round (or no liar): the honest peers must go on without it, so rounds need one fewer
-BANNED_OR_ABSENT = ("reducer", "few", "hide", "nonfinite", "absent")
+BANNED_OR_ABSENT = ("reducer", "few", "hide", "nonfinite", "oversized", "absent")
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
 # alone would otherwise wait out matchmaking for every round left
@@ -143,6 +144,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"], *tail]
         for i in range(1, args.peers - (1 if absent else 0)):
             procs.append(spawn(i, workdir, join, attack if i == args.peers - 1 else None, args.verbose_peers))
+        # each honest peer's whole process tree: an attack on memory shows here (the liar's is not scored)
+        samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[: args.peers - 1]]
         deadline = time.monotonic() + args.timeout
         for index, (proc, _) in enumerate(procs):
             if attack and not absent and index == len(procs) - 1:  # once the honest peers are done, the liar (which
@@ -152,6 +155,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
             except subprocess.TimeoutExpired:
                 break
     finally:
+        for sampler in locals().get("samplers", []):
+            sampler.stop()
         for proc, _ in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -184,6 +189,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
             dict(
                 peer=i,
                 exit=procs[i][0].returncode,
+                peak_pss_mib=round(samplers[i].overall.total / 2**20, 1) if i < len(samplers) else None,
                 epoch=data.get("epoch"),
                 checksum=data.get("checksum"),  # of the state it left with: equal across the honest peers, normally
                 averaged_rounds=data.get("averaged_rounds"),
@@ -229,6 +235,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         rounds_to_ban_liar=max(to_ban) if liar and None not in to_ban else None,  # until every honest peer banned it
         liar_banned_by=f"{banned_by}/{len(honest)}" if liar else None,
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
+        honest_peak_pss_mib=max((h["peak_pss_mib"] or 0 for h in honest), default=None),
         audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
         ["scenario", "honest loss", "ratio to honest/mean", "worst round", "to absent", "banned by", "rounds to ban"]
-        + ["audit s/round", "audit MB/round", "s"],
+        + ["audit s/round", "audit MB/round", "peak PSS MiB", "s"],
         [
             (
                 r["scenario"],
@@ -315,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["rounds_to_ban_liar"] or "-",
                 r["audit_seconds_mean"] if r["audit_seconds_mean"] is not None else "-",
                 round(r["audit_bytes_mean"] / 1e6, 3) if r["audit_bytes_mean"] is not None else "-",
+                r["honest_peak_pss_mib"],
                 r["seconds"],
             )
             for r in results
