@@ -170,8 +170,9 @@ def _install_oversized(numel: int) -> None:
     from hivemind.proto import runtime_pb2
 
     import swarm.averager.codecs as codecs
+    from swarm.averager.fp4 import FP4_BLOCK
 
-    raw = math.ceil(numel / codecs.FP4_BLOCK) + math.ceil(numel / 2)  # what an fp4 part of ``numel`` inflates to
+    raw = math.ceil(numel / FP4_BLOCK) + math.ceil(numel / 2)  # what an fp4 part of ``numel`` inflates to
     deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
     zeros = b"".join(deflate.compress(bytes(1 << 26)) for _ in range(raw >> 26))
     zeros += deflate.compress(bytes(raw - ((raw >> 26) << 26))) + deflate.flush()
