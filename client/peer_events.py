@@ -6,6 +6,7 @@ disk's speed); every other event is a line in the event log, chosen here by the 
 
 from __future__ import annotations
 
+from swarm.defence.bans import BAN_ROUNDS
 from swarm.events import (
     AveragingFailed,
     Banned,
@@ -54,7 +55,8 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
             return "download_failed", f"replay stopped at epoch {epoch} ({reason}): downloading the state"
         case Banned(ban=ban):
             who = "our audit" if ban.by == ("self",) else f"{len(ban.by)} of its groupmates"
-            return "banned", f"banned peer {ban.peer_id[-8:]} for the rest of the run: {ban.reason} (caught by {who})"
+            until = ban.epoch + BAN_ROUNDS
+            return "banned", f"banned peer {ban.peer_id[-8:]} until epoch {until}: {ban.reason} (caught by {who})"
         case CheckpointUnusable(path=path, reason=reason):
             return "log", f"Checkpoint {path.name} is unusable ({reason}); it is skipped."
     return None

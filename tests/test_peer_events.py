@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from client.peer_events import describe
-from swarm.defence.bans import Ban, BanReason
+from swarm.defence.bans import BAN_ROUNDS, Ban, BanReason
 from swarm.dht.records import PeerState
 from swarm.events import (
     EVENT_TYPES,
@@ -70,7 +70,7 @@ def test_lines_name_what_the_volunteer_needs():
     assert "this round is local" in describe(event_of(AveragingFailed))[1]
     assert describe(event_of(Banned)) == (
         "banned",
-        "banned peer 12345678 for the rest of the run: wrong average (caught by our audit)",
+        f"banned peer 12345678 until epoch {4 + BAN_ROUNDS}: wrong average (caught by our audit)",
     )
     assert describe(event_of(ReplayFailed))[0] == "download_failed"
 

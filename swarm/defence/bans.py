@@ -1,4 +1,4 @@
-"""Bans: peers caught by checked reducers, kept out for the rest of the run, and accusations others can check.
+"""Bans: peers caught by checked reducers, kept out for ``BAN_ROUNDS`` rounds, and the accusations they publish.
 
 A peer bans a groupmate only on evidence it holds itself: its own audit (``swarm.averager.auditing``)
 caught it returning a wrong average (or accusing an honest reducer), or, as its reducer, it received
