@@ -191,13 +191,16 @@ def test_a_part_whose_bytes_do_not_decode_is_refused_not_raised():
     """A sender's bytes are decoded before anything else: garbage gives RefusedPart (its sender is then banned by
     the reducer that saw it), an honest fp16 part its values."""
     good = serialize_torch_tensor(torch.arange(6.0), CompressionType.FLOAT16)
-    values, weight, _ = decode_part(averaging_pb2.AveragingData(tensor_part=good, weight=2.0))
+    values, weight, _ = decode_part(averaging_pb2.AveragingData(tensor_part=good, weight=2.0), 6, good.compression)
     assert torch.equal(values, torch.arange(6.0)) and weight == 2.0
     bad = runtime_pb2.Tensor()
     bad.CopyFrom(good)
     bad.buffer = good.buffer[:-3]  # not a whole number of fp16 values
-    refused, _, _ = decode_part(averaging_pb2.AveragingData(tensor_part=bad, weight=1.0))
+    refused, _, _ = decode_part(averaging_pb2.AveragingData(tensor_part=bad, weight=1.0), 6, good.compression)
     assert isinstance(refused, RefusedPart) and "could not be decoded" in str(refused)
+    # a part of more values than its reducer expects is refused before it is decoded
+    longer, _, _ = decode_part(averaging_pb2.AveragingData(tensor_part=good, weight=1.0), 5, good.compression)
+    assert isinstance(longer, RefusedPart) and "6 values where 5 are expected" in str(longer)
 
 
 def reference_robust_mean(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

@@ -20,7 +20,6 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
 import math
@@ -286,9 +285,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             container.register_failed_reducer(peer_index)
             raise
 
-    async def _expected_numels(self) -> AsyncIterator[int]:
-        for shape in self.tensor_part_reducer.part_shapes:
-            yield math.prod(shape)
+    async def _with_expected_numel(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[tuple[averaging_pb2.AveragingData, int]]:
+        """Each message of a sender's stream with the number of values its part must hold (-1 past the slice's
+        last part: refused as it stands). One stream, read in order: no read runs beside another."""
+        shapes = self.tensor_part_reducer.part_shapes
+        index = 0
+        async for message in stream:
+            yield message, math.prod(shapes[index]) if index < len(shapes) else -1
+            index += 1
 
     def _refuse(self, sender: PeerID) -> None:
         """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
@@ -305,9 +311,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             loop = asyncio.get_event_loop()
             async for tensor_part, weight, message in amap_in_executor(
-                functools.partial(decode_part, compression=ours),
-                self._count(stream, received=True),
-                self._expected_numels(),  # a sender's parts past the slice's count are never read
+                lambda numbered: decode_part(*numbered, compression=ours),
+                self._with_expected_numel(self._count(stream, received=True)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
