@@ -12,6 +12,7 @@ from swarm.dht.groups import (
     SETTLE,
     Decision,
     delegate_decision,
+    delegate_disagrees,
     delegate_of,
     delegate_rank,
     group_record,
@@ -78,6 +79,17 @@ def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_
     alone = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging))
     assert delegate_decision(alone, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.alone
     assert delegate_decision(alone, [], 3, (A, B), mine, waited=5, patience=30) == Decision.wait  # not read back
+
+
+def test_a_member_does_not_take_a_swarms_average_its_delegate_made_from_another_average_of_their_group():
+    tag = "1" * 16
+    # the delegate kept the slice our audits dropped (it was the liar): its group record names another digest
+    records = [group(3, tag, A, digest="5", merged=DIGEST["5"], included=[tag])]
+    assert delegate_disagrees(records, 3, tag, A, DIGEST["6"])
+    assert not delegate_disagrees(records, 3, tag, A, DIGEST["5"])  # the same bytes: take it
+    assert not delegate_disagrees(records, 3, tag, B, DIGEST["6"])  # B is not our delegate
+    assert not delegate_disagrees([], 3, tag, A, DIGEST["6"]) and not delegate_disagrees(records, 4, tag, A, "x")
+    assert not delegate_disagrees(records, 3, tag, A, None)  # a group of one has no digest to compare
 
 
 def test_a_member_speaks_for_its_group_only_once_the_delegate_is_gone_and_only_one_member_does():

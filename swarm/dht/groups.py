@@ -141,6 +141,15 @@ def delegate_decision(
     return Decision.merge if any(g.group != tag for g in registered) else Decision.alone
 
 
+def delegate_disagrees(records: Sequence[GroupRecord], epoch: int, tag: str, delegate: str, digest: str | None) -> bool:
+    """Whether our group's delegate registered another average of our group than the one we hold: it kept a slice
+    our audits dropped (it lies, or it was the liar whose slice we dropped), so its swarm's average, made from its
+    own, is not ours to take. A member then steps with its own group's average (and its groupmates, holding the same
+    bytes, do the same)."""
+    mine = next((g for g in groups_at(records, epoch) if g.group == tag and g.delegate == delegate), None)
+    return digest is not None and mine is not None and mine.digest is not None and mine.digest != digest
+
+
 def stands_in(
     view: SwarmView,
     records: Sequence[GroupRecord],

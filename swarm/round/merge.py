@@ -120,6 +120,11 @@ class Merger:
             self._register(state, **state.unregistered)  # a slow DHT (a neighbour vanishing): again
         if now - state.read_at >= READ_EVERY:
             state.read_at, state.records = now, self._read()
+        if state.delegate != ctx.me and groups.delegate_disagrees(
+            state.records, state.epoch, state.tag, state.delegate, state.digest
+        ):
+            state.fallback = "our delegate registered another average of our group: our own was applied"
+            return self._finish(state, counted=False)
         result = groups.own_result(state.records, state.epoch, state.tag)  # our delegate's: it holds our work
         if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
             result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
