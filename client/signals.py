@@ -10,6 +10,10 @@
   whatever it is doing (a spot VM gets 30 s of notice), killing its helper processes
   and p2pd; the exit code says whether the newest checkpoint was on disk by then.
 
+A stop that lands while the interpreter runs a finalizer (a ``__del__``, such as torch's storage
+release) cannot leave it: Python swallows it there and prints "Exception ignored". The
+unraisable hook catches that one and delivers the stop again to the main thread, where it leaves.
+
 In a container the peer is PID 1, which the kernel does not kill for a signal it has
 no handler for; installing these before anything heavy is imported leaves only the
 interpreter's own start-up unprotected.
@@ -17,6 +21,7 @@ interpreter's own start-up unprotected.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
@@ -52,6 +57,12 @@ def kill_children() -> None:
     psutil.wait_procs(children, timeout=3)
 
 
+def _interrupt_soon(signum: int) -> None:
+    """Deliver ``signum`` to the main thread's handler once the finalizer it was swallowed in has ended."""
+    time.sleep(0.01)
+    _thread.interrupt_main(signum)
+
+
 class Stopper:
     def __init__(self, deadline: float = LEAVE_DEADLINE):
         self.deadline = deadline
@@ -65,6 +76,8 @@ class Stopper:
         self._round_listeners: list[Callable[[], None]] = []
         self.checkpoint_done: Callable[[], bool] = lambda: True
         self._installed = False
+        self._redeliver = False  # a stop swallowed in a finalizer is being delivered again
+        self._next_unraisable_hook = sys.unraisablehook
 
     def install(self) -> None:
         if self._installed:
@@ -72,6 +85,8 @@ class Stopper:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGUSR1, self._on_usr1)
+        self._next_unraisable_hook = sys.unraisablehook
+        sys.unraisablehook = self._on_unraisable
         os.register_at_fork(after_in_child=_reset_in_child)
         self._installed = True
 
@@ -101,6 +116,10 @@ class Stopper:
 
     def _on_stop(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
+        if self._redeliver:  # the stop a finalizer swallowed, delivered again
+            self._redeliver = False
+            self._raise_or_defer()
+            return
         if self.requested:  # the second one: out now
             print(f"{name} received again: quitting at once.", file=sys.stderr, flush=True)
             kill_children()
@@ -109,10 +128,22 @@ class Stopper:
         threading.Thread(target=self._watchdog, name="swarm-leave-deadline", daemon=True).start()
         for listener in self._listeners:
             listener(name)
+        self._raise_or_defer()
+
+    def _raise_or_defer(self) -> None:
         if self._shielded:
             self._pending = True
         else:
-            raise LeaveRequested(f"{name} received")
+            raise LeaveRequested(f"{self.signal_name} received")
+
+    def _on_unraisable(self, unraisable) -> None:
+        """A stop raised inside a finalizer is lost there: raise it again in the main thread, silently."""
+        if not (isinstance(unraisable.exc_value, LeaveRequested) and self.requested):
+            self._next_unraisable_hook(unraisable)
+            return
+        self._redeliver = True
+        signum = signal.Signals[self.signal_name]
+        threading.Thread(target=_interrupt_soon, args=(signum,), name="swarm-stop-again", daemon=True).start()
 
     def _on_usr1(self, _signum: int, _frame) -> None:
         self.after_round = True
