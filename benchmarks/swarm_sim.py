@@ -56,6 +56,8 @@ from swarm.dht.groups import (
     GROUP_TTL,
     Decision,
     Merged,
+    Plan,
+    Stage2,
     delegate_decision,
     delegate_of,
     group_record,
@@ -63,6 +65,7 @@ from swarm.dht.groups import (
     groups_at,
     own_result,
     result_of,
+    stage2_plan,
 )
 from swarm.dht.peers import SwarmReader
 from swarm.dht.presence import PUBLISH_INTERVAL, RECORD_TTL
@@ -213,6 +216,8 @@ class MergeState:
     registered_at: float | None = None
     stage2: tuple[Fixed, Signal] | None = None  # the group, and what we wait on
     stage2_tries: int = 0
+    merge_at: float | None = None
+    roster: tuple[str, ...] = ()
     read_at: float = -math.inf
     fetched_at: float = -math.inf
     records: list[GroupRecord] = field(default_factory=list)
@@ -470,7 +475,7 @@ class Simulation:
 
     def register(self, p: SimPeer, m: MergeState, **merge: Any) -> None:
         try:
-            record = group_record(m.epoch, m.tag, p.pid, m.size, m.weight, m.digest, False, **merge)
+            record = group_record(m.epoch, m.tag, p.pid, m.size, m.weight, m.digest, False, m.roster, **merge)
         except ValueError:  # the record's schema refuses it (say, more than 256 groups included)
             self.invalid_records += 1
             return
@@ -950,7 +955,13 @@ class Simulation:
                     return
                 yield READ_EVERY
                 continue
-            if m.delegate == p.pid and m.stage2 is None and m.stage2_tries < STAGE2_TRIES:
+            deciding = m.delegate == p.pid and m.stage2 is None and m.stage2_tries < STAGE2_TRIES
+            if deciding:  # ``Merger._roster_step``: a roster that holds our group is followed at once
+                plan = stage2_plan(m.records, m.epoch, m.tag, p.pid, -1.0)
+                if plan.action == Stage2.follow:
+                    self.start_stage2(p, m, plan)
+                    continue
+            if deciding:
                 view = self.view(p, m.members) if f.blocking else self.recent_view(p)
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
                 decision = Decision.wait if view is None else delegate_decision(
@@ -962,19 +973,24 @@ class Simulation:
                     m.read_at = -math.inf
                     continue
                 if decision == Decision.merge:
-                    self.start_stage2(p, m)
-                    continue
+                    m.merge_at = now if m.merge_at is None else m.merge_at
+                    plan = stage2_plan(m.records, m.epoch, m.tag, p.pid, now - m.merge_at)
+                    if plan.action == Stage2.write:
+                        m.roster = tuple(g.group for g in plan.roster)
+                        self.register(p, m)
+                        self.start_stage2(p, m, plan)
+                        continue
             if self.now > m.deadline:
                 self.land(p, f, "group" if m.digest is not None else "local", m.digest)
                 return
             training = self.avg.overlap and not f.blocking
             yield max(READ_EVERY, p.step_seconds) if training else READ_EVERY
 
-    def start_stage2(self, p: SimPeer, m: MergeState) -> None:
-        """``Merger._start_stage2``: the fixed group of the registered groups' delegates, this try's."""
-        registered = sorted(groups_at(m.records, m.epoch), key=lambda g: g.delegate)
+    def start_stage2(self, p: SimPeer, m: MergeState, plan: Plan) -> None:
+        """``Merger._start_stage2``: the fixed group of the roster's delegates, this try's."""
+        registered = plan.roster
         members = tuple(g.delegate for g in registered)
-        key = (m.epoch, m.stage2_tries, members)
+        key = (m.epoch, plan.writer, m.stage2_tries, members)
         m.stage2_tries += 1
         fixed = self.fixed.get(key)
         if fixed is None:

@@ -9,8 +9,10 @@ from test_swarm_view import A, B, C, record
 
 from swarm.averager.process import epoch_group_bits, matchmaking_bucket
 from swarm.dht.groups import (
+    ROSTER_WAIT,
     SETTLE,
     Decision,
+    Stage2,
     delegate_decision,
     delegate_disagrees,
     delegate_of,
@@ -19,8 +21,10 @@ from swarm.dht.groups import (
     group_tag,
     own_result,
     result_of,
+    stage2_plan,
     stands_in,
     unaccounted,
+    writer_rank,
 )
 from swarm.dht.peers import RecordCache
 from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, PeerState, bucket_of, read_level, write_levels
@@ -79,6 +83,47 @@ def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_
     alone = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging))
     assert delegate_decision(alone, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.alone
     assert delegate_decision(alone, [], 3, (A, B), mine, waited=5, patience=30) == Decision.wait  # not read back
+
+
+def test_every_delegate_starts_the_second_stage_with_the_one_roster_however_late_it_read_the_groups():
+    g = {d: str(i) * 16 for i, d in enumerate((A, B, C, D), start=1)}
+    early = [group(7, g[d], d) for d in (A, B, C)]  # what the first writer read when it decided: D came later
+    first, second, _ = sorted((A, B, C), key=lambda d: writer_rank(7, d))
+    # nobody writes before deciding to merge; the first writer at once, the next only after its turn's wait
+    assert stage2_plan(early, 7, g[first], first, -1.0).action == Stage2.wait
+    plan = stage2_plan(early, 7, g[first], first, 0.0)
+    assert plan.action == Stage2.write and plan.writer == first
+    assert [r.delegate for r in plan.roster] == sorted((A, B, C))
+    assert stage2_plan(early, 7, g[second], second, ROSTER_WAIT * 0.9).action == Stage2.wait
+    assert stage2_plan(early, 7, g[second], second, ROSTER_WAIT).action == Stage2.write  # the first is gone
+    roster = [r.group for r in plan.roster]
+    written = [group(7, g[d], d, roster=roster if d == first else ()) for d in (A, B, C)]
+    late = [*written, group(7, g[D], D)]  # the groups as the others read them, D's registered since
+    for d in (A, B, C):  # whatever they read, whether they decided to merge yet or not: the same members
+        for records in (written, late):
+            for waited in (-1.0, 0.0, 10 * ROSTER_WAIT):
+                follow = stage2_plan(records, 7, g[d], d, waited)
+                assert follow.action == Stage2.follow and follow.writer == first, (d, waited)
+                assert [r.delegate for r in follow.roster] == sorted((A, B, C))
+    # the late group is not in it, and no second roster is written for it: its delegate takes the swarm's average
+    assert stage2_plan(late, 7, g[D], D, 10 * ROSTER_WAIT).action == Stage2.wait
+    # a member of a roster whose groups' records it has not all read yet waits for them
+    reader, unread = (d for d in (A, B, C) if d != first)
+    partial = [r for r in written if r.delegate != unread]
+    assert stage2_plan(partial, 7, g[reader], reader, 10 * ROSTER_WAIT).action == Stage2.wait
+
+
+def test_of_two_rosters_every_delegate_follows_the_first_ranked_writers_that_holds_its_group():
+    g = {d: str(i) * 16 for i, d in enumerate((A, B, C), start=1)}
+    first, second, third = sorted((A, B, C), key=lambda d: writer_rank(3, d))
+    both = [
+        group(3, g[first], first, roster=[g[first], g[second], g[third]]),
+        group(3, g[second], second, roster=[g[second], g[third]]),  # wrote while the first's was on its way
+        group(3, g[third], third),
+    ]
+    for d in (A, B, C):
+        plan = stage2_plan(both, 3, g[d], d, 0.0)
+        assert plan.action == Stage2.follow and plan.writer == first, d
 
 
 def test_a_member_does_not_take_a_swarms_average_its_delegate_made_from_another_average_of_their_group():

@@ -141,6 +141,53 @@ def delegate_decision(
     return Decision.merge if any(g.group != tag for g in registered) else Decision.alone
 
 
+ROSTER_WAIT = 3.0  # seconds a delegate waits for the roster of each delegate ranked before it
+
+
+class Stage2(enum.Enum):
+    """What a delegate that merges does next (``stage2_plan``)."""
+
+    wait = "wait"  # for the roster: its writer has not written it, or its groups' records are not all read yet
+    write = "write"  # the roster: we are the first writer not gone
+    follow = "follow"  # a roster holds our group: start the second stage with exactly its groups
+
+
+@dataclass(frozen=True)
+class Plan:
+    action: Stage2
+    roster: tuple[GroupRecord, ...] = ()  # the groups' records, in the roster's order
+    writer: str = ""  # the delegate that wrote it
+
+
+def writer_rank(epoch: int, delegate: str) -> bytes:
+    """A delegate's place in the order in which delegates write an epoch's roster (a new order every epoch)."""
+    return hashlib.sha256(f"{epoch}/roster/{delegate}".encode()).digest()
+
+
+def stage2_plan(records: Sequence[GroupRecord], epoch: int, tag: str, me: str, waited: float) -> Plan:
+    """The second stage's members, the same for every delegate however late it read the groups key: one delegate
+    (the first in ``writer_rank`` order among the registered ones, or after ``ROSTER_WAIT`` per place the next, if
+    it is gone) writes the **roster**, the groups registered when it decided to merge; every delegate whose group
+    it holds starts the second stage with exactly those groups. Among two rosters (the first writer was slow, not
+    gone) a delegate follows the first-ranked writer's that holds its group. A group registered after the roster
+    was written is not in it: its delegate waits and goes on from the swarm's average (``result_of``). ``waited``:
+    seconds since we decided to merge."""
+    registered = groups_at(records, epoch)
+    by_tag = {g.group: g for g in registered}
+    rosters = [g for g in registered if g.roster]
+    ours = [r for r in rosters if tag in r.roster]
+    complete = [r for r in ours if all(t in by_tag for t in r.roster)]
+    if complete:
+        chosen = min(complete, key=lambda r: writer_rank(epoch, r.delegate))
+        return Plan(Stage2.follow, tuple(by_tag[t] for t in chosen.roster), chosen.delegate)
+    if rosters:  # one holds us (its groups' records are on their way) or the swarm merges without us
+        return Plan(Stage2.wait)
+    order = sorted({g.delegate for g in registered}, key=lambda d: writer_rank(epoch, d))
+    if me in order and waited >= order.index(me) * ROSTER_WAIT:
+        return Plan(Stage2.write, tuple(sorted(registered, key=lambda g: g.delegate)), me)
+    return Plan(Stage2.wait)
+
+
 def delegate_disagrees(records: Sequence[GroupRecord], epoch: int, tag: str, delegate: str, digest: str | None) -> bool:
     """Whether our group's delegate registered another average of our group than the one we hold: it kept a slice
     our audits dropped (it lies, or it was the liar whose slice we dropped), so its swarm's average, made from its
@@ -201,9 +248,17 @@ def parse_groups(found: Any) -> list[GroupRecord]:
 
 
 def group_record(
-    epoch: int, tag: str, me: str, size: int, weight: float, digest: str | None, client_mode: bool, **merge: Any
+    epoch: int,
+    tag: str,
+    me: str,
+    size: int,
+    weight: float,
+    digest: str | None,
+    client_mode: bool,
+    roster: Sequence[str] = (),
+    **merge: Any,
 ) -> GroupRecord:
     return GroupRecord(
         epoch=epoch, group=tag, delegate=me, size=size, weight=float(weight), digest=digest, client_mode=client_mode,
-        time=time.time(), **merge,
+        roster=list(roster), time=time.time(), **merge,
     )  # fmt: skip

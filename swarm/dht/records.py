@@ -213,6 +213,7 @@ class GroupRecord(pv1.BaseModel):
     merged: Checksum | None = None  # of the swarm's average of the epoch, once made
     included: pv1.conlist(Tag, max_items=256) = []  # the groups it holds
     client_mode: pv1.StrictBool = False  # the delegate takes no incoming connections: it cannot lead the second stage
+    roster: pv1.conlist(Tag, max_items=256) = []  # written by one delegate: the groups whose delegates merge
     time: _Time
 
 

@@ -22,7 +22,7 @@ from swarm.averager.fixed_group import fixed_group_id
 from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
-from swarm.dht.groups import Decision, Merged, delegate_decision, group_record, group_tag
+from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.events import short_reason
 from swarm.state.checkpoints import Checkpoints
@@ -54,6 +54,8 @@ class MergeState:
     decided: bool = False  # as the round's only group, our average was registered as the swarm's
     stage2: Averaging | None = None
     stage2_tries: int = 0
+    merge_at: float | None = None  # when we (a delegate) decided to merge: the roster's writers take turns from it
+    roster: tuple[str, ...] = ()  # the groups of the second stage, when we wrote its roster
     read_at: float = -float("inf")
     looked_at: float = -float("inf")  # at whether our delegate is gone
     fetched_at: float = -float("inf")
@@ -133,6 +135,8 @@ class Merger:
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
             self._stand_in_if_gone(state, now, blocking)
         deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
+        if deciding and state.stage2_tries < STAGE2_TRIES and self._roster_step(state, now, decided=False):
+            return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
             waited = now - state.registered_at if state.registered_at is not None else 0.0
@@ -157,7 +161,8 @@ class Merger:
                 state.read_at = -float("inf")
                 return False
             if decision == Decision.merge:
-                self._start_stage2(state)
+                state.merge_at = now if state.merge_at is None else state.merge_at
+                self._roster_step(state, now, decided=True)
                 return False
         if now > state.deadline:
             state.fallback = "no swarm's average in time: our group's own was applied"
@@ -215,14 +220,27 @@ class Merger:
         state.read_at = -float("inf")
         return True
 
-    def _start_stage2(self, state: MergeState) -> None:
-        """The delegates' all-reduce, among the delegates registered for the epoch (every one of them that sees
-        the same groups runs the same group: ``swarm.averager.fixed_group``)."""
+    def _roster_step(self, state: MergeState, now: float, decided: bool) -> bool:
+        """Follow a roster that holds our group (whether or not we decided to merge yet), or, once we decided, write
+        it when it is our turn (``groups.stage2_plan``). True once the second stage started."""
+        waited = now - state.merge_at if decided and state.merge_at is not None else -1.0
+        plan = groups.stage2_plan(state.records, state.epoch, state.tag, self.ctx.me, waited)
+        if plan.action == Stage2.wait:
+            return False
+        if plan.action == Stage2.write:
+            state.roster = tuple(g.group for g in plan.roster)
+            self._register(state)
+            logger.debug("epoch %d: we wrote the second stage's roster of %d groups", state.epoch, len(state.roster))
+        self._start_stage2(state, plan)
+        return True
+
+    def _start_stage2(self, state: MergeState, plan: Plan) -> None:
+        """The delegates' all-reduce, among the delegates of the roster's groups (every one of them that follows the
+        same roster runs the same group: ``swarm.averager.fixed_group``)."""
         ctx, avg = self.ctx, self.ctx.manifest.averaging
-        registered = sorted(groups.groups_at(state.records, state.epoch), key=lambda g: g.delegate)
         members = [(g.delegate, g.client_mode, dict(epoch=state.epoch, samples=int(g.weight), group=g.group))
-                   for g in registered]  # fmt: skip
-        label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{state.stage2_tries}"
+                   for g in plan.roster]  # fmt: skip
+        label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{plan.writer}/{state.stage2_tries}"
         state.stage2_tries += 1
         state.stage2 = ctx.averager.start_fixed_averaging(
             group_id=fixed_group_id(label, [m[0] for m in members]),
@@ -314,7 +332,7 @@ class Merger:
     def _register(self, state: MergeState, **merge) -> None:
         client_mode = bool(self.ctx.averager.client_mode)
         record = group_record(state.epoch, state.tag, self.ctx.me, state.size, state.weight, state.digest, client_mode,
-                              **merge)  # fmt: skip
+                              state.roster, **merge)  # fmt: skip
         state.register_tried_at = time.monotonic()
         if groups.register(self.ctx.reader.dht, self.ctx.manifest.run_id, record):
             state.registered_at, state.unregistered = state.registered_at or time.monotonic(), None
