@@ -900,7 +900,7 @@ class Simulation:
             epoch=f.epoch, tag=group_tag(group.gid), delegate=delegate_of(members, group.gid), members=members,
             size=len(members), weight=max(1.0, weight),
             digest=digest("group", group_tag(group.gid), *sorted(group.lost)),
-            deadline=self.now + self.avg.merge_timeout,
+            deadline=self.now + self.avg.merge_limit,
         )  # fmt: skip
         self._start_merge(p, f, m)
         return m
@@ -908,7 +908,7 @@ class Simulation:
     def merge_alone(self, p: SimPeer, f: Flight) -> MergeState:
         m = MergeState(
             epoch=f.epoch, tag=group_tag(f"{p.pid}/{f.epoch}".encode()), delegate=p.pid, members=(p.pid,), size=1,
-            weight=float(max(1, f.samples)), digest=None, deadline=self.now + self.avg.merge_timeout,
+            weight=float(max(1, f.samples)), digest=None, deadline=self.now + self.avg.merge_limit,
         )  # fmt: skip
         self._start_merge(p, f, m)
         return m
@@ -965,7 +965,7 @@ class Simulation:
                 view = self.view(p, m.members) if f.blocking else self.recent_view(p)
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
                 decision = Decision.wait if view is None else delegate_decision(
-                    view, m.records, m.epoch, m.members, m.tag, waited, patience
+                    view, m.records, m.epoch, m.members, m.tag, waited, patience, self.avg.allreduce_limit
                 )  # fmt: skip
                 if decision == Decision.alone and m.digest is not None:
                     self.contents[m.digest] = (frozenset([m.tag]), 0.0)

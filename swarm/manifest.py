@@ -215,7 +215,8 @@ class AveragingSpec(_Frozen):
     # averages, and every peer steps with that one swarm's average; false: each group steps with its own, and the
     # peers outside the group with the most checksum votes re-sync (their round's work is lost)
     merge_groups: bool = True
-    merge_timeout: PositiveFloat = 60.0  # the most a group waits for the swarm's average before stepping alone
+    # the most a group waits for the swarm's average, beyond the other groups' first stage (``merge_limit``)
+    merge_timeout: PositiveFloat = 60.0
     consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
     # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
@@ -226,6 +227,13 @@ class AveragingSpec(_Frozen):
         """The longest a formed group's all-reduce may last in the averager: with checked reducers, the audits
         may take as long again."""
         return self.allreduce_timeout * (2 if self.checked_reducers else 1)
+
+    @property
+    def merge_limit(self) -> float:
+        """The longest a group waits for the swarm's average (two-stage rounds): the groups still in their first
+        stage when ours ended register within ``allreduce_limit``, then ``merge_timeout`` for the second stage and
+        fetching its average."""
+        return self.allreduce_limit + self.merge_timeout
 
     @property
     def attempt_limit(self) -> float:

@@ -19,6 +19,7 @@ from swarm.dht.groups import (
     delegate_rank,
     group_record,
     group_tag,
+    in_groups,
     own_result,
     result_of,
     stage2_plan,
@@ -83,6 +84,14 @@ def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_
     alone = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging))
     assert delegate_decision(alone, ours, 3, (A, B), mine, waited=5, patience=30) == Decision.alone
     assert delegate_decision(alone, [], 3, (A, B), mine, waited=5, patience=30) == Decision.wait  # not read back
+    # C is in a group of its own, still averaging over a slow link: waited for beyond the patience for trainers
+    averaging = view_of(
+        record(A, 3, PeerState.merging), record(B, 3, PeerState.merging), record(C, 3, PeerState.averaging)
+    )
+    assert in_groups(averaging, ours, 3, (A, B), mine) == 1 and in_groups(view, ours, 3, (A, B), mine) == 0
+    assert delegate_decision(averaging, ours, 3, (A, B), mine, 31, 30, group_patience=240) == Decision.wait
+    assert delegate_decision(averaging, ours, 3, (A, B), mine, 241, 30, group_patience=240) == Decision.alone
+    assert delegate_decision(view, ours, 3, (A, B), mine, 31, 30, group_patience=240) == Decision.alone  # C trains
 
 
 def test_every_delegate_starts_the_second_stage_with_the_one_roster_however_late_it_read_the_groups():

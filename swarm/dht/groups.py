@@ -110,6 +110,18 @@ def unaccounted(view: SwarmView, records: Sequence[GroupRecord], epoch: int, gro
     return coming + max(0, merging - registered)
 
 
+def in_groups(view: SwarmView, records: Sequence[GroupRecord], epoch: int, group: Sequence[str], tag: str) -> int:
+    """Of the ``unaccounted`` peers, those already in a group: averaging in its first stage, or merging in a group
+    not registered yet. Their groups register within the first stage's bound (``allreduce_limit``) whatever their
+    links, so a delegate waits for them longer than for peers still training."""
+    mates = set(group)
+    others = [p for p in view.peers if p.epoch == epoch and p.peer_id not in mates]
+    averaging = sum(p.state == PeerState.averaging.value for p in others)
+    merging = sum(p.state == PeerState.merging.value for p in others)
+    registered = sum(r.size for r in groups_at(records, epoch) if r.group != tag)
+    return averaging + max(0, merging - registered)
+
+
 class Decision(enum.Enum):
     """What a delegate does next with its round's groups (``delegate_decision``)."""
 
@@ -129,14 +141,18 @@ def delegate_decision(
     tag: str,
     waited: float,
     patience: float,
+    group_patience: float = 0.0,
 ) -> Decision:
     """A delegate that registered its group ``waited`` seconds ago: wait while peers of the epoch are unaccounted for
-    (at most ``patience``); then, if its group is the only one registered, its average is the swarm's; otherwise
-    the registered groups merge."""
+    (at most ``patience``), and while some of them are in groups still averaging (at most ``group_patience``: a
+    group with a slow link may take minutes, and a fast group that went on alone would leave its work out); then,
+    if its group is the only one registered, its average is the swarm's; otherwise the registered groups merge."""
     registered = groups_at(records, epoch)
     if waited < SETTLE or not any(g.group == tag for g in registered):
         return Decision.wait
     if waited < patience and unaccounted(view, records, epoch, group, tag):
+        return Decision.wait
+    if waited < group_patience and in_groups(view, records, epoch, group, tag):
         return Decision.wait
     return Decision.merge if any(g.group != tag for g in registered) else Decision.alone
 

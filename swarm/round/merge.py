@@ -6,7 +6,7 @@ robustly, audited: the same all-reduce as the first stage, under the epoch's sec
 the digest of the result. Every member then takes that swarm's average: its delegate's (or any holder's) file,
 checked against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's
 update for replay. A round that formed one group registers its own average as the swarm's at once. A peer that
-found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_timeout``:
+found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit``:
 a group that hears of no swarm's average by then steps with its own.
 """
 
@@ -83,7 +83,7 @@ class Merger:
         state = MergeState(
             epoch=epoch, tag=group_tag(outcome.group_id), delegate=groups.delegate_of(members, outcome.group_id),
             members=members, size=len(members), weight=float(sum(samples.values())), digest=outcome.digest,
-            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_timeout,
+            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_limit,
         )  # fmt: skip
         self._start(state)
         return state
@@ -94,7 +94,7 @@ class Merger:
         state = MergeState(
             epoch=epoch, tag=group_tag(f"{me}/{epoch}".encode()), delegate=me, members=(me,), size=1,
             weight=float(max(1, samples)), digest=None,
-            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_timeout,
+            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_limit,
         )  # fmt: skip
         self._start(state)
         return state
@@ -142,7 +142,8 @@ class Merger:
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
             decision = Decision.wait if view is None else delegate_decision(
-                view, state.records, state.epoch, state.members, state.tag, waited, patience
+                view, state.records, state.epoch, state.members, state.tag, waited, patience,
+                ctx.manifest.averaging.allreduce_limit,
             )  # fmt: skip
             if decision != Decision.wait:
                 seen = [
