@@ -21,7 +21,8 @@ What is modelled, and how simply:
   ``target_group_size``, in arrival order. A group's butterfly all-reduce moves 2(g-1)/g |A| in and out of every member
   and lasts that over the slowest member's link (plus ``--allreduce-overhead``); the delegates' stage the same among K
   delegates, who all must start the same fixed group within ``GROUP_WAIT``; a member fetches the swarm's average (|A|)
-  from the holders in the registered order, the holder's upload shared fairly among its concurrent fetches.
+  from its parent in the group's tree, then further ancestors and the holders (``fetch_sources``), the source's
+  upload shared fairly among its concurrent fetches.
   |A| = one fp4 pseudo-gradient, 0.44 B/param. A member that dies fails its group's all-reduce (``chunk_timeout``).
 - **Decisions** are made on a 1 s tick (matchmaking's give-up checks), at step ends at most once per ``CHECK_EVERY``
   (ending a round early), and every ``READ_EVERY`` (or every step, while training goes on) in the second stage.
@@ -60,6 +61,7 @@ from swarm.dht.groups import (
     Stage2,
     delegate_decision,
     delegate_of,
+    fetch_sources,
     group_record,
     group_tag,
     groups_at,
@@ -220,6 +222,7 @@ class MergeState:
     roster: tuple[str, ...] = ()
     read_at: float = -math.inf
     fetched_at: float = -math.inf
+    seen_at: float | None = None
     records: list[GroupRecord] = field(default_factory=list)
 
 
@@ -1031,11 +1034,16 @@ class Simulation:
     def take(self, p: SimPeer, f: Flight, m: MergeState, result: Merged) -> Generator:
         """``Merger._take``: our delegate's swarm's average (or another's), as held or fetched from its holders."""
         held = result.digest == m.digest or (m.delegate == p.pid and self.holds(p, m, result))
+        m.seen_at = self.now if m.seen_at is None else m.seen_at
         if not held and self.now - m.fetched_at < FETCH_EVERY:
             return False
         if not held:
             m.fetched_at = self.now
-            for holder in [h for h in result.holders if h != p.pid]:
+            sources = fetch_sources(m.members, m.tag, m.delegate, p.pid, result.holders, self.now - m.seen_at)
+            for holder in sources:
+                source = self.peers.get(holder)
+                if holder not in result.holders and (source is None or source.applied.get(m.epoch) != result.digest):
+                    continue  # a groupmate that does not hold it yet answers at once with nothing
                 ok = yield Transfer(holder, self.setup.update_bytes, self.avg.allreduce_timeout, "fetch")
                 if ok:
                     held = True

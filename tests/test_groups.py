@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from test_swarm_view import A, B, C, record
 
@@ -11,12 +12,14 @@ from swarm.averager.process import epoch_group_bits, matchmaking_bucket
 from swarm.dht.groups import (
     ROSTER_WAIT,
     SETTLE,
+    TREE_STEP,
     Decision,
     Stage2,
     delegate_decision,
     delegate_disagrees,
     delegate_of,
     delegate_rank,
+    fetch_sources,
     group_record,
     group_tag,
     in_groups,
@@ -133,6 +136,32 @@ def test_of_two_rosters_every_delegate_follows_the_first_ranked_writers_that_hol
     for d in (A, B, C):
         plan = stage2_plan(both, 3, g[d], d, 0.0)
         assert plan.action == Stage2.follow and plan.writer == first, d
+
+
+def test_the_swarms_average_reaches_a_group_down_a_tree_in_which_no_member_serves_more_than_two():
+    tag, delegate = "5" * 16, "m00"
+    members = [delegate, *(f"m{i:02d}" for i in range(1, 63))]
+    holders = (delegate, "x1", "x2")  # the second stage's delegates
+    first = {m: fetch_sources(members, tag, delegate, m, holders, 0.0) for m in members[1:]}
+    assert all(len(sources) == 1 for sources in first.values())
+    assert max(Counter(s[0] for s in first.values()).values()) == 2  # a parent serves two children
+    assert Counter(s[0] for s in first.values())[delegate] == 2
+    # the tree spans the group: following parents from any member reaches the delegate in at most log2(63) hops
+    for member in members[1:]:
+        hops, node = 0, member
+        while node != delegate:
+            node, hops = first[node][0], hops + 1
+        assert hops <= 6
+    # every TREE_STEP the next ancestor up may be asked too (the parent may be gone); then the holders
+    deep = max(members[1:], key=lambda m: len(fetch_sources(members, tag, delegate, m, holders, 1e9)))
+    later = fetch_sources(members, tag, delegate, deep, holders, TREE_STEP)
+    assert later[0] == first[deep][0] and later[1] == first[later[0]][0]
+    last = fetch_sources(members, tag, delegate, deep, holders, 1e9)
+    assert set(last) - set(members) == {"x1", "x2"} and last.index(delegate) < last.index("x1")
+    # a delegate, or a peer outside the group, asks the holders, each in an order of its own
+    orders = {tuple(fetch_sources(members, tag, delegate, who, holders, 0.0)) for who in ("a", "b", "c", "d", "e")}
+    assert all(set(order) == set(holders) for order in orders) and len({o[0] for o in orders}) > 1
+    assert delegate not in fetch_sources(members, tag, delegate, delegate, holders, 0.0)
 
 
 def test_a_member_does_not_take_a_swarms_average_its_delegate_made_from_another_average_of_their_group():

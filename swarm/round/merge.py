@@ -59,6 +59,7 @@ class MergeState:
     read_at: float = -float("inf")
     looked_at: float = -float("inf")  # at whether our delegate is gone
     fetched_at: float = -float("inf")
+    seen_at: float | None = None  # when we first saw a swarm's average to take (our group's tree counts from it)
     records: list[GroupRecord] = field(default_factory=list)
     result: Merged | None = None
     counted: bool = False  # our group's average is in the swarm's
@@ -254,17 +255,21 @@ class Merger:
     # ---- the swarm's average -------------------------------------------------------------------------------------
 
     def _take(self, state: MergeState, result: Merged) -> bool:
-        """Go on from the swarm's average: ours as it is, or fetched from a holder (at most one try a second) and
-        checked. A delegate that takes another group's registers it as its group's, so its members take it too."""
+        """Go on from the swarm's average: ours as it is, or fetched (at most one try a second) from our parent in
+        the group's tree, or later a holder (``groups.fetch_sources``), and checked. A delegate that takes another
+        group's registers it as its group's, so its members take it too."""
         counted = state.tag in result.included
         held = result.digest == state.digest or state.delegate == self.ctx.me and self._holds(state, result)
         now = time.monotonic()
+        state.seen_at = now if state.seen_at is None else state.seen_at
         if not held and now - state.fetched_at < FETCH_EVERY:
             return False
         if not held:
             state.fetched_at = now
-            holders = [h for h in result.holders if h != self.ctx.me]
-            held = any(self._fetch(state, holder, result.digest) for holder in holders)
+            sources = groups.fetch_sources(
+                state.members, state.tag, state.delegate, self.ctx.me, result.holders, now - state.seen_at
+            )
+            held = any(self._fetch(state, source, result.digest) for source in sources)
             if held and state.delegate == self.ctx.me:
                 self._register(state, merged=result.digest, included=sorted(result.included))
         if held:
