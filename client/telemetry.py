@@ -119,6 +119,7 @@ class Telemetry:
                 wall_seconds=round(self.last_round_wall, 4),
                 outcome=report.outcome.value,
                 merged_groups=report.merged_groups,
+                merge_source=report.merge_source.value if report.merge_source is not None else None,
                 counted=report.counted,
                 records_read=report.records_read,
                 records_written=report.records_written,

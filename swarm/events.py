@@ -30,6 +30,14 @@ class RoundOutcome(enum.Enum):
     abandoned = "abandoned"  # the peer is leaving: nothing was applied
 
 
+class MergeSource(enum.Enum):
+    """Two-stage rounds: where a peer got the swarm's average it stepped with."""
+
+    held = "held"  # it made it (a second-stage delegate), or it is its own group's average
+    groupmate = "groupmate"  # from a member of its group that had it (the group's tree: ``groups.fetch_sources``)
+    holder = "holder"  # from a delegate that registered it
+
+
 @dataclass
 class RoundReport:
     """What one outer round did, for logs, the dashboard and tests."""
@@ -53,6 +61,7 @@ class RoundReport:
     steps_late: int | None = None
     resync_reason: ResyncReason | None = None  # why the swarm's state replaced this round's (None: it did not)
     merged_groups: int = 1  # two-stage rounds: the groups whose averages the swarm's average of the round holds
+    merge_source: MergeSource | None = None  # two-stage rounds: where it came from
     # this peer's pseudo-gradient is in the state the round ended on, and that state is the swarm's: not re-synced,
     # not adopted from other groups, and (two-stage rounds) not stepped with our group's own average for want of it
     counted: bool = True

@@ -28,8 +28,13 @@ from swarm.state.store import find_latest  # noqa: E402
 
 
 def as_json(report) -> dict:
-    reason = report.resync_reason
-    return dict(report.__dict__, outcome=report.outcome.value, resync_reason=reason and reason.name)
+    reason, source = report.resync_reason, report.merge_source
+    return dict(
+        report.__dict__,
+        outcome=report.outcome.value,
+        resync_reason=reason and reason.name,
+        merge_source=source and source.value,
+    )
 
 
 def main() -> int:

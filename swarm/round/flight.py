@@ -96,5 +96,6 @@ class Flight:
             audit_bytes=outcome.audit_bytes if outcome is not None else 0,
             repair_failures=outcome.repair_failures if outcome is not None else (),
             merged_groups=merge.groups if self.merged else 1,
+            merge_source=merge.source if self.merged else None,
             counted=not adopted and not skipped and not apart,
         )

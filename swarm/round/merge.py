@@ -24,7 +24,7 @@ from swarm.averager.transfer import read_update
 from swarm.dht import groups
 from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
-from swarm.events import short_reason
+from swarm.events import MergeSource, short_reason
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -60,6 +60,7 @@ class MergeState:
     looked_at: float = -float("inf")  # at whether our delegate is gone
     fetched_at: float = -float("inf")
     seen_at: float | None = None  # when we first saw a swarm's average to take (our group's tree counts from it)
+    source: MergeSource = MergeSource.held  # where the swarm's average we took came from
     records: list[GroupRecord] = field(default_factory=list)
     result: Merged | None = None
     counted: bool = False  # our group's average is in the swarm's
@@ -269,7 +270,10 @@ class Merger:
             sources = groups.fetch_sources(
                 state.members, state.tag, state.delegate, self.ctx.me, result.holders, now - state.seen_at
             )
-            held = any(self._fetch(state, source, result.digest) for source in sources)
+            got = next((source for source in sources if self._fetch(state, source, result.digest)), None)
+            held = got is not None
+            if held:
+                state.source = MergeSource.holder if got in result.holders else MergeSource.groupmate
             if held and state.delegate == self.ctx.me:
                 self._register(state, merged=result.digest, included=sorted(result.included))
         if held:
