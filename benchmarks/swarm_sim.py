@@ -220,6 +220,7 @@ class MergeState:
     stage2_tries: int = 0
     merge_at: float | None = None
     roster: tuple[str, ...] = ()
+    absent: frozenset[str] = frozenset()
     read_at: float = -math.inf
     fetched_at: float = -math.inf
     seen_at: float | None = None
@@ -940,6 +941,7 @@ class Simulation:
                     f.reported_bytes += 2 * moved
                     # ``Merger._poll_stage2``: a second stage that ran without some of its delegates (their slices
                     # zeros, their groups' work missing) is not registered; the delegate tries again or takes another's
+                    m.absent |= frozenset(fixed.members) - frozenset(fixed.present) - {p.pid}
                     if len(fixed.present) == len(fixed.members):
                         held = frozenset(fixed.tags)
                         merged = digest("merged", m.epoch, *sorted(held), "of", *sorted(fixed.tags))
@@ -991,10 +993,12 @@ class Simulation:
 
     def start_stage2(self, p: SimPeer, m: MergeState, plan: Plan) -> None:
         """``Merger._start_stage2``: the fixed group of the roster's delegates, this try's."""
-        registered = plan.roster
+        registered = tuple(g for g in plan.roster if g.delegate not in m.absent)
         members = tuple(g.delegate for g in registered)
         key = (m.epoch, plan.writer, m.stage2_tries, members)
         m.stage2_tries += 1
+        if len(members) < 2:  # ``Merger._start_stage2``: nobody left to merge with
+            return
         fixed = self.fixed.get(key)
         if fixed is None:
             fixed = self.fixed[key] = Fixed(members, tuple(g.group for g in registered))

@@ -20,6 +20,7 @@ class AllReduceOutcome:
     gathered: dict[str, Any]  # each groupmate's ``gather`` payload
     dropped_fraction: float  # share of values whose reducer vanished (set to zero)
     excluded_senders: int  # groupmates whose contribution was left out of some parts
+    absent: tuple[str, ...] = ()  # their peer ids (a second stage is tried again without them)
     bytes_sent: int = 0  # tensor payload this peer sent (parts to reducers, averages back to senders)
     bytes_received: int = 0  # tensor payload this peer received
     # checked reducers: what this peer's audits (and its checks of others' accusations) found; each a dict of

@@ -168,7 +168,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         total = max(1, runner.tensor_part_container.total_size)
         self._round_stats[group_id] = (
             (runner.tensor_part_container.failed_size + discarded) / total,
-            len(runner.banned_senders),
+            tuple(sorted(p.to_base58() for p in runner.banned_senders)),
             runner.bytes_sent,
             runner.bytes_received,
             held,
@@ -181,7 +181,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         started = time.monotonic()
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        empty = (0.0, 0, 0, 0, None, (), 0.0, 0, ())
+        empty = (0.0, (), 0, 0, None, (), 0.0, 0, ())
         stats = self._round_stats.pop(group_info.group_id, empty)
         dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes, repair_failures = stats
         epoch = group_epoch(gathered.values())
@@ -197,7 +197,8 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
             group=tuple(p.to_base58() for p in group_info.peer_ids),
             gathered={peer.to_base58(): data for peer, data in gathered.items()},
             dropped_fraction=dropped,
-            excluded_senders=excluded,
+            excluded_senders=len(excluded),
+            absent=excluded,
             bytes_sent=sent,
             bytes_received=received,
             findings=findings,

@@ -56,6 +56,7 @@ class MergeState:
     stage2_tries: int = 0
     merge_at: float | None = None  # when we (a delegate) decided to merge: the roster's writers take turns from it
     roster: tuple[str, ...] = ()  # the groups of the second stage, when we wrote its roster
+    absent: frozenset[str] = frozenset()  # delegates that did not take part in a try of the second stage
     read_at: float = -float("inf")
     looked_at: float = -float("inf")  # at whether our delegate is gone
     fetched_at: float = -float("inf")
@@ -213,6 +214,7 @@ class Merger:
             # zeros and its group's work is missing, yet the group names it. Not a swarm's average: try again with
             # the groups registered now, or take the one the others made
             logger.debug("the second stage of epoch %d ran without some delegates: not registered", state.epoch)
+            state.absent |= frozenset(outcome.absent) - {self.ctx.me}  # the next try runs without them
             state.fallback = "second stage: some delegates did not take part"
             return True
         state.findings = outcome.findings
@@ -242,9 +244,12 @@ class Merger:
         same roster runs the same group: ``swarm.averager.fixed_group``)."""
         ctx, avg = self.ctx, self.ctx.manifest.averaging
         members = [(g.delegate, g.client_mode, dict(epoch=state.epoch, samples=int(g.weight), group=g.group))
-                   for g in plan.roster]  # fmt: skip
+                   for g in plan.roster if g.delegate not in state.absent]  # fmt: skip
         label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{plan.writer}/{state.stage2_tries}"
         state.stage2_tries += 1
+        if len(members) < 2:  # every other delegate was absent from the last try: no swarm's average to make
+            state.fallback = "second stage: the other delegates did not take part"
+            return
         state.stage2 = ctx.averager.start_fixed_averaging(
             group_id=fixed_group_id(label, [m[0] for m in members]),
             members=members,
