@@ -125,6 +125,17 @@ def test_every_delegate_starts_the_second_stage_with_the_one_roster_however_late
     assert stage2_plan(partial, 7, g[reader], reader, 10 * ROSTER_WAIT).action == Stage2.wait
 
 
+def test_a_strangers_roster_that_leaves_groups_out_does_not_stop_them_from_merging():
+    g = {d: str(i) * 16 for i, d in enumerate((A, B, C, D), start=1)}
+    liar = D
+    records = [group(3, g[liar], liar, roster=[g[liar], g[A]]), *(group(3, g[d], d) for d in (A, B, C))]
+    assert stage2_plan(records, 3, g[A], A, 0.0).action == Stage2.follow  # A was named: it tries (then without D)
+    first, second = sorted((B, C), key=lambda d: writer_rank(3, d))
+    plan = stage2_plan(records, 3, g[first], first, 0.0)
+    assert plan.action == Stage2.write and {r.delegate for r in plan.roster} == {B, C}
+    assert stage2_plan(records, 3, g[second], second, 0.0).action == Stage2.wait  # its turn comes later
+
+
 def test_of_two_rosters_every_delegate_follows_the_first_ranked_writers_that_holds_its_group():
     g = {d: str(i) * 16 for i, d in enumerate((A, B, C), start=1)}
     first, second, third = sorted((A, B, C), key=lambda d: writer_rank(3, d))

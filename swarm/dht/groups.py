@@ -185,9 +185,11 @@ def stage2_plan(records: Sequence[GroupRecord], epoch: int, tag: str, me: str, w
     (the first in ``writer_rank`` order among the registered ones, or after ``ROSTER_WAIT`` per place the next, if
     it is gone) writes the **roster**, the groups registered when it decided to merge; every delegate whose group
     it holds starts the second stage with exactly those groups. Among two rosters (the first writer was slow, not
-    gone) a delegate follows the first-ranked writer's that holds its group. A group registered after the roster
-    was written is not in it: its delegate waits and goes on from the swarm's average (``result_of``). ``waited``:
-    seconds since we decided to merge."""
+    gone) a delegate follows the first-ranked writer's that holds its group. Groups that no roster holds (two or
+    more registered after it was written, or left out by a stranger's roster) write their own the same way; a
+    single one goes on from the swarm's average (``result_of``). A stranger's roster naming groups whose delegate
+    never joins only costs a try: the second try runs without the absent. ``waited``: seconds since we decided to
+    merge."""
     registered = groups_at(records, epoch)
     by_tag = {g.group: g for g in registered}
     rosters = [g for g in registered if g.roster]
@@ -196,12 +198,14 @@ def stage2_plan(records: Sequence[GroupRecord], epoch: int, tag: str, me: str, w
     if complete:
         chosen = min(complete, key=lambda r: writer_rank(epoch, r.delegate))
         return Plan(Stage2.follow, tuple(by_tag[t] for t in chosen.roster), chosen.delegate)
-    if rosters:  # one holds us (its groups' records are on their way) or the swarm merges without us
+    if ours:  # a roster holds us: its groups' records are on their way
         return Plan(Stage2.wait)
-    order = sorted({g.delegate for g in registered}, key=lambda d: writer_rank(epoch, d))
-    if me in order and waited >= order.index(me) * ROSTER_WAIT:
-        return Plan(Stage2.write, tuple(sorted(registered, key=lambda g: g.delegate)), me)
-    return Plan(Stage2.wait)
+    # the groups no roster holds: registered after one was written, or left out by a stranger's roster
+    free = [g for g in registered if not any(g.group in r.roster for r in rosters)]
+    order = sorted({g.delegate for g in free}, key=lambda d: writer_rank(epoch, d))
+    if len(free) >= 2 and me in order and waited >= order.index(me) * ROSTER_WAIT:
+        return Plan(Stage2.write, tuple(sorted(free, key=lambda g: g.delegate)), me)
+    return Plan(Stage2.wait)  # a group left alone goes on from the swarm's average (``result_of``)
 
 
 def delegate_disagrees(records: Sequence[GroupRecord], epoch: int, tag: str, delegate: str, digest: str | None) -> bool:
