@@ -119,10 +119,11 @@ def test_every_delegate_starts_the_second_stage_with_the_one_roster_however_late
                 assert [r.delegate for r in follow.roster] == sorted((A, B, C))
     # the late group is not in it, and no second roster is written for it: its delegate takes the swarm's average
     assert stage2_plan(late, 7, g[D], D, 10 * ROSTER_WAIT).action == Stage2.wait
-    # a member of a roster whose groups' records it has not all read yet waits for them
+    # a member of a roster whose groups' records it has not all read yet waits for them (for ROSTER_WAIT)
     reader, unread = (d for d in (A, B, C) if d != first)
     partial = [r for r in written if r.delegate != unread]
-    assert stage2_plan(partial, 7, g[reader], reader, 10 * ROSTER_WAIT).action == Stage2.wait
+    for waited in (-1.0, 0.0, ROSTER_WAIT * 0.9):
+        assert stage2_plan(partial, 7, g[reader], reader, waited).action == Stage2.wait
 
 
 def test_a_strangers_roster_that_leaves_groups_out_does_not_stop_them_from_merging():
@@ -134,6 +135,13 @@ def test_a_strangers_roster_that_leaves_groups_out_does_not_stop_them_from_mergi
     plan = stage2_plan(records, 3, g[first], first, 0.0)
     assert plan.action == Stage2.write and {r.delegate for r in plan.roster} == {B, C}
     assert stage2_plan(records, 3, g[second], second, 0.0).action == Stage2.wait  # its turn comes later
+    # a roster naming a group that is not registered holds its followers only until they have waited ROSTER_WAIT
+    fake = [group(3, g[liar], liar, roster=[g[liar], g[A], g[B], "f" * 16]), *(group(3, g[d], d) for d in (A, B))]
+    assert stage2_plan(fake, 3, g[A], A, -1.0).action == Stage2.wait
+    assert stage2_plan(fake, 3, g[A], A, ROSTER_WAIT * 0.9).action == Stage2.wait
+    writer = min((A, B), key=lambda d: writer_rank(3, d))
+    plan = stage2_plan(fake, 3, g[writer], writer, ROSTER_WAIT)
+    assert plan.action == Stage2.write and {r.delegate for r in plan.roster} == {A, B, liar}
 
 
 def test_of_two_rosters_every_delegate_follows_the_first_ranked_writers_that_holds_its_group():

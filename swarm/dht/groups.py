@@ -188,8 +188,9 @@ def stage2_plan(records: Sequence[GroupRecord], epoch: int, tag: str, me: str, w
     gone) a delegate follows the first-ranked writer's that holds its group. Groups that no roster holds (two or
     more registered after it was written, or left out by a stranger's roster) write their own the same way; a
     single one goes on from the swarm's average (``result_of``). A stranger's roster naming groups whose delegate
-    never joins only costs a try: the second try runs without the absent. ``waited``: seconds since we decided to
-    merge."""
+    never joins only costs a try: the second try runs without the absent; one naming a group that is not
+    registered is dropped ``ROSTER_WAIT`` after we decided to merge. ``waited``: seconds since we decided to merge
+    (negative: not yet)."""
     registered = groups_at(records, epoch)
     by_tag = {g.group: g for g in registered}
     rosters = [g for g in registered if g.roster]
@@ -198,10 +199,12 @@ def stage2_plan(records: Sequence[GroupRecord], epoch: int, tag: str, me: str, w
     if complete:
         chosen = min(complete, key=lambda r: writer_rank(epoch, r.delegate))
         return Plan(Stage2.follow, tuple(by_tag[t] for t in chosen.roster), chosen.delegate)
-    if ours:  # a roster holds us: its groups' records are on their way
+    if ours and waited < ROSTER_WAIT:  # a roster holds us: its groups' records are on their way
         return Plan(Stage2.wait)
-    # the groups no roster holds: registered after one was written, or left out by a stranger's roster
-    free = [g for g in registered if not any(g.group in r.roster for r in rosters)]
+    # the groups no roster of registered groups holds: registered after one was written, or left out by a
+    # stranger's roster (or named in one with a group that does not exist)
+    valid = [r for r in rosters if all(t in by_tag for t in r.roster)]
+    free = [g for g in registered if not any(g.group in r.roster for r in valid)]
     order = sorted({g.delegate for g in free}, key=lambda d: writer_rank(epoch, d))
     if len(free) >= 2 and me in order and waited >= order.index(me) * ROSTER_WAIT:
         return Plan(Stage2.write, tuple(sorted(free, key=lambda g: g.delegate)), me)
