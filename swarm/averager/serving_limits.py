@@ -18,8 +18,8 @@ class ServingLimits:
     def __init__(
         self,
         per_peer: int = 2,
-        total: int = 64,  # a group's members fetch the swarm's average from their delegate at once (``merge``)
-        per_minute: int = 60,  # a merging member tries a holder once a second at most (``merge.FETCH_EVERY``)
+        total: int = 64,  # other groups' delegates, and two children in the group's tree, fetch the swarm's average
+        per_minute: int = 60,  # a merging member asks its parent once a second at most (``merge.FETCH_EVERY``)
         clock: Callable[[], float] = time.monotonic,
     ):
         self.per_peer, self.total, self.per_minute, self.clock = per_peer, total, per_minute, clock
