@@ -138,7 +138,7 @@ class Merger:
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
             self._stand_in_if_gone(state, now, blocking)
         deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
-        if deciding and state.stage2_tries < STAGE2_TRIES and self._roster_step(state, now, decided=False):
+        if deciding and state.stage2_tries < STAGE2_TRIES and self._roster_step(state, now):
             return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
@@ -166,7 +166,7 @@ class Merger:
                 return False
             if decision == Decision.merge:
                 state.merge_at = now if state.merge_at is None else state.merge_at
-                self._roster_step(state, now, decided=True)
+                self._roster_step(state, now)
                 return False
         if now > state.deadline:
             state.fallback = "no swarm's average in time: our group's own was applied"
@@ -225,10 +225,10 @@ class Merger:
         state.read_at = -float("inf")
         return True
 
-    def _roster_step(self, state: MergeState, now: float, decided: bool) -> bool:
+    def _roster_step(self, state: MergeState, now: float) -> bool:
         """Follow a roster that holds our group (whether or not we decided to merge yet), or, once we decided, write
         it when it is our turn (``groups.stage2_plan``). True once the second stage started."""
-        waited = now - state.merge_at if decided and state.merge_at is not None else -1.0
+        waited = now - state.merge_at if state.merge_at is not None else -1.0
         plan = groups.stage2_plan(state.records, state.epoch, state.tag, self.ctx.me, waited)
         if plan.action == Stage2.wait:
             return False
