@@ -11,23 +11,25 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
-from hivemind.p2p import P2P
 
 from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, check_parts, decode_into
+from swarm.defence.audit import digest_of
+from swarm.defence.statements import Statement, vouches
 from swarm.manifest import Aggregation
+from tests.keyed_p2p import keyed_p2ps
 
 HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim (the runners have no timeout of their own)
 
 
-async def _run(tensors_by_peer: list[list[torch.Tensor]]) -> tuple[list, list]:
-    p2ps = [await P2P.create()]
-    maddrs = await p2ps[0].get_visible_maddrs()
-    p2ps += await asyncio.gather(*(P2P.create(initial_peers=maddrs) for _ in tensors_by_peer[1:]))
+async def _run(tensors_by_peer: list[list[torch.Tensor]], liar_type=ExactAllReduceRunner) -> tuple[list, list]:
+    p2ps, keys = await keyed_p2ps(len(tensors_by_peer))
     peers = [p.peer_id for p in p2ps]
     runners = []
-    for p2p, tensors in zip(p2ps, tensors_by_peer):
-        runner = ExactAllReduceRunner(
+    for i, (p2p, key, tensors) in enumerate(zip(p2ps, keys, tensors_by_peer)):
+        runner_type = liar_type if i == len(p2ps) - 1 else ExactAllReduceRunner
+        runner = runner_type(
             p2p=p2p,
             servicer_type=ExactAllReduceRunner,
             prefix=None,
@@ -37,6 +39,7 @@ async def _run(tensors_by_peer: list[list[torch.Tensor]]) -> tuple[list, list]:
             peer_fractions=(1.0,) * len(peers),
             part_size_bytes=2048,  # parts of 512 values: every peer reduces a slice of the 4000
             aggregation=Aggregation.mean,  # refusal comes before aggregation, whichever it is
+            signing_key=key,
         )
         await runner.add_p2p_handlers(p2p)
         runners.append(runner)
@@ -84,3 +87,65 @@ def test_the_slice_of_a_sender_whose_parts_were_refused_is_dropped_at_once():
     kept = results[0] != 0
     assert torch.allclose(results[0][kept], averaged[kept], atol=1e-6)
     assert kept.float().mean() > 0.5
+
+
+class Unsigned(ExactAllReduceRunner):
+    """Sends its parts without its signed statement of what it sent."""
+
+    async def _record_sent(self, peer_index, stream):
+        async for message in super()._record_sent(peer_index, stream):
+            message.peer_id = b""
+            yield message
+
+
+class ForgedStatement(ExactAllReduceRunner):
+    """Signs a statement of other parts than it sent (a receipt listing them would then be another's lie)."""
+
+    async def _record_sent(self, peer_index, stream):
+        async for message in super()._record_sent(peer_index, stream):
+            if message.peer_id:
+                reducer = self.ordered_peer_ids[peer_index].to_base58()
+                statement = Statement(self.group_id, reducer, b"\0" * 32, float(message.weight))
+                message.peer_id = statement.sign(self.signing_key)
+            yield message
+
+
+class TwoWeights(ExactAllReduceRunner):
+    """Declares twice its weight for its first part to each reducer, and its own weight for the rest."""
+
+    async def _record_sent(self, peer_index, stream):
+        first = True
+        async for message in super()._record_sent(peer_index, stream):
+            if first:
+                message.weight *= 2
+                first = False
+            yield message
+
+
+@pytest.mark.parametrize("liar_type", [Unsigned, ForgedStatement, TwoWeights], ids=lambda t: t.__name__)
+def test_a_sender_whose_statement_or_weight_does_not_say_what_it_sent_is_refused(liar_type):
+    """Every reducer keeps, for its receipt, each sender's signed statement of the digest and weight it sent
+    (``swarm.defence.statements``); a sender without one that says what it sent is refused, as one whose weight
+    changes between parts (a receipt lists one weight a sender, so such a part would fail an honest reducer's
+    audit)."""
+    torch.manual_seed(1)
+    tensors = [[torch.randn(3000), torch.randn(40, 25)] for _ in range(3)]
+    held_by_peer, runners = asyncio.run(_run(tensors, liar_type))
+    liar, honest = runners[-1], runners[:-1]
+    results = []
+    for runner, held in zip(honest, held_by_peer):
+        assert runner.refused_senders == {liar.peer_id}, liar_type
+        out = [t.clone() for t in runner.tensor_part_container.local_tensors]
+        for tensor, parts in zip(out, held):
+            check_parts(tensor, parts, runner.tensor_part_container.compression.compression_type)
+            decode_into(tensor, parts)
+        results.append(torch.cat([t.reshape(-1) for t in out]))
+        me = runner.peer_id.to_base58()
+        for index, sender in enumerate(runner.sender_peer_ids):
+            digest = digest_of(runner.input_digests[index])
+            if sender == liar.peer_id or sender == runner.peer_id:
+                assert sender == runner.peer_id or not runner.input_statements[index]
+                continue
+            statement = runner.input_statements[index]
+            assert vouches(statement, sender.to_base58(), b"refusal-test", me, digest, runner.weight)
+    assert torch.equal(results[0], results[1])  # the honest pair still ends on the same bits

@@ -23,7 +23,9 @@ from swarm.defence.audit import (
     part_digest,
     recompute,
     sample_parts,
+    statement_hash,
     suspect_parts,
+    with_statements,
 )
 from swarm.defence.bans import (
     BAN_ROUNDS,
@@ -35,6 +37,7 @@ from swarm.defence.bans import (
     accusation_entry,
     quorum_bans,
 )
+from swarm.defence.statements import Statement
 from swarm.dht.identity import peer_id_of_owner
 from swarm.dht.records import Accusation, ProgressRecord
 from swarm.manifest import Aggregation
@@ -47,8 +50,21 @@ CODEC_TYPES = {
 }
 
 
+KEY_OF: dict[str, RSAPrivateKey] = {}  # each test key by the peer id it gives, to sign senders' statements
+
+
 def peer_of(key: RSAPrivateKey) -> str:
-    return peer_id_of_owner(b"[owner:" + key.get_public_key().to_bytes() + b"]")
+    name = peer_id_of_owner(b"[owner:" + key.get_public_key().to_bytes() + b"]")
+    KEY_OF[name] = key
+    return name
+
+
+def statements_for(reducer: str, names, inputs, weights, group_id: bytes) -> tuple[bytes, ...]:
+    """Each sender's signed statement of what it sent ``reducer``, as honest senders make them (none for itself)."""
+    return tuple(
+        b"" if name == reducer or name not in KEY_OF else Statement(group_id, reducer, digest, w).sign(KEY_OF[name])
+        for name, digest, w in zip(names, inputs, weights)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +97,11 @@ def honest_round(codec: str, senders: int = 3, lie=None):
 
 def receipt_for(key, names, served, weights, output, group_id=b"g" * 20) -> Receipt:
     inputs = tuple(digest_parts(parts) for parts in served)
-    return Receipt(group_id, peer_of(key), tuple(names), tuple(weights), inputs, digest_parts(output))
+    reducer = peer_of(key)
+    statements = statements_for(reducer, names, inputs, weights, group_id)
+    vouched = tuple(map(statement_hash, statements))
+    receipt = Receipt(group_id, reducer, tuple(names), tuple(weights), inputs, digest_parts(output), vouched)
+    return with_statements(receipt, list(statements))  # served beside it, as the reducer serves them
 
 
 def run_judge(codec, served, weights, numels, output, receipt, names):
@@ -243,8 +263,12 @@ def test_a_receipt_for_a_big_slice_still_fits_an_accusation(keys):
     names = [peer_of(k) for k in keys[:3]] + [f"Qm{i:044d}" for i in range(61)]  # a group of 64
     part = sender_parts("fp16", 0, (16,))[0]
     digest = digest_parts([part] * 2000)
-    receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest)
+    statement = Statement(b"g" * 20, names[0], digest, 1.0).sign(keys[1])
+    vouched = (b"",) + (statement_hash(statement),) * 63
+    receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest, vouched)
     assert len(receipt.sign(keys[0])) < 16384
+    # an accusation of forgery carries the receipt and one statement under it: it fits too
+    assert len(receipt.sign(keys[0])) + len(statement) + 64 < 16384
     assert open_receipt(receipt.sign(keys[0])) == receipt
 
 

@@ -13,22 +13,20 @@ import asyncio
 import math
 
 import torch
-from hivemind.p2p import P2P
 
 from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
 from swarm.manifest import Aggregation
+from tests.keyed_p2p import keyed_p2ps
 
 ROUND = 32.0 * 10  # samples_per_step x inner_steps: the most samples a round holds
 HANG_GUARD = 60.0
 
 
 async def _average(tensors_by_peer: list[torch.Tensor], weights: list[float], max_weight: float) -> list:
-    p2ps = [await P2P.create()]
-    maddrs = await p2ps[0].get_visible_maddrs()
-    p2ps += await asyncio.gather(*(P2P.create(initial_peers=maddrs) for _ in tensors_by_peer[1:]))
+    p2ps, keys = await keyed_p2ps(len(tensors_by_peer))
     peers = [p.peer_id for p in p2ps]
     runners = []
-    for p2p, tensor, weight in zip(p2ps, tensors_by_peer, weights):
+    for p2p, key, tensor, weight in zip(p2ps, keys, tensors_by_peer, weights):
         runner = ExactAllReduceRunner(
             p2p=p2p,
             servicer_type=ExactAllReduceRunner,
@@ -41,6 +39,7 @@ async def _average(tensors_by_peer: list[torch.Tensor], weights: list[float], ma
             part_size_bytes=2048,
             aggregation=Aggregation.centered_clip,
             max_weight=max_weight,
+            signing_key=key,
         )
         await runner.add_p2p_handlers(p2p)
         runners.append(runner)

@@ -34,12 +34,14 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averager.bounds import OutOfBounds, admit, declared_numel
 from swarm.averager.codecs import SPARSE
 from swarm.averager.spill import SpilledParts
-from swarm.defence.audit import part_digest
+from swarm.defence.audit import digest_of, part_digest
 from swarm.defence.robust import RefusedPart, RobustPartReducer
+from swarm.defence.statements import Statement, vouches
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
@@ -181,9 +183,17 @@ class ExactAllReduceRunner(AllReduceRunner):
     """
 
     def __init__(
-        self, *args: Any, aggregation: Aggregation = Aggregation.centered_clip, max_weight: float = math.inf, **kwargs
+        self,
+        *args: Any,
+        aggregation: Aggregation = Aggregation.centered_clip,
+        max_weight: float = math.inf,
+        signing_key: RSAPrivateKey | None = None,
+        **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        # signs our statements of what we sent (``statements``): our libp2p identity key, which is the process-wide
+        # key in a peer's averager process (``swarm.dht.identity``)
+        self.signing_key = signing_key
         self.max_weight = max_weight  # a sender's weight above it counts as it (its receipt says so)
         self.tensor_part_container.__class__ = HeldOutputContainer
         plain = self.tensor_part_reducer  # hivemind's running sum, replaced before any part arrives
@@ -196,6 +206,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
+        self.input_statements = [b"" for _ in self.sender_peer_ids]  # each sender's signed statement (``statements``)
+        self._declared: dict[int, float] = {}  # sender index -> the weight its first part declared
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
         self.refused_senders: set[PeerID] = set()
@@ -211,8 +223,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         self, peer_index: int, stream: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self.sent_parts.start(peer_index)
+        reducer = self.ordered_peer_ids[peer_index].to_base58()
+        expected, digests = self.tensor_part_container.num_parts_by_peer[peer_index], []
         async for message in stream:
             self.sent_parts.append(peer_index, message.tensor_part)
+            digests.append(part_digest(message.tensor_part))
+            if len(digests) == expected:  # our signed statement of what we sent, with the last part
+                statement = Statement(self.group_id, reducer, digest_of(digests), float(message.weight))
+                message.peer_id = statement.sign(self.signing_key)
             yield message
 
     async def _count(
@@ -296,6 +314,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message, math.prod(shapes[index]) if index < len(shapes) else -1
             index += 1
 
+    def _check_statement(self, sender_index: int, statement: bytes, declared: float) -> None:
+        """Keep a sender's signed statement for our receipt, or refuse the sender if it does not say what it sent us
+        (``swarm.defence.statements``): a receipt lists only what its senders signed."""
+        sender = self.sender_peer_ids[sender_index].to_base58()
+        digest = digest_of(self.input_digests[sender_index])
+        if not vouches(statement, sender, self.group_id, self.peer_id.to_base58(), digest, declared):
+            raise RefusedPart("a sender's last part came without its signed statement of what it sent")
+        self.input_statements[sender_index] = statement
+
     def _refuse(self, sender: PeerID) -> None:
         """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
         self.refused_senders.add(sender)
@@ -310,8 +337,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         ours = self.tensor_part_container.compression.compression_type
         try:
             loop = asyncio.get_event_loop()
-            async for tensor_part, weight, message in amap_in_executor(
-                lambda numbered: decode_part(*numbered, compression=ours),
+            async for tensor_part, weight, message, statement in amap_in_executor(
+                lambda numbered: (*decode_part(*numbered, compression=ours), numbered[0].peer_id),
                 self._with_expected_numel(self._count(stream, received=True)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -320,9 +347,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                         raise RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
                     if isinstance(tensor_part, RefusedPart):
                         raise tensor_part
+                    if self._declared.setdefault(sender_index, weight) != weight and math.isfinite(weight):
+                        # a receipt lists one weight a sender; one part counted with another would fail the audit
+                        raise RefusedPart("a sender declared another weight for one of its parts")
+                    declared = weight
                     if math.isfinite(weight):  # any other is refused as it is (``check_part``)
                         weight = min(weight, self.max_weight)
                     self._received_from(sender_index, message, weight)
+                    if part_index == self.tensor_part_reducer.num_parts - 1:
+                        self._check_statement(sender_index, statement, declared)
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
                     )

@@ -18,7 +18,7 @@ from hivemind.proto import averaging_pb2
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
-from swarm.defence.audit import GUILTY, UNCHECKABLE, Receipt, Verdict, open_receipt
+from swarm.defence.audit import GUILTY, UNCHECKABLE, Receipt, Verdict, open_receipt, with_statements
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class AuditRequests:
             reply = self.serializer.loads(message.metadata)
             blob = reply.get("receipt") if isinstance(reply, dict) else None
             receipt = open_receipt(blob) if isinstance(blob, bytes) else None
+            if receipt is not None:  # with the senders' statements it serves beside it (``audit.vouching``)
+                receipt = with_statements(receipt, reply.get("statements"))
             ok = receipt is not None and receipt.group_id == record.runner.group_id and receipt.reducer == reducer
             if ok and set(receipt.senders) <= set(record.members):
                 listed = reply.get("listed")

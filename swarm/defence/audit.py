@@ -39,7 +39,7 @@ import logging
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
@@ -48,11 +48,13 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.defence.robust import RefusedPart, check_part, robust_mean
+from swarm.defence.statements import counts_as, open_statement
 from swarm.dht.identity import peer_id_of_owner
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
-RECEIPT_VERSION = 2  # 2: digests of the parts' digests (1: of the parts' bytes in one run)
+PROOF_VERSION = 1
+RECEIPT_VERSION = 3  # 3: with each sender's signed statement (2: digests of the parts' digests)
 MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
 
 
@@ -65,9 +67,10 @@ class Verdict(enum.StrEnum):
     unanswered = "did not answer its audit"  # no valid receipt in time: it may have vanished; cannot be checked
     withheld = "withheld its own parts"  # it signed a receipt (it is alive) but did not serve its own part as signed
     inconclusive = "inconclusive"  # a sender's bytes did not match the receipt: sender or reducer lies
+    forged = "forged a sender's digest or weight"  # its signed receipt lists what no sender signed: it proves the lie
 
 
-GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated})
+GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
 # a reducer alive enough to sign a receipt that then hides its own parts from its auditor cannot be checked: its
 # slice is dropped (groupmates told so check it themselves), and it gets a strike, as for an unanswered audit; a
 # reducer that hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
@@ -135,10 +138,14 @@ class Receipt:
     weights: tuple[float, ...]
     inputs: tuple[bytes, ...]  # digest of each sender's parts; b"" for a sender dropped before its last part
     output: bytes  # digest of the average it sent everyone
+    vouched: tuple[bytes, ...] = ()  # SHA-256 of each sender's signed statement (``statements``); b"" for none
+    # the statements themselves, served beside the receipt (so that it stays small enough for an accusation) and
+    # checked against ``vouched``; not part of what the reducer signs
+    statements: tuple[bytes, ...] = field(default=(), compare=False)
 
     def payload(self) -> bytes:
         fields = [RECEIPT_VERSION, self.group_id, self.reducer, list(self.senders), list(self.weights)]
-        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output])
+        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output, list(self.vouched)])
 
     def sign(self, key: RSAPrivateKey | None = None) -> bytes:
         """The receipt, signed with this process's identity key (the peer's libp2p key, see ``identity``)."""
@@ -151,16 +158,16 @@ def open_receipt(blob: bytes) -> Receipt | None:
     """The receipt in a signed blob, if its signature holds and its key is its reducer's; else None."""
     try:
         payload, signature, public_key = MSGPackSerializer.loads(blob)
-        version, group_id, reducer, senders, weights, inputs, output = MSGPackSerializer.loads(payload)
+        version, group_id, reducer, senders, weights, inputs, output, vouched = MSGPackSerializer.loads(payload)
         if version != RECEIPT_VERSION or peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
             return None
         if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
             return None
         receipt = Receipt(
             bytes(group_id), str(reducer), tuple(map(str, senders)), tuple(map(float, weights)),
-            tuple(map(bytes, inputs)), bytes(output),
+            tuple(map(bytes, inputs)), bytes(output), tuple(map(bytes, vouched)),
         )  # fmt: skip
-        if not len(receipt.senders) == len(receipt.weights) == len(receipt.inputs):
+        if not len(receipt.senders) == len(receipt.weights) == len(receipt.inputs) == len(receipt.vouched):
             return None
         return receipt
     except Exception:  # another machine's bytes: anything can be wrong with them
@@ -236,6 +243,77 @@ def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | N
     return valid and digest_of(listed) == digest
 
 
+def statement_hash(statement: bytes) -> bytes:
+    """What a receipt signs for a sender's statement (b"" for none)."""
+    return hashlib.sha256(statement).digest() if statement else b""
+
+
+def with_statements(receipt: Receipt, statements: object) -> Receipt:
+    """``receipt`` with the statements its reducer served beside it, if they are a list of bytes, one a sender."""
+    valid = isinstance(statements, list | tuple) and len(statements) == len(receipt.senders)
+    if not valid or not all(isinstance(s, bytes) for s in statements):
+        return receipt
+    return replace(receipt, statements=tuple(statements))
+
+
+def _vouches(receipt: Receipt, index: int, statement: bytes, max_weight: float) -> bool:
+    opened = open_statement(statement, receipt.senders[index])
+    if opened is None or (opened.group_id, opened.reducer) != (receipt.group_id, receipt.reducer):
+        return False
+    if opened.digest != receipt.inputs[index]:
+        return False
+    weight = receipt.weights[index]
+    return weight <= opened.weight if max_weight is None else counts_as(opened, max_weight) == weight
+
+
+def vouching(receipt: Receipt, max_weight: float | None = math.inf) -> Verdict | None:
+    """Whether every sender but the reducer itself signed the digest the receipt lists for it, and declared a weight
+    that the round's cap ``max_weight`` makes the one listed (``statements``); None when they all did. A sender
+    dropped before its last part (digest b"") sent no statement: none is asked of it. ``withheld``: the statements
+    served beside the receipt are not those it signed for; ``forged``: one it signed for does not vouch for what it
+    lists (``max_weight`` None: only a weight above the declared one counts, which anyone can check)."""
+    if len(receipt.statements) != len(receipt.senders):
+        return Verdict.withheld
+    for index, (sender, digest) in enumerate(zip(receipt.senders, receipt.inputs)):
+        if sender == receipt.reducer or not digest:
+            continue
+        statement = receipt.statements[index]
+        if statement_hash(statement) != receipt.vouched[index]:
+            return Verdict.withheld
+        if not _vouches(receipt, index, statement, max_weight):
+            return Verdict.forged
+    return None
+
+
+def forgery_proof(blob: bytes, receipt: Receipt) -> bytes | None:
+    """For an accusation: the reducer's signed receipt and one statement under it that does not vouch for what the
+    receipt lists, which any peer can check (``proves_forgery``); None if there is no such statement."""
+    for index, (sender, digest) in enumerate(zip(receipt.senders, receipt.inputs)):
+        if sender == receipt.reducer or not digest or index >= len(receipt.statements):
+            continue
+        statement = receipt.statements[index]
+        if statement_hash(statement) == receipt.vouched[index] and not _vouches(receipt, index, statement, None):
+            return MSGPackSerializer.dumps([PROOF_VERSION, blob, index, statement])
+    return None
+
+
+def proves_forgery(proof: bytes) -> str | None:
+    """The reducer a ``forgery_proof`` proves a forger (its receipt, signed with its key, lists a digest or a weight
+    that the sender's statement it signed for does not give), else None; never raises."""
+    try:
+        version, blob, index, statement = MSGPackSerializer.loads(proof)
+        receipt = open_receipt(blob) if version == PROOF_VERSION and isinstance(blob, bytes) else None
+        if receipt is None or not isinstance(index, int) or not 0 <= index < len(receipt.senders):
+            return None
+        if receipt.senders[index] == receipt.reducer or not receipt.inputs[index] or not isinstance(statement, bytes):
+            return None
+        if statement_hash(statement) != receipt.vouched[index] or _vouches(receipt, index, statement, None):
+            return None
+        return receipt.reducer
+    except Exception:  # another machine's bytes
+        return None
+
+
 def lists_every_sender(receipt: Receipt, senders: Sequence[str]) -> bool:
     """Whether a receipt names exactly the group's senders, each once: a reducer that leaves one out (or lists only
     itself) would otherwise have its recomputation made from the parts it chose, and pass."""
@@ -252,18 +330,27 @@ def judge(
     indices: Sequence[int] | None = None,
     listed: dict[str, Sequence[bytes]] | None = None,
     max_weight: float = math.inf,
+    completed: Iterable[str] = (),
 ) -> Verdict:
     """Audit one reducer: ``received_output`` is its average as this peer received it (every part), ``numels``
     each part's size, ``encode`` the run's codec for an average. ``served`` is each sender's parts for it as
     fetched (this peer's own included): all of them, or the parts ``indices`` only, a sample checked against the
-    per-part digests the reducer ``listed`` for each sender under its receipt."""
+    per-part digests the reducer ``listed`` for each sender under its receipt. ``completed`` are senders known, on
+    the auditor's own evidence, to have sent the reducer every part (its own stream to the reducer came back
+    whole: a reducer returns a part's average only once it holds the part)."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
     if len(received_output) != len(numels):
         return Verdict.wrong_average  # another count of parts than it was sent
     if any(not w <= max_weight for w in receipt.weights):
         return Verdict.wrong_average  # it counted a sender for more samples than a round holds
-    if any(not digest for digest in receipt.inputs):
+    unvouched = vouching(receipt, max_weight)
+    if unvouched is not None:
+        return unvouched  # a digest or weight no sender signed (forged), or statements it hides (withheld)
+    empty = {sender for sender, digest in zip(receipt.senders, receipt.inputs) if not digest}
+    if empty & set(completed):
+        return Verdict.withheld  # it says a sender dropped that we know sent it everything: its slice is dropped
+    if empty:
         return Verdict.inconclusive  # a sender dropped mid-way: not checked (rare; the reducer saw it too)
     indices = range(len(numels)) if indices is None else indices
     if len(indices) < len(numels) and not all(

@@ -4,11 +4,14 @@ A peer bans a groupmate only on evidence it holds itself: its own audit (``swarm
 caught it returning a wrong average (or accusing an honest reducer), or, as its reducer, it received
 parts from it that no honest client sends (NaN or infinite values, a wrong size, bytes that do not
 decode). It then publishes an accusation in its progress record, with the reducer's own signed
-receipt inside when there is one. Accusations are shown (``accused``; "quorum" when ``QUORUM``
-groupmates of the accused, each named as a sender in its own receipt, accuse it), never applied:
-keys are free, so two keys that joined an honest reducer's group could otherwise get it banned by
-every peer, those whose own audit of it passed included. A liar still meets an audit in every group
-it reduces for, and each of its auditors bans it.
+receipt inside when there is one. An accusation that carries its proof is applied by every peer that
+reads it (``proven_bans``): a reducer's signed receipt listing a digest or a weight that the sender's
+statement it signed for does not give (``audit.forgery_proof``) rests on the accused's own signature.
+Any other accusation is shown (``accused``; "quorum" when ``QUORUM`` groupmates of the accused, each
+named as a sender in its own receipt, accuse it), never applied: keys are free, so two keys that
+joined an honest reducer's group could otherwise get it banned by every peer, those whose own audit
+of it passed included. A liar still meets an audit in every group it reduces for, and each of its
+auditors bans it.
 
 A ban lasts ``BAN_ROUNDS`` outer rounds from the round it was caught in, then is lifted (a peer caught
 again is banned again): a peer that was wrongly judged, or whose machine was broken, is not out of
@@ -19,7 +22,7 @@ replay donor, a vote on the global epoch or the checksum, or a mate to wait for;
 averager refuses it in matchmaking and as a groupmate. Bans are kept in
 ``bans.json`` next to the state files, so a restart keeps them.
 
-The rules (``quorum_bans``, ``accusation_entry``) are pure functions of records.
+The rules (``proven_bans``, ``quorum_bans``, ``accusation_entry``) are pure functions of records.
 """
 
 from __future__ import annotations
@@ -31,15 +34,16 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
+from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt, proves_forgery
 from swarm.dht.records import PeerEntry, ProgressRecord
 
 logger = logging.getLogger(__name__)
 
 _open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are re-read every second
+_proves_forgery = functools.lru_cache(maxsize=256)(proves_forgery)
 QUORUM = 2  # distinct groupmates of the accused whose accusations are shown as a quorum (never applied as a ban)
 BAN_ROUNDS = 100  # outer rounds a ban lasts, from the round the peer was caught in
 MAX_ACCUSATIONS = 8  # kept in our record, newest last
@@ -49,7 +53,8 @@ class BanReason(enum.StrEnum):
     wrong_average = Verdict.wrong_average.value  # a reducer's average was not the robust mean of its inputs
     equivocated = Verdict.equivocated.value  # a reducer signed for another average than it sent
     unanswered = Verdict.unanswered.value  # accused by its auditor, it would not let us check it either
-    withheld = Verdict.withheld.value  # it signed for rounds, then hid its own parts from our audits, twice in a row
+    withheld = Verdict.withheld.value  # it signed for rounds, then hid its parts or its average, twice in a row
+    forged = Verdict.forged.value  # its signed receipt lists a digest or a weight its sender did not sign
     false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
     malformed = MALFORMED  # as a sender, it sent us (as its reducer) parts no honest client sends
 
@@ -125,6 +130,20 @@ def quorum_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
     return bans
 
 
+def proven_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
+    """Peers whose accusers published proof that any peer can check: a receipt signed by the accused that lists
+    what its sender's statement does not give (``audit.proves_forgery``). One such accusation is enough: it rests
+    on the accused's own signature, not on the accuser's word."""
+    bans: dict[str, Ban] = {}
+    for record in records:
+        for entry in record.accusations:
+            if entry.verdict != BanReason.forged.value or entry.accused == record.peer_id:
+                continue
+            if _proves_forgery(entry.receipt) == entry.accused and entry.accused not in bans:
+                bans[entry.accused] = Ban(entry.accused, BanReason.forged, entry.epoch, (record.peer_id,), time.time())
+    return bans
+
+
 class BanList:
     """This peer's bans, kept in a JSON file (``bans.json``) so a restart keeps them."""
 
@@ -187,11 +206,13 @@ class Guard:
         self.bans, self.own_peer_id = bans, own_peer_id
         self._publish, self._refuse, self._announce = publish, refuse, announce
         self.accusations: list[dict] = []
+        self._epoch: int | None = None  # the latest round we had findings for
         if bans.bans:
             refuse(bans.bans)
 
     def on_findings(self, findings: Sequence[dict], epoch: int) -> None:
         """What a round's audits found (``AllReduceOutcome.findings``)."""
+        self._epoch = epoch
         for finding in findings:
             if finding.get("banned"):
                 self._ban(Ban(str(finding["peer"]), BanReason(finding["verdict"]), epoch, ("self",), time.time()))
@@ -205,7 +226,13 @@ class Guard:
             self._refuse(list(self.bans.bans))
 
     def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
-        """The entries of peers that are not banned (others' accusations are not applied: ``accused``)."""
+        """The entries of peers that are not banned. Others' accusations are applied only when they carry their
+        proof (``proven_bans``); the rest are shown (``accused``)."""
+        for ban in proven_bans(e.record for e in entries).values():
+            lifted = self._epoch is not None and ban.lifted_at(self._epoch)  # its accuser still shows it
+            if ban.peer_id != self.own_peer_id and ban.peer_id not in self.bans and not lifted:
+                epoch = ban.epoch if self._epoch is None else min(ban.epoch, self._epoch)  # no ban from the future
+                self._ban(replace(ban, epoch=epoch))
         return [e for e in entries if e.record.peer_id not in self.bans]
 
     def _ban(self, ban: Ban) -> None:

@@ -46,12 +46,18 @@ def adopt_identity(path: Path) -> bool:
     if created:
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
-    data = crypto_pb2.PrivateKey.FromString(path.read_bytes()).data
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key._private_key = serialization.load_der_private_key(data, password=None)
+    key = identity_key(path)
     with RSAPrivateKey._process_wide_key_lock:
         RSAPrivateKey._process_wide_key = key
     return created
+
+
+def identity_key(path: Path) -> RSAPrivateKey:
+    """The RSA key in a libp2p identity file (as ``P2P.generate_identity`` writes it)."""
+    data = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes()).data
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = serialization.load_der_private_key(data, password=None)
+    return key
 
 
 def temporary_identity() -> Path:

@@ -130,6 +130,7 @@ class AccusationVerdict(enum.StrEnum):
     equivocated = "equivocated"
     unanswered = "did not answer its audit"
     withheld = "withheld its own parts"
+    forged = "forged a sender's digest or weight"
     false_accusation = "false accusation"
     malformed = "sent malformed parts"
 

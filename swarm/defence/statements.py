@@ -1,0 +1,77 @@
+"""A sender's signed statement of what it sent a reducer: the digest of its parts and its weight.
+
+A reducer's receipt (``swarm.defence.audit``) lists each sender's digest and weight, but a receipt is the
+reducer's own word: on its own, a reducer could list a weight or a digest that no sender sent, and its
+recomputation would then be made from what it chose. So each sender signs, with its identity key, the
+group, the reducer, the digest of every part it sent that reducer and the weight it declared, and sends that
+statement with its last part (in the ``peer_id`` field of the last ``AveragingData``, which hivemind 1.1.12
+reads nowhere on a part). The reducer refuses a sender whose statement is missing or does not match what it
+received, and puts every statement in its receipt; an auditor checks each one (``judge``). A receipt that lists a
+digest or a weight no sender signed is a lie the receipt itself proves: anyone holding it can check it.
+
+Pure functions of bytes; statements are small (a digest, a float, a signature and a public key: under 1 KiB)
+and one that is larger than ``MAX_STATEMENT_BYTES`` is refused unread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.dht.identity import peer_id_of_owner
+
+STATEMENT_VERSION = 1
+MAX_STATEMENT_BYTES = 4096  # an RSA-2048 statement is about 700 bytes
+
+
+@dataclass(frozen=True)
+class Statement:
+    """What one sender says it sent one reducer in one group's all-reduce."""
+
+    group_id: bytes
+    reducer: str  # base58 peer id
+    digest: bytes  # ``audit.digest_of`` the per-part digests of every part it sent, in order
+    weight: float  # the weight it declared (the reducer counts at most the round's cap of it)
+
+    def payload(self) -> bytes:
+        return MSGPackSerializer.dumps([STATEMENT_VERSION, self.group_id, self.reducer, self.digest, self.weight])
+
+    def sign(self, key: RSAPrivateKey | None = None) -> bytes:
+        key = RSAPrivateKey.process_wide() if key is None else key
+        payload = self.payload()
+        return MSGPackSerializer.dumps([payload, key.sign(payload), key.get_public_key().to_bytes()])
+
+
+def open_statement(blob: bytes, sender: str) -> Statement | None:
+    """The statement in ``blob`` if it is signed by ``sender``'s key (base58 peer id), else None: never raises."""
+    try:
+        if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_STATEMENT_BYTES:
+            return None
+        payload, signature, public_key = MSGPackSerializer.loads(blob)
+        version, group_id, reducer, digest, weight = MSGPackSerializer.loads(payload)
+        if version != STATEMENT_VERSION or peer_id_of_owner(b"[owner:" + public_key + b"]") != sender:
+            return None
+        if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
+            return None
+        if not (isinstance(group_id, bytes) and isinstance(reducer, str) and isinstance(digest, bytes)):
+            return None
+        if not isinstance(weight, float | int) or not math.isfinite(weight):
+            return None
+        return Statement(group_id, reducer, digest, float(weight))
+    except Exception:  # another machine's bytes: anything can be wrong with them
+        return None
+
+
+def vouches(blob: bytes, sender: str, group_id: bytes, reducer: str, digest: bytes, weight: float) -> bool:
+    """Whether ``blob`` is ``sender``'s signed statement that it sent ``reducer`` parts of ``digest`` in group
+    ``group_id`` with weight ``weight`` (as declared, before any cap)."""
+    statement = open_statement(blob, sender)
+    return statement is not None and statement == Statement(group_id, reducer, digest, float(weight))
+
+
+def counts_as(statement: Statement, max_weight: float) -> float:
+    """The weight a reducer counts for a sender that declared ``statement.weight``: at most the round's cap."""
+    return min(statement.weight, max_weight)
