@@ -38,6 +38,14 @@ it claims, is replaced:
 - ``cut``: no lie in any value, but as a reducer it ends its stream to every groupmate after
   ``factor`` of its slice's parts (default 0.5), as a link cut mid-way does; it still signs
   for the whole average and serves it when asked again. Prints ``cut: ...`` when it did.
+- ``forge``: the ``sign`` lie as a sender (``-factor`` times its pseudo-gradient, default 4), and as a reducer it
+  counts every other sender at a thousandth of its weight, and lists those weights in its receipt: its own lie
+  then is its slice's average, and a recomputation from the receipt's weights agrees with it. Only the senders'
+  signed statements of their weights (``swarm.defence.statements``) tell the receipt is forged;
+- ``omit``: the ``reducer`` lie, and its receipt lists every other sender as dropped mid-way (no digest), hoping
+  every audit of its slice is inconclusive;
+- ``withhold``: no lie in any value, but as a reducer it streams no average back to anyone, and serves none when
+  asked again; it signs its receipts, so it is plainly alive.
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -66,6 +74,9 @@ ATTACKS = {
     "hide": 4.0,
     "cut": 0.5,
     "oversized": 2047.0,
+    "forge": 4.0,
+    "omit": 4.0,
+    "withhold": 0.0,
 }
 
 
@@ -79,11 +90,19 @@ def install(attack: str, factor: float) -> None:
     if attack == "oversized":
         _install_oversized(int(factor) << 20)
         return
-    if attack in ("reducer", "hide"):
+    if attack == "withhold":
+        _install_cut(0.0)
+        _install_receipt_lie(withhold=True)
+        return
+    if attack == "forge":
+        _install_forged_weights()
+    if attack in ("reducer", "hide", "omit"):
         import swarm.averager.allreduce
 
         encode = swarm.averager.allreduce.encode_average
         swarm.averager.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
+        if attack == "omit":
+            _install_receipt_lie(omit=True)
         if attack == "hide":
             from swarm.averager.audit_serving import AuditRound
 
@@ -116,8 +135,8 @@ def install(attack: str, factor: float) -> None:
             for i, b in enumerate(buffers):
                 if attack == "scale":
                     b.mul_(factor)
-                elif attack in ("sign", "weight"):
-                    b.mul_(-factor if attack == "sign" else -1.0)
+                elif attack in ("sign", "weight", "forge"):
+                    b.mul_(-factor if attack in ("sign", "forge") else -1.0)
                 elif attack == "random":
                     noise = torch.randn(b.shape, generator=generator)
                     b.copy_(noise * (factor * b.norm() / noise.norm().clamp_min(1e-12)))
@@ -218,6 +237,43 @@ def _install_cut(share: float) -> None:
         os.write(2, f"cut: sent {sent} of {total} averaged parts to sender {sender_index}\n".encode())
 
     ExactAllReduceRunner._accumulate_parts_streaming = cut
+
+
+def _install_forged_weights() -> None:
+    from swarm.averager.allreduce import ExactAllReduceRunner
+
+    init = ExactAllReduceRunner.__init__
+
+    def forging(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else -1
+        accumulate, received = self.tensor_part_reducer.accumulate_part, self._received_from
+        light = lambda index, weight: weight if index == own else weight * 1e-3  # noqa: E731
+
+        async def lighter(sender_index, part_index, values, weight):
+            return await accumulate(sender_index, part_index, values, weight=light(sender_index, weight))
+
+        self.tensor_part_reducer.accumulate_part = lighter
+        self._received_from = lambda index, part, weight: received(index, part, light(index, weight))
+
+    ExactAllReduceRunner.__init__ = forging
+
+
+def _install_receipt_lie(omit: bool = False, withhold: bool = False) -> None:
+    from swarm.averager.auditing import Auditing
+
+    sign = Auditing._sign_receipt
+
+    async def lying(self, runner, record):
+        if omit:  # every other sender "dropped before its last part"
+            runner.input_digests = [d if p == runner.peer_id else [] for p, d in zip(runner.sender_peer_ids,
+                                                                                   runner.input_digests)]  # fmt: skip
+            os.write(2, b"omit: listed every other sender without a digest\n")
+        await sign(self, runner, record)
+        if withhold:  # nothing to serve when asked for the average again
+            record.own_output = []
+
+    Auditing._sign_receipt = lying
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+
+from swarm.averager.audit_serving import AUDIT_LIMITS, AuditServing
 from swarm.averager.serving_limits import ServingLimits
 
 
@@ -38,3 +45,46 @@ def test_requesters_that_went_quiet_are_forgotten():
         limits.release(f"peer{i}")
         clock.now += 1
     assert len(limits.started) <= 4 * limits.total + 61 and not limits.open
+
+
+class HeldAudits(AuditServing):
+    """The audit RPC's limits, with what it serves replaced by one message and a wait (a stream held open)."""
+
+    def __init__(self, clock: Clock):
+        self._audit_serving = ServingLimits(**AUDIT_LIMITS, clock=clock)
+        self.release = asyncio.Event()
+
+    async def _serve_audit(self, request, context):
+        yield averaging_pb2.DownloadData()
+        await self.release.wait()
+
+
+def test_a_groupmate_cannot_hold_or_start_more_audit_requests_than_its_share():
+    """A groupmate of a live round may ask for our parts (a slice's bytes) again and again; past its share of
+    streams at once, or of requests a minute, it is answered nothing at once."""
+
+    async def scenario():
+        clock = Clock()
+        audits = HeldAudits(clock)
+        asker, other = SimpleNamespace(remote_id=PeerID(b"\x01" * 34)), SimpleNamespace(remote_id=PeerID(b"\x02" * 34))
+        held = [audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker) for _ in range(AUDIT_LIMITS["per_peer"])]
+        assert [await anext(stream, None) for stream in held] == [averaging_pb2.DownloadData()] * len(held)
+        assert await anext(audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker), None) is None  # refused
+        assert await anext(audits.rpc_audit_fetch(averaging_pb2.DownloadData(), other), None) is not None
+        await held[0].aclose()  # a stream ends: its slot is free again
+        again = audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker)
+        assert await anext(again, None) is not None
+        await again.aclose()
+        for stream in held[1:]:
+            await stream.aclose()
+        started = AUDIT_LIMITS["per_peer"] + 1
+        for _ in range(AUDIT_LIMITS["per_minute"] - started):  # one at a time, up to its share of the minute
+            stream = audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker)
+            assert await anext(stream, None) is not None
+            await stream.aclose()
+        assert await anext(audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker), None) is None
+        clock.now += 61
+        assert await anext(audits.rpc_audit_fetch(averaging_pb2.DownloadData(), asker), None) is not None
+        audits.release.set()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -21,9 +21,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.averager.allreduce import Dropped
 from swarm.averager.audit_requests import FETCH_ATTEMPTS
 from swarm.averager.audit_serving import AuditRequest, AuditRound, kept_for
-from swarm.averager.auditing import Auditing
+from swarm.averager.auditing import UNANSWERED_STRIKES, Auditing
 from swarm.averager.repair import RepairFailure, restore_slice, slices_to_repair
-from swarm.defence.audit import Receipt, digest_parts
+from swarm.defence.audit import FALSE_ACCUSATION, Receipt, Verdict, auditor_of, digest_parts
 from swarm.dht.identity import peer_id_of_owner
 
 GROUP = b"g" * 20
@@ -135,9 +135,13 @@ def test_a_reducer_that_is_gone_is_asked_a_bounded_number_of_times(reducer):
     whole = [part(1, 200), part(2, 200), part(3, 150)]
     receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
     record, _, _ = partial_copy(reducer, whole)
-    gone = FakeFetches(receipt, whole, cut=math.inf)
+    gone = FakeFetches(receipt, whole, fail=math.inf)
     assert repair(gone, record, reducer) is RepairFailure.unreachable
-    assert gone.requests == 1 + FETCH_ATTEMPTS
+    assert gone.requests == FETCH_ATTEMPTS
+    # it hands over its receipt (it is alive, and signed for the round), then never its average: withheld, a strike
+    keeps = FakeFetches(receipt, whole, cut=math.inf)
+    assert repair(keeps, record, reducer) is RepairFailure.withheld
+    assert keeps.requests == 1 + FETCH_ATTEMPTS
     late = FakeFetches(receipt, whole, fail=math.inf)  # the deadline has passed: one try, none again
     assert asyncio.run(late._repair_slice(record, reducer, time.monotonic())) is RepairFailure.unreachable
     assert late.requests == 1
@@ -156,3 +160,47 @@ def test_only_slices_that_came_in_part_from_a_reducer_we_did_not_refuse_are_fetc
     outputs = {"me": cut, "honest": whole, "cut-short": cut, "refused": [Dropped(8), Dropped(8)]}
     assert slices_to_repair(outputs, "me", refused={"refused"}) == ["cut-short"]
     assert slices_to_repair(outputs, "me", refused=set()) == ["cut-short", "refused"]
+
+
+def test_a_reducer_that_signs_then_keeps_its_average_from_us_is_struck_and_then_banned(reducer):
+    """A reducer alive enough to hand over its receipt that then never serves the average it signed (or serves
+    another) gets a strike for each round, as an audit it would not let us make; ``UNANSWERED_STRIKES`` in a row
+    ban it. One that is plainly gone (no receipt) is not struck: a vanished peer is not a liar."""
+    whole = [part(1, 200), part(2, 200), part(3, 150)]
+    receipt = Receipt(GROUP, reducer, ("us", reducer), (1.0, 1.0), (b"", b""), digest_parts(whole))
+    runner = SimpleNamespace(refused_senders=set())
+    for fetches, struck in ((FakeFetches(receipt, whole, cut=math.inf), True), (FakeFetches(None, whole), False)):
+        fetches.peer_id, fetches._unanswered = SimpleNamespace(to_base58=lambda: "us"), {}
+        found = []
+        for _ in range(UNANSWERED_STRIKES):
+            record, held, owner = partial_copy(reducer, whole)
+            dropped, failures, restored, withheld = asyncio.run(
+                fetches._repair_partial_slices(runner, record, held, owner, time.monotonic() + 5)
+            )
+            assert dropped > 0 and restored == [] and len(failures) == 1 and isinstance(held[0][3], Dropped)
+            found += withheld
+        if struck:
+            assert [(f[0], f[1], f[4]) for f in found] == [
+                (reducer, Verdict.withheld, False), (reducer, Verdict.withheld, True)
+            ]  # fmt: skip
+        else:
+            assert found == []
+
+
+def test_a_reducer_bans_the_auditor_that_says_it_lied():
+    """We know our own average: an auditor's word that it was wrong is a false accusation, which we ban as every
+    groupmate whose check of us passed does; a verdict that passed us, or one we never signed a receipt for,
+    bans nobody."""
+    members = ["us", "a", "b"]
+    runner = SimpleNamespace(group_id=GROUP)
+    auditing = Auditing.__new__(Auditing)
+    auditing.peer_id = SimpleNamespace(to_base58=lambda: "us")
+    accuser = auditor_of(members, GROUP, "us")
+    for verdict, signed, banned in [
+        (Verdict.wrong_average, True, [accuser]), (Verdict.equivocated, True, [accuser]),
+        (Verdict.passed, True, []), (Verdict.inconclusive, True, []), (Verdict.wrong_average, False, []),
+    ]:  # fmt: skip
+        record = AuditRound(members=members, runner=runner, receipt=b"signed" if signed else None)
+        record.verdicts["us"] = verdict
+        found = auditing._accusations_of_us(record)
+        assert [f[0] for f in found if f[1] == FALSE_ACCUSATION and f[4]] == banned, verdict

@@ -20,6 +20,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from swarm.averager.allreduce import ExactAllReduceRunner, HeldPart
+from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.audit import Verdict, auditor_of
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,10 @@ class AuditRequest(enum.StrEnum):
     output = "output"  # our own slice's average again, as we signed it (a groupmate whose copy came in part)
 
 
+# An honest groupmate asks us, in one round, for our receipt and our repair at most once each and for the parts we
+# sent each reducer it audits or re-checks (one each, at most a group's size), with a few retries: a few hundred
+# requests in the largest groups, and rounds last a minute or more. Past these it is refused at once.
+AUDIT_LIMITS = dict(per_peer=8, total=128, per_minute=600)
 MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go ``kept_for`` after its audit)
 
@@ -54,6 +59,7 @@ class AuditRound:
     runner: ExactAllReduceRunner
     receipt: bytes | None = None  # ours, signed, once our own all-reduce is complete
     listed: list[list[bytes]] = field(default_factory=list)  # ours: each sender's per-part digests, receipt order
+    statements: list[bytes] = field(default_factory=list)  # ours: each sender's signed statement, receipt order
     outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
     own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
@@ -90,10 +96,29 @@ class AuditServing:
         if record is not None:
             record.runner.sent_parts.close()
 
+    def _audit_limits(self) -> ServingLimits:
+        """Per requester, how many audit requests it may have open and start in a minute (``serving_limits``)."""
+        if getattr(self, "_audit_serving", None) is None:
+            self._audit_serving = ServingLimits(**AUDIT_LIMITS)
+        return self._audit_serving
+
     async def rpc_audit_fetch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
-        """A groupmate's audit: what its ``AuditRequest`` asks for."""
+        """A groupmate's audit: what its ``AuditRequest`` asks for; nothing past its limits (``AUDIT_LIMITS``)."""
+        requester, limits = context.remote_id.to_base58(), self._audit_limits()
+        if not limits.acquire(requester):
+            logger.debug("refused an audit request from %s: over its limits", requester)
+            return
+        try:
+            async for message in self._serve_audit(request, context):
+                yield message
+        finally:
+            limits.release(requester)
+
+    async def _serve_audit(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         fields = self._admitted(request, context)
         if fields is None or not isinstance(fields.get("group_id"), bytes):
             return
@@ -108,7 +133,7 @@ class AuditServing:
             case AuditRequest.receipt:  # with the per-part digests under it, for audits of a sample
                 await self._until_final(record)
                 if record.receipt is not None:
-                    reply = dict(receipt=record.receipt, listed=record.listed)
+                    reply = dict(receipt=record.receipt, listed=record.listed, statements=record.statements)
                     yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
             case AuditRequest.output:  # our own slice's average again, as we signed it in the receipt
                 await self._until_final(record)
@@ -138,7 +163,12 @@ class AuditServing:
     async def rpc_audit_verdict(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
-        """An auditor's verdict on one of our group's reducers (only the reducer's auditor is heard)."""
+        """An auditor's verdict on one of our group's reducers (only the reducer's auditor is heard, within its
+        limits)."""
+        requester, limits = context.remote_id.to_base58(), self._audit_limits()
+        if not limits.acquire(requester):
+            return averaging_pb2.DownloadData()
+        limits.release(requester)  # a verdict is read at once: only its rate counts
         fields = self._admitted(request, context)
         record = self._audit_rounds.get(fields.get("group_id")) if fields and "group_id" in fields else None
         sender = context.remote_id.to_base58()

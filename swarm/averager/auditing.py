@@ -25,7 +25,14 @@ from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, HeldPart, en
 from swarm.averager.audit_requests import _retried
 from swarm.averager.audit_serving import AuditRound, AuditServing
 from swarm.averager.bounds import admitted
-from swarm.averager.repair import RepairFailure, SliceRepair, drop_slice, restore_slice, slices_to_repair
+from swarm.averager.repair import (
+    WITHHELD_AVERAGE,
+    RepairFailure,
+    SliceRepair,
+    drop_slice,
+    restore_slice,
+    slices_to_repair,
+)
 from swarm.defence.audit import (
     FALSE_ACCUSATION,
     GUILTY,
@@ -35,10 +42,13 @@ from swarm.defence.audit import (
     auditor_of,
     digest_of,
     digest_parts,
+    forgery_proof,
     judge,
     lists_every_sender,
+    open_receipt,
     sample_parts,
     served_as_signed,
+    statement_hash,
     suspect_parts,
 )
 
@@ -78,7 +88,12 @@ class Auditing(AuditServing, SliceRepair):
         await self._hear_verdicts(record, waiting, deadline)
         recheck_deadline = time.monotonic() + self._audit_timeout
         found += await self._recheck_accusations(record, waiting, recheck_deadline)
-        dropped, repair_failures = await self._repair_partial_slices(runner, record, held, owner, recheck_deadline)
+        found += self._accusations_of_us(record)
+        dropped, repair_failures, restored, withheld = await self._repair_partial_slices(
+            runner, record, held, owner, recheck_deadline
+        )
+        found += withheld
+        found += await self._audit_restored(record, restored, recheck_deadline)
         findings, more = self._apply(found, held, owner)
         record.outputs.clear()
         self._keep_round(runner.group_id)
@@ -104,8 +119,9 @@ class Auditing(AuditServing, SliceRepair):
         full = len(runner.parts_for_local_averaging)
         record.listed = [d if len(d) == full else [] for d in runner.input_digests]
         inputs = [digest_of(d) if d else b"" for d in record.listed]
+        record.statements = [s if d else b"" for s, d in zip(runner.input_statements, record.listed)]
         receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
-                          digest_parts(record.outputs[me]))  # fmt: skip
+                          digest_parts(record.outputs[me]), tuple(map(statement_hash, record.statements)))  # fmt: skip
         record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
         record.own_output = record.outputs[me]
         logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
@@ -151,9 +167,12 @@ class Auditing(AuditServing, SliceRepair):
             if heard not in GUILTY and heard not in UNCHECKABLE:
                 continue
             own, blob, _ = await self._audit_one(record, reducer, deadline, record.accused.get(reducer, ()))
-            if own == Verdict.passed and heard in GUILTY:
-                accuser = auditor_of(record.members, record.runner.group_id, reducer)
-                found.append((accuser, FALSE_ACCUSATION, None, False, True))
+            if own == Verdict.inconclusive and heard in UNCHECKABLE and _omits(blob, self._accuser(record, reducer)):
+                # it says its auditor dropped mid-way, the auditor says it sent everything: one of them lies, so the
+                # slice goes for everyone (no strike: that rests on the auditor's word), as it goes for the auditor
+                found.append((reducer, Verdict.withheld, None, True, False))
+            elif own == Verdict.passed and heard in GUILTY:
+                found.append((self._accuser(record, reducer), FALSE_ACCUSATION, None, False, True))
             elif own in GUILTY:
                 found.append((reducer, own, blob, True, True))
             elif own in STRIKES:  # it will not let us check it either: we drop
@@ -161,6 +180,19 @@ class Auditing(AuditServing, SliceRepair):
                 strikes = self._strike(reducer, own)
                 found.append((reducer, own, None, True, heard in GUILTY or strikes >= UNANSWERED_STRIKES))
         return found
+
+    def _accusations_of_us(self, record: AuditRound) -> list[Found]:
+        """Our auditor's word that we lied as a reducer: we know our own average, so it is a false accusation, and
+        we ban its author as every groupmate whose own check of us passes does (were we left to group with it, the
+        groupmates that banned it and we would merge other groups in the second stage, and end apart)."""
+        me = self.peer_id.to_base58()
+        if record.verdicts.get(me) not in GUILTY or record.receipt is None:
+            return []
+        return [(self._accuser(record, me), FALSE_ACCUSATION, None, False, True)]
+
+    @staticmethod
+    def _accuser(record: AuditRound, reducer: str) -> str | None:
+        return auditor_of(record.members, record.runner.group_id, reducer)
 
     async def _repair_partial_slices(
         self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]], owner: dict, deadline: float
@@ -172,15 +204,31 @@ class Auditing(AuditServing, SliceRepair):
         refused = {p.to_base58() for p in runner.refused_senders}
         partial = slices_to_repair(record.outputs, self.peer_id.to_base58(), refused)
         repairs = await asyncio.gather(*(self._repair_slice(record, p, deadline) for p in partial))
-        dropped, failures = 0, []
+        dropped, failures, restored, found = 0, [], [], []
         for peer, parts in zip(partial, repairs):
             if isinstance(parts, RepairFailure):
                 dropped += drop_slice(held, owner, peer)
                 failures.append(dict(peer=peer, failure=parts.value))
+                if parts in WITHHELD_AVERAGE:  # alive (it signed for the round), and kept its average from us
+                    strikes = self._strike(peer, Verdict.withheld)
+                    found.append((peer, Verdict.withheld, None, False, strikes >= UNANSWERED_STRIKES))
             else:
                 dropped -= restore_slice(held, owner, peer, parts)
+                record.outputs[peer] = parts
+                restored.append(peer)
                 logger.debug("the average of %s came in part: fetched again, whole", peer)
-        return dropped, failures
+        return dropped, failures, restored, found
+
+    async def _audit_restored(self, record: AuditRound, restored: list[str], deadline: float) -> list[Found]:
+        """Audit the reducers we are the auditor of whose average came to us in part, now that we hold it whole: a
+        liar that cuts its stream to its auditor alone is still checked. Too late to tell the group (its verdicts
+        are heard by now), so only we drop its slice, and ban it if it lied."""
+        me, found = self.peer_id.to_base58(), []
+        for reducer in [r for r in restored if self._accuser(record, r) == me]:
+            verdict, blob, _ = await self._audit_one(record, reducer, deadline)
+            if verdict in GUILTY:
+                found.append((reducer, verdict, blob, True, True))
+        return found
 
     def _apply(self, found: list[Found], held: list[list[HeldPart]], owner: dict) -> tuple[list[dict], int]:
         """Bans and dropped slices, as found: the findings for the host, and the values dropped."""
@@ -257,10 +305,12 @@ class Auditing(AuditServing, SliceRepair):
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
                 lambda values: encode_average(values, compression), indices=checked, listed=listed,
-                max_weight=record.runner.max_weight,
+                max_weight=record.runner.max_weight, completed=[me],  # its whole average came back to us
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
+        if verdict == Verdict.forged:  # published with the statement its receipt does not keep to, when one does not
+            blob = forgery_proof(blob, receipt) or blob
         logger.debug(
             "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
             len(receipt.senders), len(checked), len(numels),
@@ -274,3 +324,9 @@ class Auditing(AuditServing, SliceRepair):
         if strikes:
             self._unanswered[reducer] = strikes
         return strikes
+
+
+def _omits(blob: bytes | None, sender: str | None) -> bool:
+    """Whether the signed receipt ``blob`` lists ``sender`` with no digest (as dropped before its last part)."""
+    receipt = open_receipt(blob) if blob is not None else None
+    return receipt is not None and sender in receipt.senders and not receipt.inputs[receipt.senders.index(sender)]

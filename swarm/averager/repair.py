@@ -27,6 +27,12 @@ class RepairFailure(enum.StrEnum):
     unreachable = "unreachable"  # fetching its average again failed or ran out of time
     not_signed = "not_signed"  # what it served is not the average it signed (part count or digest)
     disagrees = "disagrees"  # a part differs from what it streamed to us the first time
+    withheld = "withheld"  # it handed over its signed receipt, then not the average it signed for
+
+
+# failures of a reducer that is alive (it answered with its receipt) and still kept its signed average from us: a
+# strike each, as an audit it would not let us make (``auditing.UNANSWERED_STRIKES`` in a row ban it)
+WITHHELD_AVERAGE = frozenset({RepairFailure.withheld, RepairFailure.not_signed, RepairFailure.disagrees})
 
 
 def slices_to_repair(outputs: dict[str, list], me: str, refused: set[str]) -> list[str]:
@@ -68,15 +74,19 @@ class SliceRepair(AuditRequests):
         numels = [p.numel if isinstance(p, Dropped) else math.prod(p.size) for p in have]
         try:
             receipt, _, _ = await _retried(lambda: self._fetch_receipt(record, reducer), deadline)
-            if receipt is None:
-                logger.debug("no receipt from %s to repair its slice with", reducer)
-                return RepairFailure.no_receipt
+        except Exception:
+            logger.debug("could not fetch %s's receipt", reducer, exc_info=True)
+            return RepairFailure.unreachable
+        if receipt is None:
+            logger.debug("no receipt from %s to repair its slice with", reducer)
+            return RepairFailure.no_receipt
+        try:
             limit = 4 * sum(numels) + (1 << 16)
             again = lambda: self._fetch_parts(record, reducer, reducer, limit, AuditRequest.output)  # noqa: E731
             parts = await _retried(again, deadline)
         except Exception:
             logger.debug("could not fetch %s's average again", reducer, exc_info=True)
-            return RepairFailure.unreachable
+            return RepairFailure.withheld
         if len(parts) != len(have) or digest_parts(parts) != receipt.output:
             logger.debug("%s's average again: %d parts of %d, digest as signed: %s", reducer, len(parts), len(have),
                          digest_parts(parts) == receipt.output)  # fmt: skip
