@@ -50,11 +50,17 @@ def test_consensus_ties_go_to_the_lowest_peer_id_whatever_the_order():
     assert consensus(list(reversed(peers)), 1).checksum == B
 
 
-def test_global_epoch_is_the_majority_so_one_liar_cannot_move_it():
+def test_global_epoch_is_the_median_so_one_liar_cannot_move_it_nor_a_third_of_the_keys():
     peers = [record("p1", epoch=5), record("p2", epoch=5), record("liar", epoch=10**6)]
     assert global_epoch(peers) == 5
-    assert global_epoch([record("p1", epoch=4), record("p2", epoch=5)]) == 5  # ties go forward
+    assert global_epoch([record("p1", epoch=4), record("p2", epoch=5)]) == 5  # halves go forward
     assert global_epoch([]) is None
+    # honest peers straddle a round's transition; a third of the keys announce an epoch nobody reached: the most
+    # common epoch (ties forward) would be theirs, the median stays with the honest peers
+    straddling = [record(f"h{i}", epoch=4 + i % 2) for i in range(6)]
+    sybils = [record(f"s{i}", epoch=9) for i in range(3)]
+    assert global_epoch(straddling + sybils) == 5
+    assert global_epoch(straddling + [record(f"s{i}", epoch=9) for i in range(6)]) == 9  # half of the keys do
 
 
 def test_expired_and_leaving_peers_are_not_alive():
