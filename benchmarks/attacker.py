@@ -42,10 +42,14 @@ it claims, is replaced:
   counts every other sender at a thousandth of its weight, and lists those weights in its receipt: its own lie
   then is its slice's average, and a recomputation from the receipt's weights agrees with it. Only the senders'
   signed statements of their weights (``swarm.defence.statements``) tell the receipt is forged;
-- ``omit``: the ``reducer`` lie, and its receipt lists every other sender as dropped mid-way (no digest), hoping
-  every audit of its slice is inconclusive;
+- ``omit``: the ``reducer`` lie, and its receipt lists every other sender but its auditor (which it can compute from
+  the group id) as dropped mid-way (no digest), hoping every audit of its slice is inconclusive;
 - ``withhold``: no lie in any value, but as a reducer it streams no average back to anyone, and serves none when
-  asked again; it signs its receipts, so it is plainly alive.
+  asked again; it signs its receipts, so it is plainly alive;
+- ``partial``: the ``reducer`` lie, and its receipt lists itself as its slice's only sender (a recomputation from
+  its own part alone would agree with an average of its choosing);
+- ``accuse``: honest in every value it sends and returns, but as an auditor it accuses every reducer it audits of
+  a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned.
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -77,6 +81,8 @@ ATTACKS = {
     "forge": 4.0,
     "omit": 4.0,
     "withhold": 0.0,
+    "partial": 4.0,
+    "accuse": 0.0,
 }
 
 
@@ -94,15 +100,18 @@ def install(attack: str, factor: float) -> None:
         _install_cut(0.0)
         _install_receipt_lie(withhold=True)
         return
+    if attack == "accuse":
+        _install_false_accusations()
+        return
     if attack == "forge":
         _install_forged_weights()
-    if attack in ("reducer", "hide", "omit"):
+    if attack in ("reducer", "hide", "omit", "partial"):
         import swarm.averager.allreduce
 
         encode = swarm.averager.allreduce.encode_average
         swarm.averager.allreduce.encode_average = lambda tensor, compression: encode(tensor * -factor, compression)
-        if attack == "omit":
-            _install_receipt_lie(omit=True)
+        if attack in ("omit", "partial"):
+            _install_receipt_lie(omit=attack == "omit", partial=attack == "partial")
         if attack == "hide":
             from swarm.averager.audit_serving import AuditRound
 
@@ -259,19 +268,48 @@ def _install_forged_weights() -> None:
     ExactAllReduceRunner.__init__ = forging
 
 
-def _install_receipt_lie(omit: bool = False, withhold: bool = False) -> None:
+def _install_false_accusations() -> None:
     from swarm.averager.auditing import Auditing
+    from swarm.defence.audit import Verdict
+
+    audit = Auditing._audit_one
+
+    async def accusing(self, record, reducer, deadline, also=()):
+        verdict, blob, checked = await audit(self, record, reducer, deadline, also)
+        if blob is not None and reducer in record.members and reducer != self.peer_id.to_base58():
+            os.write(2, f"accuse: said {reducer[-8:]} returned a wrong average (it was {verdict})\n".encode())
+            return Verdict.wrong_average, blob, checked
+        return verdict, blob, checked
+
+    Auditing._audit_one = accusing
+
+
+def _install_receipt_lie(omit: bool = False, withhold: bool = False, partial: bool = False) -> None:
+    import dataclasses
+
+    from swarm.averager.auditing import Auditing
+    from swarm.defence.audit import auditor_of, open_receipt
 
     sign = Auditing._sign_receipt
 
     async def lying(self, runner, record):
-        if omit:  # every other sender "dropped before its last part"
-            runner.input_digests = [d if p == runner.peer_id else [] for p, d in zip(runner.sender_peer_ids,
-                                                                                   runner.input_digests)]  # fmt: skip
-            os.write(2, b"omit: listed every other sender without a digest\n")
+        if omit:  # every other sender but its auditor "dropped before its last part"
+            me = runner.peer_id.to_base58()
+            auditor = auditor_of(record.members, runner.group_id, me)
+            keep = {me, auditor}
+            senders = [p.to_base58() for p in runner.sender_peer_ids]
+            runner.input_digests = [d if p in keep else [] for p, d in zip(senders, runner.input_digests)]
+            os.write(2, b"omit: listed every sender but itself and its auditor without a digest\n")
         await sign(self, runner, record)
         if withhold:  # nothing to serve when asked for the average again
             record.own_output = []
+        if partial:  # itself as the only sender: its own part alone "explains" its average
+            receipt, me = open_receipt(record.receipt), self.peer_id.to_base58()
+            i = receipt.senders.index(me)
+            only = dataclasses.replace(receipt, senders=(me,), weights=receipt.weights[i : i + 1],
+                                       inputs=receipt.inputs[i : i + 1], vouched=(b"",))  # fmt: skip
+            record.receipt, record.listed, record.statements = only.sign(), record.listed[i : i + 1], [b""]
+            os.write(2, b"partial: signed a receipt naming only itself\n")
 
     Auditing._sign_receipt = lying
 

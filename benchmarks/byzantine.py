@@ -65,7 +65,10 @@ from benchmarks.pss import TreeSampler
 
 NAME = "byzantine"
 # a liar banned in its first round (or no liar): the honest peers must go on without it, so rounds need one fewer
-BANNED_OR_ABSENT = ("reducer", "few", "hide", "nonfinite", "oversized", "absent", "forge", "omit", "withhold")
+BANNED_OR_ABSENT = (
+    *("reducer", "few", "hide", "nonfinite", "oversized", "absent"),
+    *("forge", "omit", "withhold", "partial", "accuse"),
+)
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
 # alone would otherwise wait out matchmaking for every round left

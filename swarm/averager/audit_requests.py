@@ -80,6 +80,16 @@ class AuditRequests:
             break
         return None, None, {}
 
+    async def _fetch_completed(self, record: AuditRound, sender: str, reducer: str) -> bool:
+        """``sender``'s word that its whole average from ``reducer`` came back to it (False if it says no, or
+        says nothing we can read)."""
+        request = dict(group_id=record.runner.group_id, what=AuditRequest.completed.value, reducer=reducer)
+        stream = await self._request(sender, request)
+        async for message in stream:
+            reply = self.serializer.loads(message.metadata)
+            return isinstance(reply, dict) and reply.get("completed") is True
+        return False
+
     async def _fetch_parts(
         self,
         record: AuditRound,

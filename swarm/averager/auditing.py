@@ -34,6 +34,7 @@ from swarm.averager.repair import (
     slices_to_repair,
 )
 from swarm.defence.audit import (
+    DROP_ONLY,
     FALSE_ACCUSATION,
     GUILTY,
     UNCHECKABLE,
@@ -109,6 +110,8 @@ class Auditing(AuditServing, SliceRepair):
             for t, j in flat[offset : offset + count]:
                 owner[(t, j)] = members[index]
             record.outputs[members[index]] = [held[t][j] for t, j in flat[offset : offset + count]]
+            if not any(isinstance(p, Dropped) for p in record.outputs[members[index]]):
+                record.completed.add(members[index])
             offset += count
         return owner
 
@@ -140,7 +143,7 @@ class Auditing(AuditServing, SliceRepair):
         for reducer, (verdict, blob, _) in zip(mine, results):
             strikes = self._strike(reducer, verdict)
             blob = blob if verdict in GUILTY else None  # only a proven lie is published with the liar's receipt
-            drop = verdict in GUILTY or verdict in UNCHECKABLE
+            drop = verdict in GUILTY or verdict in UNCHECKABLE or verdict in DROP_ONLY
             found.append((reducer, verdict, blob, drop, verdict in GUILTY or strikes >= UNANSWERED_STRIKES))
         return found
 
@@ -164,10 +167,12 @@ class Auditing(AuditServing, SliceRepair):
         found = []
         for reducer in waiting:
             heard = record.verdicts.get(reducer)
-            if heard not in GUILTY and heard not in UNCHECKABLE:
+            if heard not in GUILTY and heard not in UNCHECKABLE and heard not in DROP_ONLY:
                 continue
             own, blob, _ = await self._audit_one(record, reducer, deadline, record.accused.get(reducer, ()))
-            if own == Verdict.inconclusive and heard in UNCHECKABLE and _omits(blob, self._accuser(record, reducer)):
+            if own in DROP_ONLY:  # a sender it lists as dropped says it sent everything: we drop it too
+                found.append((reducer, own, None, True, False))
+            elif own == Verdict.inconclusive and heard in UNCHECKABLE and _omits(blob, self._accuser(record, reducer)):
                 # it says its auditor dropped mid-way, the auditor says it sent everything: one of them lies, so the
                 # slice goes for everyone (no strike: that rests on the auditor's word), as it goes for the auditor
                 found.append((reducer, Verdict.withheld, None, True, False))
@@ -309,6 +314,8 @@ class Auditing(AuditServing, SliceRepair):
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
+        if verdict == Verdict.inconclusive and await self._a_dropped_sender_says_it_sent_all(record, receipt, deadline):
+            verdict = Verdict.omitted
         if verdict == Verdict.forged:  # published with the statement its receipt does not keep to, when one does not
             blob = forgery_proof(blob, receipt) or blob
         logger.debug(
@@ -316,6 +323,16 @@ class Auditing(AuditServing, SliceRepair):
             len(receipt.senders), len(checked), len(numels),
         )  # fmt: skip
         return verdict, blob, indices or []
+
+    async def _a_dropped_sender_says_it_sent_all(self, record: AuditRound, receipt: Receipt, deadline: float) -> bool:
+        """Whether a sender the receipt lists as dropped mid-way (no digest) says its whole average from the reducer
+        came back to it, which a reducer sends only for parts it holds: then the reducer or that sender lies."""
+        me = self.peer_id.to_base58()
+        dropped = [s for s, d in zip(receipt.senders, receipt.inputs) if not d and s not in (me, receipt.reducer)]
+        asked = lambda sender: self._fetch_completed(record, sender, receipt.reducer)  # noqa: E731
+        asks = (_retried(lambda s=s: asked(s), deadline) for s in dropped)
+        said = await asyncio.gather(*asks, return_exceptions=True)
+        return any(answer is True for answer in said)
 
     def _strike(self, reducer: str, verdict: Verdict) -> int:
         """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one

@@ -68,6 +68,7 @@ class Verdict(enum.StrEnum):
     withheld = "withheld its own parts"  # it signed a receipt (it is alive) but did not serve its own part as signed
     inconclusive = "inconclusive"  # a sender's bytes did not match the receipt: sender or reducer lies
     forged = "forged a sender's digest or weight"  # its signed receipt lists what no sender signed: it proves the lie
+    omitted = "omitted a sender that sent everything"  # a digest left empty whose sender says its stream came back
 
 
 GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
@@ -75,6 +76,9 @@ GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
 # slice is dropped (groupmates told so check it themselves), and it gets a strike, as for an unanswered audit; a
 # reducer that hides from one auditor only (a groupmate's check passes) is not proof the auditor lied
 UNCHECKABLE = frozenset({Verdict.withheld})
+# the reducer or the sender lies (the sender's word that its stream to the reducer came back whole is not proof):
+# the slice is dropped, as a vanished reducer's, and nobody is struck
+DROP_ONLY = frozenset({Verdict.omitted})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
 

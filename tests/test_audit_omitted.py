@@ -1,0 +1,113 @@
+"""A receipt that lists a sender as dropped mid-way while that sender's whole average came back to it: the reducer
+held every part (it returns a part's average only once it holds the part), so the receipt omits a sender that sent
+everything, or that sender lies. Either way the slice is dropped for the whole group, and nobody is struck on a
+sender's word. The averager's requests are replaced by fakes: what is tested is the rule, over real records."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.averager.audit_serving import AuditRequest, AuditRound, AuditServing
+from swarm.averager.auditing import Auditing
+from swarm.defence.audit import Receipt, Verdict
+
+GROUP = b"g" * 20
+A, B, C = (PeerID(bytes([0x12, 0x20, i]) + bytes(32)) for i in (1, 2, 3))
+
+
+class Served(AuditServing):
+    """The serving side: a round in which our whole average from ``B`` came back, and ``C``'s did not."""
+
+    serializer = MSGPackSerializer
+
+    def __init__(self):
+        members = [A.to_base58(), B.to_base58(), C.to_base58()]
+        self.record = AuditRound(members=members, runner=SimpleNamespace(group_id=GROUP), done=True)
+        self.record.completed = {B.to_base58()}
+        self._audit_rounds, self._audit_timeout = {GROUP: self.record}, 1.0
+
+    def _admitted(self, request, context):
+        return MSGPackSerializer.loads(request.metadata)
+
+
+def ask(served: Served, asker: PeerID, reducer: PeerID) -> bool | None:
+    fields = dict(group_id=GROUP, what=AuditRequest.completed.value, reducer=reducer.to_base58())
+    request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields))
+
+    async def first():
+        async for message in served.rpc_audit_fetch(request, SimpleNamespace(remote_id=asker)):
+            return MSGPackSerializer.loads(message.metadata)["completed"]
+        return None
+
+    return asyncio.run(first())
+
+
+def test_a_groupmate_says_whether_a_reducers_whole_average_came_back_to_it():
+    served = Served()
+    assert ask(served, A, B) is True
+    assert ask(served, A, C) is False
+    outsider = PeerID(bytes([0x12, 0x20, 9]) + bytes(32))
+    assert ask(served, outsider, B) is None  # only groupmates of the round are answered
+
+
+class Asking(Auditing):
+    """The auditing side, with each sender's answer given instead of fetched."""
+
+    def __init__(self, answers: dict, me: str = "me"):
+        self.peer_id = SimpleNamespace(to_base58=lambda: me)
+        self.answers, self.asked = answers, []
+        self._unanswered = {}
+
+    async def _fetch_completed(self, record, sender, reducer):
+        self.asked.append(sender)
+        answer = self.answers[sender]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def receipt(inputs) -> Receipt:
+    senders = ("me", "reducer", "s1", "s2")
+    return Receipt(GROUP, "reducer", senders, (1.0,) * 4, tuple(inputs), b"o" * 32, (b"",) * 4)
+
+
+def says(auditing: Asking, inputs) -> bool:
+    record = AuditRound(members=["me", "reducer", "s1", "s2"], runner=SimpleNamespace(group_id=GROUP))
+    return asyncio.run(auditing._a_dropped_sender_says_it_sent_all(record, receipt(inputs), 1e12))
+
+
+def test_only_senders_listed_as_dropped_are_asked_and_one_yes_is_enough():
+    d = b"d" * 32
+    auditing = Asking({"s1": False, "s2": True})
+    assert says(auditing, [d, d, b"", b""]) and sorted(auditing.asked) == ["s1", "s2"]
+    auditing = Asking({"s1": False, "s2": False})
+    assert not says(auditing, [d, d, b"", d]) and auditing.asked == ["s1"]  # s2 has its digest: not asked
+    auditing = Asking({"s1": ConnectionResetError("gone")})
+    assert not says(auditing, [d, d, b"", d])  # a sender that is gone says nothing: a real drop, inconclusive
+    assert len(auditing.asked) > 1  # asked again within the deadline before it is given up
+    auditing = Asking({})
+    assert not says(auditing, [b"", b"", d, d]) and auditing.asked == []  # ourselves and the reducer: never asked
+
+
+class Rechecking(Auditing):
+    """A groupmate told by an auditor that a reducer omitted a sender: its own check, given."""
+
+    def __init__(self, own: Verdict):
+        self.peer_id = SimpleNamespace(to_base58=lambda: "me")
+        self.own, self._unanswered = own, {}
+
+    async def _audit_one(self, record, reducer, deadline, also=()):
+        return self.own, None, []
+
+
+def test_a_groupmate_told_of_an_omission_drops_the_slice_if_it_finds_it_too_and_strikes_nobody():
+    members = ["me", "reducer", "s1"]
+    for own, found in [(Verdict.omitted, [("reducer", Verdict.omitted, None, True, False)]), (Verdict.passed, [])]:
+        record = AuditRound(members=members, runner=SimpleNamespace(group_id=GROUP))
+        record.verdicts["reducer"] = Verdict.omitted
+        assert asyncio.run(Rechecking(own)._recheck_accusations(record, ["reducer"], 1e12)) == found, own
