@@ -206,8 +206,8 @@ class Peer:
         self._shapes = [tuple(shape) for shape in shapes]
         self.averager = start_averager(self.dht, self._shapes, self.manifest, self.state_dir)
         m = self.manifest
-        keep = lambda entries: self._guard.filter(entries)  # noqa: E731 (banned peers are no vote, donor or mate)
-        self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep)
+        keep, banned = (lambda e: self._guard.filter(e)), (lambda p: p in self._guard.bans)  # no vote, mate or group
+        self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep, banned=banned)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
         self._presence = Presence.of_peer(

@@ -198,7 +198,8 @@ class PeerFeed:
 class SwarmReader:
     """One run's records and view, for a peer: ``view()`` reads a bucket now (and the buckets of the peers it is
     asked to include), ``recent_view()`` takes the cache the background feed keeps (None before its first read).
-    ``keep`` drops records before the view is built (a peer's bans); ``entries()`` is every live record seen."""
+    ``keep`` drops records before the view is built (a peer's bans), ``banned`` says whether a peer is banned (its
+    groups are no part of our second stage); ``entries()`` is every live record seen."""
 
     def __init__(
         self,
@@ -207,8 +208,9 @@ class SwarmReader:
         inner_steps: int,
         samples_per_step: int,
         keep: Callable[[list[PeerEntry]], list[PeerEntry]] = lambda entries: entries,
+        banned: Callable[[str], bool] = lambda peer: False,
     ):
-        self.dht, self.run_id, self._keep = dht, run_id, keep
+        self.dht, self.run_id, self._keep, self.banned = dht, run_id, keep, banned
         self._inner_steps, self._samples_per_step = inner_steps, samples_per_step
         self.cache = RecordCache()
         self.feed = PeerFeed(dht, run_id, cache=self.cache)
