@@ -204,3 +204,16 @@ def test_a_reducer_bans_the_auditor_that_says_it_lied():
         record.verdicts["us"] = verdict
         found = auditing._accusations_of_us(record)
         assert [f[0] for f in found if f[1] == FALSE_ACCUSATION and f[4]] == banned, verdict
+
+
+def test_a_reducer_waits_for_its_own_auditors_verdict_while_that_auditor_is_with_us():
+    """Heard late, an accusation of us went unanswered: we kept grouping with the liar our groupmates had banned,
+    and the two sides of the group ended apart (the byzantine benchmark's ``accuse``, 2 runs of 3)."""
+    members = ["us", "a", "b"]
+    auditing = Auditing.__new__(Auditing)
+    auditing.peer_id = SimpleNamespace(to_base58=lambda: "us")
+    record = AuditRound(members=members, runner=SimpleNamespace(group_id=GROUP))
+    ours = auditor_of(members, GROUP, "us")
+    assert auditing._our_auditor_present(record, members) == ["us"]
+    assert auditing._our_auditor_present(record, [m for m in members if m != ours]) == []  # our auditor is gone
+    assert auditing._our_auditor_present(record, [m for m in members if m != "us"]) == []  # we reduced nothing

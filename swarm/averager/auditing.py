@@ -86,7 +86,7 @@ class Auditing(AuditServing, SliceRepair):
         deadline = time.monotonic() + self._audit_timeout
         found = await self._audit_ours(record, reducers, deadline)
         waiting = self._verdicts_to_wait_for(record, reducers)
-        await self._hear_verdicts(record, waiting, deadline)
+        await self._hear_verdicts(record, waiting + self._our_auditor_present(record, reducers), deadline)
         recheck_deadline = time.monotonic() + self._audit_timeout
         found += await self._recheck_accusations(record, waiting, recheck_deadline)
         found += self._accusations_of_us(record)
@@ -152,6 +152,14 @@ class Auditing(AuditServing, SliceRepair):
         me, group_id = self.peer_id.to_base58(), record.runner.group_id
         auditor = lambda r: auditor_of(record.members, group_id, r)  # noqa: E731
         return [r for r in reducers if r != me and auditor(r) != me and auditor(r) in reducers]
+
+    def _our_auditor_present(self, record: AuditRound, reducers: list[str]) -> list[str]:
+        """Ourselves, if we reduced a slice and our auditor is still with us: its verdict on us is waited for like
+        the others (it tells every groupmate at once), so that an accusation of us is heard before we answer it
+        (``_accusations_of_us``); heard late, we went on grouping with a liar our groupmates had banned."""
+        me = self.peer_id.to_base58()
+        ours = self._accuser(record, me)
+        return [me] if me in reducers and ours is not None and ours != me and ours in reducers else []
 
     async def _hear_verdicts(self, record: AuditRound, waiting: list[str], deadline: float) -> None:
         while any(r not in record.verdicts for r in waiting) and time.monotonic() < deadline:
