@@ -11,6 +11,7 @@ from swarm.events import (
     AveragingFailed,
     Banned,
     CheckpointUnusable,
+    DonorDistrusted,
     DownloadDeferred,
     DownloadFailed,
     DownloadStarted,
@@ -41,6 +42,8 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
             return "state_loaded", f"state of epoch {epoch} loaded from {donor[-8:]}"
         case DownloadFailed(donor=donor, reason=reason):
             return "download_failed", f"state download from {donor[-8:]} failed: {reason}"
+        case DonorDistrusted(donor=donor, reason=reason):
+            return "download_failed", f"peer {donor[-8:]} served a bad state ({reason}); not asking it again"
         case Initialized(epoch=epoch, reason=reason):
             return "initialized", f"starting at epoch {epoch}: {reason}"
         case StateSaveFailed(reason=reason):

@@ -165,6 +165,16 @@ class DownloadFailed(PeerEvent):
 
 
 @dataclass(frozen=True)
+class DonorDistrusted(PeerEvent):
+    """A donor served a state file that is not what it voted for (or whose bytes do not match their own header):
+    it is not asked for the state again by this peer."""
+
+    kind: ClassVar[str] = "donor_distrusted"
+    donor: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class StateLoaded(PeerEvent):
     kind: ClassVar[str] = "state_loaded"
     donor: str

@@ -22,6 +22,7 @@ from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_neede
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     CheckpointUnusable,
+    DonorDistrusted,
     DownloadDeferred,
     DownloadFailed,
     DownloadStarted,
@@ -41,6 +42,7 @@ from swarm.state.store import residual_path
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_ATTEMPTS = 3
+MAX_DISTRUSTED = 1024  # donors remembered for serving a bad state (a stranger can make keys: a bound)
 MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
 VIEW_WAIT = 3.0  # records of other peers can take this long to reach a node that just joined
 
@@ -52,6 +54,9 @@ class StateSync:
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
         self.replay = Replay(ctx, checkpoints)
         self._download_rate: float | None = None  # bytes/s of our last state download
+        # donors that served a state file that was not what they voted for, or whose bytes did not match their own
+        # header: never asked again by this process (the file is unsigned, so it proves nothing to other peers)
+        self.distrusted: dict[str, str] = {}
 
     # ---- our own checkpoint ---------------------------------------------------------------------
 
@@ -158,7 +163,10 @@ class StateSync:
             donors = [
                 p.peer_id
                 for p in view.peers
-                if p.peer_id in agreed.holders and p.peer_id != ctx.me and not p.client_mode
+                if p.peer_id in agreed.holders
+                and p.peer_id != ctx.me
+                and not p.client_mode
+                and p.peer_id not in self.distrusted
             ]
             if not donors:
                 return agreed.agrees(ctx.outer.checksum()) and ctx.outer.epoch == agreed.epoch
@@ -225,12 +233,17 @@ class StateSync:
             return False
         self._download_rate = destination.stat().st_size / max(time.monotonic() - started, 1e-3)
         try:
-            header = state_file.check(destination, run_id=ctx.manifest.run_id, shapes=ctx.outer.shapes)
-            refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me)
-            if refused is not None:  # the swarm's view decides, not the donor's header
-                raise StateFileError(refused)
-        except StateFileError as e:
-            ctx.emit(DownloadFailed(donor, str(e)))
+            header = state_file.read_header(destination, run_id=ctx.manifest.run_id, shapes=ctx.outer.shapes)
+            state_file.verify(destination, header)
+        except StateFileError as e:  # bytes that do not match their own header: damaged or made up by the donor
+            self._distrust(donor, str(e))
+            return False
+        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me)
+        if refused is not None:  # the swarm's view decides, not the donor's header
+            if trust.served_a_lie(donor, header.epoch, header.checksum, wanted):
+                self._distrust(donor, refused)
+            else:
+                ctx.emit(DownloadFailed(donor, refused))
             return False
         with ctx.shield():  # a stop signal waits for the outer state to be whole again
             ctx.outer.load_file(destination, header)
@@ -239,3 +252,9 @@ class StateSync:
             self.checkpoints.store.adopt(destination, header, self.checkpoints.extra())
         ctx.emit(StateLoaded(donor, header.epoch, header.checksum))
         return True
+
+    def _distrust(self, donor: str, reason: str) -> None:
+        if len(self.distrusted) >= MAX_DISTRUSTED:
+            self.distrusted.pop(next(iter(self.distrusted)))
+        self.distrusted[donor] = reason
+        self.ctx.emit(DonorDistrusted(donor, reason))

@@ -37,3 +37,11 @@ def refusal(view: SwarmView, epoch: int, checksum: str, wanted: Consensus, me: s
     if len(holders) < needed:
         return f"the state of epoch {epoch} is held by {len(holders)} peer(s), {needed} needed"
     return None
+
+
+def served_a_lie(donor: str, epoch: int, checksum: str, wanted: Consensus) -> bool:
+    """Whether a verified file (its bytes match its header) proves that its donor served a state other than the one
+    it voted for: the donor holds the wanted epoch's consensus, and the file is of that epoch with another checksum.
+    An honest peer never holds two states of one epoch; an older or later epoch is no lie (the donor's round may
+    have ended during the download)."""
+    return donor in wanted.holders and epoch == wanted.epoch and not wanted.agrees(checksum)

@@ -1,0 +1,149 @@
+"""A donor that serves a bad state is refused, reported and not asked again (``StateSync``, with fakes for the
+averager's download and the DHT's view; the state files, the checks and the trust rule are the real ones).
+
+A bad state: a file whose bytes do not match its own header (damaged, or made up), or a file that checks out but
+is another state of the epoch the donor voted for (a poisoned model with a checksum of its own). A donor that
+served an older epoch is no liar (its round may have ended meanwhile): it is asked again."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from test_groups import view_of
+from test_swarm_view import record
+
+from swarm.events import DonorDistrusted, DownloadFailed, StateLoaded
+from swarm.manifest import OuterOptimizerSpec
+from swarm.state import file as state_file
+from swarm.state import sync as sync_module
+from swarm.state import trust
+from swarm.state.outer import OuterState
+from swarm.state.store import StateStore
+from swarm.state.sync import MAX_DISTRUSTED, StateSync
+
+RUN = "0123456789abcdef"
+SHAPES = [(4, 3), (5,)]
+EPOCH = 7
+
+
+def state(seed: int, epoch: int = EPOCH) -> OuterState:
+    generator = torch.Generator().manual_seed(seed)
+    outer = OuterState([torch.randn(*s, generator=generator) for s in SHAPES], OuterOptimizerSpec(), epoch=epoch)
+    for m in outer.momentum:
+        m.copy_(torch.randn(m.shape, generator=generator))
+    return outer
+
+
+def write(path: Path, outer: OuterState, checksum: str | None = None) -> Path:
+    state_file.write(path, run_id=RUN, epoch=outer.epoch, checksum=checksum or outer.checksum(),
+                     params=outer.params, momentum=outer.momentum)  # fmt: skip
+    return path
+
+
+class Donors:
+    """The averager's side: each donor serves the file it was given; every request is recorded."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files, self.asked = files, []
+        self.allow_state_sharing = True
+
+    def download_state(self, donor: str, destination: Path, **kwargs) -> dict:
+        self.asked.append(donor)
+        shutil.copyfile(self.files[donor], destination)
+        return {}
+
+    def note_epoch(self, epoch: int) -> None:
+        pass
+
+
+def make_sync(tmp_path: Path, files: dict[str, Path], good: str, extra_votes: int = 0):
+    events = []
+    # every donor votes for the honest state; two more honest voters that serve nothing are in ``extra_votes``
+    voters = [*files, *(f"voter{i}" for i in range(extra_votes))]
+    records = [record(p, EPOCH, checksums=[(EPOCH, good)]) for p in voters]
+    # voters that serve nothing (client mode): never donors
+    view = view_of(*(r.copy(update=dict(client_mode=r.peer_id.startswith("voter"))) for r in records))
+    averaging = SimpleNamespace(chunk_timeout=5.0, allreduce_timeout=30.0)
+    ctx = SimpleNamespace(
+        manifest=SimpleNamespace(run_id=RUN, averaging=averaging),
+        me="joiner",
+        outer=state(99, epoch=0),
+        params=[torch.zeros(*s) for s in SHAPES],
+        averager=Donors(files),
+        reader=SimpleNamespace(view=lambda: view),
+        emit=events.append,
+        set_state=lambda state, now: None,
+        shield=lambda: __import__("contextlib").nullcontext(),
+        stop_requested=lambda: False,
+    )
+    checkpoints = SimpleNamespace(store=StateStore(tmp_path / "state", RUN), extra=dict)
+    sync = StateSync(ctx, checkpoints, begin_round=lambda: None)
+    sync.replay.missed_rounds = lambda: False  # no update files here: the whole state is downloaded
+    return sync, ctx, events
+
+
+def test_bad_donors_are_refused_reported_and_not_asked_again(tmp_path, monkeypatch):
+    honest = state(1)
+    poisoned = state(1)
+    poisoned.params[0].mul_(-4.0)  # a consistent file: its own checksum matches its bytes
+    poisoned._checksum = None
+    files = {
+        "liar": write(tmp_path / "liar.st", poisoned),
+        "damaged": write(tmp_path / "damaged.st", poisoned, checksum=honest.checksum()),  # bytes != header
+        "stale": write(tmp_path / "stale.st", state(1, epoch=EPOCH - 1)),
+        "honest": write(tmp_path / "honest.st", honest),
+    }
+    order = list(files)  # liars first
+    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort(key=order.index))
+    sync, ctx, events = make_sync(tmp_path, files, honest.checksum())
+
+    assert sync.download_consensus_state()
+    assert ctx.averager.asked == ["liar", "damaged", "stale", "honest"]
+    assert ctx.outer.checksum() == honest.checksum() and ctx.outer.epoch == EPOCH
+    assert all(torch.equal(a, b) for a, b in zip(ctx.outer.tensors(), honest.tensors()))
+    distrusted = [e for e in events if isinstance(e, DonorDistrusted)]
+    assert [e.donor for e in distrusted] == ["liar", "damaged"]
+    assert "not the one most peers hold" in distrusted[0].reason and "do not match" in distrusted[1].reason
+    assert [e.donor for e in events if isinstance(e, DownloadFailed)] == ["stale"]  # no lie: asked again
+    assert [e.donor for e in events if isinstance(e, StateLoaded)] == ["honest"]
+    assert set(sync.distrusted) == {"liar", "damaged"}
+
+    # the next re-sync skips them, and asks the stale donor again
+    ctx.averager.asked.clear()
+    assert sync.download_consensus_state()
+    assert ctx.averager.asked == ["stale", "honest"]
+
+
+def test_only_bad_donors_left_is_a_failed_download_not_a_poisoned_state(tmp_path, monkeypatch):
+    honest = state(1)
+    poisoned = state(2)
+    files = {"liar": write(tmp_path / "liar.st", poisoned)}
+    monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
+    sync, ctx, events = make_sync(tmp_path, files, honest.checksum(), extra_votes=2)
+    before = ctx.outer.checksum()
+    assert not sync.download_consensus_state()
+    assert ctx.averager.asked == ["liar"]  # once: never again in the later attempts
+    assert ctx.outer.checksum() == before and ctx.outer.epoch == 0
+    assert not [e for e in events if isinstance(e, StateLoaded)]
+
+
+def test_the_memory_of_bad_donors_is_bounded(tmp_path):
+    sync, _, events = make_sync(tmp_path, {}, "a" * 64)
+    for i in range(MAX_DISTRUSTED + 10):
+        sync._distrust(f"key{i}", "made up")
+    assert len(sync.distrusted) == MAX_DISTRUSTED and "key0" not in sync.distrusted
+    assert f"key{MAX_DISTRUSTED + 9}" in sync.distrusted and len(events) == MAX_DISTRUSTED + 10
+
+
+def test_a_lie_is_a_holders_other_state_of_the_wanted_epoch():
+    good, bad = "a" * 64, "b" * 64
+    view = view_of(record("p1", 5, checksums=[(5, good)]), record("p2", 5, checksums=[(5, good)]))
+    wanted = trust.consensus(view.peers, 5)
+    assert trust.served_a_lie("p1", 5, bad, wanted)
+    assert not trust.served_a_lie("p1", 5, good, wanted)
+    assert not trust.served_a_lie("p1", 4, bad, wanted)  # an older round's file: its round moved on
+    assert not trust.served_a_lie("p1", 6, bad, wanted)  # a later one: checked as the swarm's next epoch
+    assert not trust.served_a_lie("p3", 5, bad, wanted)  # not a holder: it never said it held the wanted state
