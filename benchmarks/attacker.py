@@ -49,7 +49,9 @@ it claims, is replaced:
 - ``partial``: the ``reducer`` lie, and its receipt lists itself as its slice's only sender (a recomputation from
   its own part alone would agree with an average of its choosing);
 - ``accuse``: honest in every value it sends and returns, but as an auditor it accuses every reducer it audits of
-  a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned.
+  a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned;
+- ``baddonor``, ``undying``, ``sybil``: lies in the state it serves and the records its keys publish
+  (``benchmarks.liar_records``).
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -83,10 +85,24 @@ ATTACKS = {
     "withhold": 0.0,
     "partial": 4.0,
     "accuse": 0.0,
+    "baddonor": -4.0,
+    "undying": 2.0,
+    "sybil": 1.0,
 }
 
 
-def install(attack: str, factor: float) -> None:
+def install(attack: str, factor: float, client_argv: list[str] | None = None) -> None:
+    from benchmarks import liar_records
+
+    if attack == "baddonor":
+        liar_records.install_bad_donor(factor)
+        return
+    if attack == "undying":
+        liar_records.install_undying(int(factor))
+        return
+    if attack == "sybil":
+        liar_records.install_sybil(int(factor), client_argv or [])
+        return
     if attack == "cut":
         _install_cut(factor)
         return
@@ -321,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("attack", choices=sorted(ATTACKS))
     p.add_argument("--factor", type=float, default=None)
     args = p.parse_args(argv[:split])
-    install(args.attack, ATTACKS[args.attack] if args.factor is None else args.factor)
+    install(args.attack, ATTACKS[args.attack] if args.factor is None else args.factor, argv[split + 1 :])
     from client.cli import main as client_main
 
     return client_main(argv[split + 1 :])

@@ -21,6 +21,11 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   honest peer banned it, and the loss;
 - ``hide / centered-clip``: the same lying reducer, which also serves no auditor the parts
   of its own slice (it signs its receipt, so it is alive), hoping the slice goes unchecked;
+- ``baddonor / centered-clip``: the liar averages honestly but serves joiners a poisoned state that passes every
+  check of its own; honest peers join late (after rounds ``LATE_JOINS``) and must load the honest swarm's state;
+- ``undying / centered-clip``: the liar leaves, after two rounds, a record voting two epochs ahead, set to live a
+  year; ``sybil / centered-clip``: the liar's record and those of extra keys (``--peers 4``: two keys of five)
+  vote two epochs ahead with a made-up checksum; the figures are the honest peers' re-syncs and their loss;
 - ``absent / mean``: the liar's seat left empty (one peer fewer, ``min_group_size`` =
   peers - 1): the best any defence can do, which is to leave the liar out entirely; the
   honest peers then train on less data than in the honest run. Every scenario's loss is
@@ -68,7 +73,10 @@ NAME = "byzantine"
 BANNED_OR_ABSENT = (
     *("reducer", "few", "hide", "nonfinite", "oversized", "absent"),
     *("forge", "omit", "withhold", "partial", "accuse"),
+    *("undying", "sybil"),  # gone after two rounds; or its record says it is two epochs ahead: no group waits for it
 )
+LATE_JOINS = (2, 4, 6)  # ``baddonor``: an honest peer joins once the swarm reaches each of these epochs
+_LOADED = re.compile(r"state of epoch (?P<epoch>\d+) \(checksum (?P<checksum>\w+)\) loaded from (?P<donor>\w+)")
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
 # alone would otherwise wait out matchmaking for every round left
@@ -128,7 +136,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         # a round closes as soon as every peer is in, and a leader waits longer for a late one: on a loaded machine
         # a liar that started seconds after the honest joiner missed its only chance to meet them (CI, 5 s)
-        f"averaging.target_group_size={args.peers}",
+        f"averaging.target_group_size={args.peers + (len(LATE_JOINS) if attack == 'baddonor' else 0)}",
         f"averaging.matchmaking_time={MATCHMAKING_TIME}",
         f"inner_steps={args.inner_steps}",
         f"init_seed={args.seed}",
@@ -136,6 +144,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     ]
     tail = ["--max-epochs", str(args.rounds), "--eval-sequences", str(args.eval_sequences), "--eval-every", "1"]
     started = time.monotonic()
+    late: list[tuple[subprocess.Popen, Path]] = []  # honest peers that join mid-run (``baddonor``)
     head = ["start", "--preset", "tiny", *(a for s in sets for a in ("--set", s)), *tail]
     procs = [spawn(0, workdir, head, None, args.verbose_peers)]
     try:
@@ -150,6 +159,15 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         # each honest peer's whole process tree: an attack on memory shows here (the liar's is not scored)
         samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[: args.peers - 1]]
         deadline = time.monotonic() + args.timeout
+        for j, at in enumerate(LATE_JOINS if attack == "baddonor" else ()):
+            while _epoch(workdir / "peer0.jsonl") < at and time.monotonic() < deadline and procs[0][0].poll() is None:
+                time.sleep(0.5)
+            late_join = [
+                *join[: join.index("--max-epochs") + 1],
+                str(max(1, args.rounds - at)),
+                *join[join.index("--max-epochs") + 2 :],
+            ]
+            late.append(spawn(args.peers + j, workdir, late_join, None, args.verbose_peers))
         for index, (proc, _) in enumerate(procs):
             if attack and not absent and index == len(procs) - 1:  # once the honest peers are done, the liar (which
                 deadline = min(deadline, time.monotonic() + LIAR_GRACE)  # may be banned and alone) gets a grace
@@ -157,13 +175,18 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 break
+        for proc, _ in late:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
     finally:
         for sampler in locals().get("samplers", []):
             sampler.stop()
-        for proc, _ in procs:
+        for proc, _ in procs + late:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc, _ in procs:
+        for proc, _ in procs + late:
             try:
                 proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
@@ -209,6 +232,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
                 audit_bytes_mean=_mean([r.get("audit_bytes", 0) for r in averaged]),
                 allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),
                 round_wall_seconds_mean=_mean([r["wall_seconds"] for r in rounds[1:]]),
+                resyncs=sum(1 for r in rounds if r.get("resynced")),
                 # slices that came in part and could not be fetched again whole (so were dropped), and why
                 repair_failures=[dict(epoch=r["epoch"], **f) for r in averaged for f in r.get("repair_failures", [])],
             )
@@ -239,10 +263,43 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         liar_banned_by=f"{banned_by}/{len(honest)}" if liar else None,
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
         honest_peak_pss_mib=max((h["peak_pss_mib"] or 0 for h in honest), default=None),
+        honest_resyncs=sum(h["resyncs"] for h in honest),
+        joiners=[_joiner(args.peers + j, workdir, proc, liar, honest) for j, (proc, _) in enumerate(late)],
         audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),
     )
+
+
+def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None, honest: list[dict]) -> dict:
+    """What a late joiner loaded, and from whom: ``honest_state`` whether the state it loaded is one an honest peer
+    held at that epoch (its checksum after a round of that epoch), ``refused_liar`` the bad states it refused."""
+    events = [r for r in _records(workdir / f"peer{index}.jsonl") if r.get("type") == "event"]
+    loaded = [m.groupdict() for e in events if (m := _LOADED.search(e.get("message", "")))]
+    held = {
+        (r["epoch"], r["checksum"][:8]) for i in range(len(honest)) for r in _rounds(workdir / f"peer{i}.jsonl")
+        if r.get("checksum")
+    }  # fmt: skip
+    return dict(
+        peer=index,
+        exit=proc.returncode,
+        loaded=loaded,
+        honest_state=bool(loaded) and all((int(x["epoch"]), x["checksum"]) in held for x in loaded),
+        from_liar=sum(1 for x in loaded if liar and liar.endswith(x["donor"])),
+        refused_liar=sum(1 for e in events if e.get("kind") == "bad_donor" and liar and liar[-8:] in e["message"]),
+    )
+
+
+def _joiners(joiners: list[dict]) -> str:
+    """'loaded an honest state / of joiners, refused the liar's N times' ('-' without late joiners)."""
+    if not joiners:
+        return "-"
+    ok = sum(1 for j in joiners if j["honest_state"] and j["exit"] == 0)
+    return f"{ok}/{len(joiners)}, refused {sum(j['refused_liar'] for j in joiners)}"
+
+
+def _epoch(path: Path) -> int:
+    return max((r["epoch"] for r in _rounds(path)), default=0)
 
 
 def _lines(log: Path) -> list[str]:
@@ -256,11 +313,20 @@ def _read(path: Path) -> list:
         return []
 
 
-def _rounds(path: Path) -> list[dict]:
+def _records(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("type") == "round"]
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written as we read
+            continue
+    return out
+
+
+def _rounds(path: Path) -> list[dict]:
+    return [r for r in _records(path) if r.get("type") == "round"]
 
 
 def _mean(values: list) -> float | None:
@@ -313,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"{args.peers} peers (one liar), {args.rounds} rounds of H={args.inner_steps}: honest held-out loss at the end",
         ["scenario", "honest loss", "ratio to honest/mean", "worst round", "to absent", "banned by", "rounds to ban"]
-        + ["audit s/round", "audit MB/round", "peak PSS MiB", "s"],
+        + ["audit s/round", "audit MB/round", "peak PSS MiB", "re-syncs", "joiners honest/met liar", "s"],
         [
             (
                 r["scenario"],
@@ -326,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["audit_seconds_mean"] if r["audit_seconds_mean"] is not None else "-",
                 round(r["audit_bytes_mean"] / 1e6, 3) if r["audit_bytes_mean"] is not None else "-",
                 r["honest_peak_pss_mib"],
+                r["honest_resyncs"],
+                _joiners(r["joiners"]),
                 r["seconds"],
             )
             for r in results

@@ -34,7 +34,7 @@ from benchmarks.memory import Peer  # a `swarm-client` process on 127.0.0.1 with
 NAME = "catchup"
 REPO = Path(__file__).resolve().parent.parent
 _JOIN = re.compile(r"swarm-client join --initial-peers (?P<maddrs>.+) --run (?P<run>[0-9a-f]{16})")
-_LOADED = re.compile(r"state of epoch \d+ loaded from")
+_LOADED = re.compile(r"state of epoch \d+ (?:\(checksum \w+\) )?loaded from")
 _REPLAYED = re.compile(r"caught up to epoch \d+ by replaying (\d+) rounds")
 REPLAY_ROUNDS = 4  # the manifest's default
 

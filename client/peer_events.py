@@ -38,12 +38,12 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
                 f"waiting ~{eta:.0f} s for the swarm's round to end before downloading: at the last "
                 f"download's speed it takes ~{expected:.0f} s, more than is left of this round"
             )
-        case StateLoaded(donor=donor, epoch=epoch):
-            return "state_loaded", f"state of epoch {epoch} loaded from {donor[-8:]}"
+        case StateLoaded(donor=donor, epoch=epoch, checksum=checksum):
+            return "state_loaded", f"state of epoch {epoch} (checksum {checksum[:8]}) loaded from {donor[-8:]}"
         case DownloadFailed(donor=donor, reason=reason):
             return "download_failed", f"state download from {donor[-8:]} failed: {reason}"
         case DonorDistrusted(donor=donor, reason=reason):
-            return "download_failed", f"peer {donor[-8:]} served a bad state ({reason}); not asking it again"
+            return "bad_donor", f"peer {donor[-8:]} served a bad state ({reason}); not asking it again"
         case Initialized(epoch=epoch, reason=reason):
             return "initialized", f"starting at epoch {epoch}: {reason}"
         case StateSaveFailed(reason=reason):

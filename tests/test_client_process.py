@@ -117,7 +117,7 @@ def test_corrupt_checkpoint_falls_back_to_peers_and_sigterm_leaves_cleanly(tmp_p
     assert restarted.stdout.count("is unusable") == len(checkpoints)
     # from the peers: the whole state, or (the fresh model is epoch 0's, which the swarm's checksums still
     # name) the few rounds since, replayed
-    fetched = r"state of epoch \d+ loaded from|caught up to epoch \d+ by replaying \d+ rounds"
+    fetched = r"state of epoch \d+ (?:\(checksum \w+\) )?loaded from|caught up to epoch \d+ by replaying \d+ rounds"
     got = re.search(fetched, restarted.stdout)
     assert got, restarted.stdout
     # the line others join with comes once this peer has caught up: a joiner that came sooner found no state

@@ -15,6 +15,7 @@ from swarm.events import (
     AveragingFailed,
     Banned,
     CheckpointUnusable,
+    DonorDistrusted,
     Left,
     PeerEvent,
     Replayed,
@@ -59,13 +60,17 @@ def test_every_event_is_a_line_or_deliberately_silent(kind: type[PeerEvent]):
         return
     assert line is not None
     log_kind, text = line
-    assert log_kind in {"resync", "download", "state_loaded", "download_failed", "initialized", "log", "banned"}
+    assert log_kind in {"resync", "download", "state_loaded", "download_failed", "initialized", "log", "banned", "bad_donor"}
     assert text and "\n" not in text and "{" not in text
 
 
 def test_lines_name_what_the_volunteer_needs():
     assert describe(event_of(Replayed)) == ("state_loaded", "caught up to epoch 6 by replaying 3 rounds")
-    assert DONOR[-8:] in describe(event_of(StateLoaded))[1]
+    assert describe(event_of(StateLoaded))[1] == f"state of epoch 3 (checksum abababab) loaded from {DONOR[-8:]}"
+    assert describe(event_of(DonorDistrusted)) == (
+        "bad_donor",
+        f"peer {DONOR[-8:]} served a bad state (behind the swarm); not asking it again",
+    )
     assert "state-000003.safetensors is unusable" in describe(event_of(CheckpointUnusable))[1]
     assert "this round is local" in describe(event_of(AveragingFailed))[1]
     assert describe(event_of(Banned)) == (
@@ -78,5 +83,5 @@ def test_lines_name_what_the_volunteer_needs():
 def test_every_event_type_keeps_its_recorded_name():
     """--log-json and older listeners see the same names as before, one per type."""
     names = [kind.kind for kind in EVENT_TYPES]
-    assert len(EVENT_TYPES) == 17 and len(set(names)) == len(names) and all(names)
+    assert len(EVENT_TYPES) == 18 and len(set(names)) == len(names) and all(names)
     assert {"download_started", "replayed", "state", "round", "banned", "averaging_error"} <= set(names)

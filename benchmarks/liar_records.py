@@ -1,0 +1,181 @@
+"""Lies that are not in a pseudo-gradient: in the state a peer serves and in the records its keys publish.
+
+Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``); nothing here is part of the product.
+
+- ``baddonor``: honest in every value it averages and every vote, but every state file it serves joiners is
+  poisoned: its parameters multiplied by ``factor`` (default -4), under a header with the epoch it voted for and a
+  checksum recomputed over the poisoned bytes, so the file passes every check of its own;
+- ``undying``: honest for ``factor`` rounds (default 2), then, as it is killed, it leaves one last record that
+  votes two epochs ahead of the swarm with a made-up checksum and is set to live a year, and exits at once (no
+  "left" record): a record that outlives its peer;
+- ``sybil``: the liar's record and those of ``factor`` extra keys (default 1: with three honest peers, two keys
+  of five) vote two epochs ahead of the swarm and a made-up checksum for the epochs it is at: each extra key is a
+  process of its own (a DHT node, a fresh libp2p identity, a progress record refreshed like a peer's), as a
+  stranger running many cheap keys would have. The liar itself trains and averages honestly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BAD = "f" * 64
+AHEAD = 2  # epochs ahead of the swarm that the lying records vote for
+YEAR = 365 * 24 * 3600.0
+
+
+def _say(text: str) -> None:  # to the log's file descriptor: the client routes a child's stderr to its debug log
+    os.write(2, f"{text}\n".encode())
+
+
+def _lie_in(fields: dict, epoch: int) -> dict:
+    """A record's fields voting ``AHEAD`` epochs past ``epoch``, with the made-up checksum for every epoch between."""
+    checksums = [dict(epoch=e, checksum=BAD) for e in range(max(0, epoch - 1), epoch + AHEAD + 1)]
+    return {**fields, "epoch": epoch + AHEAD, "checksums": checksums}
+
+
+def install_bad_donor(factor: float) -> None:
+    from swarm.averager.transfer import FileTransfer
+    from swarm.state import file as state_file
+    from swarm.state.outer import checksum
+
+    stream = FileTransfer._stream_file
+
+    async def poisoned(self, path: Path, epoch: int):
+        bad = path.with_name(path.name + ".poisoned")
+        try:
+            header = state_file.read_header(path)
+            tensors = [torch.empty(s) for s in header.shapes] + [torch.empty(s) for s in header.shapes]
+            state_file.load_into(path, header, tensors)
+            params, momentum = tensors[: len(header.shapes)], tensors[len(header.shapes) :]
+            for p in params:
+                p.mul_(factor)
+            state_file.write(bad, run_id=header.run_id, epoch=header.epoch, checksum=checksum(tensors),
+                             params=params, momentum=momentum, durable=False)  # fmt: skip
+            _say(f"baddonor: served a poisoned state of epoch {header.epoch}")
+        except Exception as e:  # the file was pruned meanwhile: serve what there is
+            _say(f"baddonor: could not poison {path.name} ({e!r})")
+            bad = path
+        try:
+            async for message in stream(self, bad, epoch):
+                yield message
+        finally:
+            if bad != path:
+                bad.unlink(missing_ok=True)
+
+    FileTransfer._stream_file = poisoned
+
+
+def _capture_presence() -> list:
+    from swarm.dht.presence import Presence
+
+    captured: list = []
+    init = Presence.__init__
+
+    def capturing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        captured.append(self)
+
+    Presence.__init__ = capturing
+    return captured
+
+
+def install_undying(rounds: int) -> None:
+    from swarm.round.pipeline import OuterRound
+
+    presences = _capture_presence()
+    feedback = OuterRound._apply_error_feedback
+    seen = [0]
+
+    def dying(self) -> None:
+        seen[0] += 1
+        if seen[0] <= rounds or not presences:
+            feedback(self)
+            return
+        presence = presences[0]
+        presence._stop.set()  # no refresh after this one, and no "left" record: killed
+        with presence._lock:
+            presence._fields = _lie_in(presence._fields, self.ctx.outer.epoch)
+        stored = presence._publish(ttl=YEAR)
+        _say(f"undying: left a record voting epoch {self.ctx.outer.epoch + AHEAD}, set to live a year ({stored})")
+        os._exit(0)
+
+    OuterRound._apply_error_feedback = dying
+
+
+def install_sybil(ghosts: int, client_argv: list[str]) -> None:
+    """The liar's own record lies from its first publish; ``ghosts`` extra keys start once the liar knows the run."""
+    from swarm.dht.presence import Presence
+
+    folder = Path(tempfile.mkdtemp(prefix="swarm-sybil-"))
+    epoch_file = folder / "epoch"
+    snapshot = Presence.snapshot
+    started: list[subprocess.Popen] = []
+
+    def lying(self):
+        record = snapshot(self)
+        epoch_file.write_text(str(record.epoch))
+        if not started and ghosts:
+            started.extend(_spawn_ghosts(ghosts, self.run_id, _initial_peers(client_argv), epoch_file))
+        return type(record)(**_lie_in(record.dict(), record.epoch))
+
+    Presence.snapshot = lying
+    _say(f"sybil: its record and {ghosts} extra key(s) vote epoch +{AHEAD} and a made-up checksum")
+
+
+def _initial_peers(argv: list[str]) -> list[str]:
+    if "--initial-peers" not in argv:
+        return []
+    out = []
+    for arg in argv[argv.index("--initial-peers") + 1 :]:
+        if arg.startswith("--"):
+            break
+        out.append(arg)
+    return out
+
+
+def _spawn_ghosts(n: int, run_id: str, maddrs: list[str], epoch_file: Path) -> list[subprocess.Popen]:
+    from benchmarks.common import tied_to_us
+
+    command = [sys.executable, "-m", "benchmarks.liar_records", run_id, str(epoch_file), *maddrs]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return [subprocess.Popen(command, env=env, **tied_to_us()) for _ in range(n)]
+
+
+def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
+    """One extra key: a DHT node with a fresh identity whose progress record votes ``AHEAD`` epochs past the liar's
+    epoch, refreshed like a peer's, until the liar is gone."""
+    from swarm.dht.config import NetworkConfig
+    from swarm.dht.network import start_dht
+    from swarm.dht.presence import Presence
+    from swarm.dht.records import PeerState
+
+    parent = os.getppid()
+    dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
+    peer_id = dht.peer_id.to_base58()
+    fields = dict(peer_id=peer_id, name=f"sybil-{peer_id[-4:]}", device="cpu", epoch=0, inner_step=0,
+                  samples_per_second=1.0, tokens_processed=0, state=PeerState.training.value, last_loss=None,
+                  client_mode=False, relayed=False, checksums=[], accusations=[])  # fmt: skip
+    presence = Presence(dht, run_id, fields)
+    presence.start()
+    _say(f"sybil: extra key {peer_id} publishing")
+    while os.getppid() == parent:
+        try:
+            epoch = int(epoch_file.read_text())
+        except (OSError, ValueError):
+            epoch = 0
+        lie = _lie_in(fields, epoch)
+        presence.update(epoch=lie["epoch"], checksums=lie["checksums"], publish_now=True)
+        time.sleep(1.0)
+    presence.stop()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    ghost(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
