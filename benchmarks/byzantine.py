@@ -23,6 +23,7 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   of its own slice (it signs its receipt, so it is alive), hoping the slice goes unchecked;
 - ``baddonor / centered-clip``: the liar averages honestly but serves joiners a poisoned state that passes every
   check of its own; honest peers join late (after rounds ``LATE_JOINS``) and must load the honest swarm's state;
+  its baseline is ``honest / centered-clip+late``, the same late joiners without a liar;
 - ``undying / centered-clip``: the liar leaves, after two rounds, a record voting two epochs ahead, set to live a
   year; ``sybil / centered-clip``: the liar's record and those of extra keys (``--peers 4``: two keys of five)
   vote two epochs ahead with a made-up checksum; the figures are the honest peers' re-syncs and their loss;
@@ -127,6 +128,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     workdir = root / scenario.replace("/", "-").replace("#", "-").replace("+", "-")
     workdir = workdir.with_name(f"{workdir.name}-attempt{attempt}") if attempt > 1 else workdir
     workdir.mkdir(parents=True)
+    late_joins = LATE_JOINS if attack == "baddonor" or variant == "late" else ()
     audit_parts = int(variant.removeprefix("sampled") or SAMPLED_PARTS) if variant.startswith("sampled") else 0
     sets = [
         f"averaging.aggregation={aggregation}",
@@ -136,7 +138,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         # a round closes as soon as every peer is in, and a leader waits longer for a late one: on a loaded machine
         # a liar that started seconds after the honest joiner missed its only chance to meet them (CI, 5 s)
-        f"averaging.target_group_size={args.peers + (len(LATE_JOINS) if attack == 'baddonor' else 0)}",
+        f"averaging.target_group_size={args.peers + (len(LATE_JOINS) if late_joins else 0)}",
         f"averaging.matchmaking_time={MATCHMAKING_TIME}",
         f"inner_steps={args.inner_steps}",
         f"init_seed={args.seed}",
@@ -159,7 +161,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         # each honest peer's whole process tree: an attack on memory shows here (the liar's is not scored)
         samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[: args.peers - 1]]
         deadline = time.monotonic() + args.timeout
-        for j, at in enumerate(LATE_JOINS if attack == "baddonor" else ()):
+        for j, at in enumerate(late_joins):
             while _epoch(workdir / "peer0.jsonl") < at and time.monotonic() < deadline and procs[0][0].poll() is None:
                 time.sleep(0.5)
             late_join = [
@@ -251,7 +253,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         audit_parts=audit_parts,  # 0: every part
         liar=liar,
         # whether an honest peer ever averaged in a group of every peer, the liar in it (None: no liar)
-        liar_met=any(n == args.peers for h in honest for n in h["group_sizes"]) if liar else None,
+        # (None too for ``sybil``: its lie is in its keys' votes, not in a group)
+        liar_met=any(n == args.peers for h in honest for n in h["group_sizes"]) if liar and attack != "sybil" else None,
         attempt=attempt,
         # what the liar says it did (``benchmarks.attacker`` prints "ATTACK: ..." where the lie is not in a value)
         liar_said=[line for line in _lines(procs[-1][1]) if line.startswith(f"{attack}:")] if liar else [],
@@ -402,11 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print_table(
             f"over {args.invocations} invocations (new identities, hence data, each): mean [min, max]",
-            ["scenario", "ratio to honest/mean", "worst round", "to absent"],
+            ["scenario", "ratio to honest/mean", "worst round", "to absent", "to honest+late"],
             [
                 (
                     s["scenario"],
                     *(_spread(s[k]) for k in ("ratio_to_honest_mean", "worst_round_ratio", "ratio_to_absent")),
+                    _spread(s["ratio_to_late"]),
                 )
                 for s in summary
             ],
@@ -443,6 +447,8 @@ def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) 
         print(f"  honest held-out loss at the end: {results[-1]['honest_loss_end']}", flush=True)
     baseline = results[0]["honest_loss_end"]
     floor = next((r["honest_loss_end"] for r in results if r["attack"] == "absent"), None)
+    # late joiners change the groups and the data: a scenario with them is also given over the honest run with them
+    late = next((r["honest_loss_end"] for r in results if r["attack"] is None and r["joiners"]), None)
     for r in results:
         r["ratio_to_honest_mean"] = r["honest_loss_end"] / baseline if r["honest_loss_end"] and baseline else None
         r["ratio_by_round"] = round_ratios(r["honest_loss_by_round"], results[0]["honest_loss_by_round"])
@@ -451,6 +457,7 @@ def run_invocation(scenarios: list[str], args: argparse.Namespace, number: int) 
         r["worst_round_ratio"] = max(ratios) if ratios and None not in ratios else None
         # against the honest peers alone (the liar's seat empty): what a perfect defence would give
         r["ratio_to_absent"] = r["honest_loss_end"] / floor if r["honest_loss_end"] and floor else None
+        r["ratio_to_late"] = r["honest_loss_end"] / late if r["joiners"] and r["honest_loss_end"] and late else None
     return root, results
 
 
@@ -466,6 +473,7 @@ def summarize(invocations: list[list[dict]]) -> list[dict]:
             scenario=runs[0]["scenario"],
             ratio_to_honest_mean=[r["ratio_to_honest_mean"] for r in runs],
             ratio_to_absent=[r["ratio_to_absent"] for r in runs],
+            ratio_to_late=[r["ratio_to_late"] for r in runs],
             worst_round_ratio=[r["worst_round_ratio"] for r in runs],
         )
         for runs in zip(*invocations)

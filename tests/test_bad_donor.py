@@ -147,3 +147,48 @@ def test_a_lie_is_a_holders_other_state_of_the_wanted_epoch():
     assert not trust.served_a_lie("p1", 4, bad, wanted)  # an older round's file: its round moved on
     assert not trust.served_a_lie("p1", 6, bad, wanted)  # a later one: checked as the swarm's next epoch
     assert not trust.served_a_lie("p3", 5, bad, wanted)  # not a holder: it never said it held the wanted state
+
+
+def test_the_benchmarks_bad_donor_is_caught_by_this_rule(tmp_path, monkeypatch):
+    """``benchmarks.liar_records``' bad donor: the file it streams passes every check of its own (header, sha256,
+    CRC) and is of the epoch it voted for; only the swarm's vote tells it apart, and the joiner distrusts it."""
+    import asyncio
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from benchmarks import liar_records
+    from swarm.averager.transfer import FileTransfer
+
+    monkeypatch.setattr(FileTransfer, "_stream_file", FileTransfer._stream_file)  # restored after the test
+    liar_records.install_bad_donor(-4.0)
+    honest = state(1)
+    served = write(tmp_path / "served.st", honest)
+
+    async def stream() -> bytes:
+        donor = SimpleNamespace(serializer=MSGPackSerializer)
+        return b"".join([m.tensor_part.buffer async for m in FileTransfer._stream_file(donor, served, EPOCH)])
+
+    poisoned = tmp_path / "poisoned.st"
+    poisoned.write_bytes(asyncio.run(stream()))
+    header = state_file.check(poisoned, run_id=RUN, shapes=SHAPES)
+    assert header.epoch == EPOCH and header.checksum != honest.checksum()
+    assert not (tmp_path / "served.st.poisoned").exists()  # the liar's scratch file is gone
+
+    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort(key=["liar", "honest"].index))
+    sync, ctx, events = make_sync(tmp_path, {"liar": poisoned, "honest": served}, honest.checksum())
+    assert sync.download_consensus_state() and ctx.outer.checksum() == honest.checksum()
+    assert [e.donor for e in events if isinstance(e, DonorDistrusted)] == ["liar"]
+
+
+def test_the_benchmarks_lying_records_are_records_a_reader_parses():
+    """The votes ``benchmarks.liar_records`` publishes are well-formed records (so the benchmark tests the vote
+    rules, not the parser): two epochs ahead, the made-up checksum for every epoch listed."""
+    from benchmarks.liar_records import AHEAD, BAD, _initial_peers, _lie_in
+    from swarm.dht.records import ProgressRecord
+
+    fields = record("Qmx", 5, checksums=[(5, "a" * 64)]).dict()
+    lie = ProgressRecord(**_lie_in(fields, 5))
+    assert lie.epoch == 5 + AHEAD and {c.checksum for c in lie.checksums} == {BAD}
+    assert lie.checksum_at(5) == BAD and lie.checksum_at(5 + AHEAD) == BAD
+    argv = ["join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm1", "/ip4/3/tcp/4/p2p/Qm2", "--run", "ab"]
+    assert _initial_peers(argv) == argv[2:4] and _initial_peers(["join"]) == []

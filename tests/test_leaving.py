@@ -213,21 +213,18 @@ def test_sigterm_while_downloading_the_state(donor):
 
 def test_sigterm_in_a_round(donor):
     _, peer, _, run_id = donor
-    # alone, a round spends averaging.matchmaking_timeout (5 s) looking for a group: the moment the state turns
-    # from training to matchmaking is mid-round (a "matchmaking" seen later may be a round already ending). The
-    # donor's rounds are overlapped: its status says training while one is in the air and while it lands, and
-    # matchmaking while it hands one over or waits for one (a CI run once sent the signal on a landing instead)
-    seen = []
-
-    def round_just_began() -> bool:
-        state = peer.state(fresh=0.3)
-        if state is None:
-            return False
-        began = bool(seen) and seen[-1] == "training" and state in ("matchmaking", "averaging")
-        seen.append(state)
-        return began
-
-    peer.wait(round_just_began, "a round", poll=0.02)
+    # the donor's rounds are overlapped (the default): its H-th step's record is written just before it hands the
+    # round over, and alone the round then spends averaging.matchmaking_timeout (5 s) looking for a group, in the
+    # background while the next round's steps run. A second after that record the round is in the air, however
+    # slow the machine's steps (status.json, rewritten each second, showed the hand-over too seldom under load)
+    inner_steps = int(next(s for s in SETS if s.startswith("inner_steps=")).split("=")[1])
+    after = time.time()
+    peer.wait(
+        lambda: [s for s in peer.records("step") if s["time"] > after and s["inner_step"] == inner_steps],
+        "a round's last step",
+        poll=0.02,
+    )
+    time.sleep(1.0)
     peer.terminate()
     text = peer.log.read_text()
     # the donor's rounds are overlapped (the default): the signal comes while the round is handed over, or in a
