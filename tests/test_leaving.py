@@ -213,18 +213,35 @@ def test_sigterm_while_downloading_the_state(donor):
 
 def test_sigterm_in_a_round(donor):
     _, peer, _, run_id = donor
-    # the donor's rounds are overlapped (the default): its H-th step's record is written just before it hands the
-    # round over, and alone the round then spends averaging.matchmaking_timeout (5 s) looking for a group, in the
-    # background while the next round's steps run. A second after that record the round is in the air, however
-    # slow the machine's steps (status.json, rewritten each second, showed the hand-over too seldom under load)
+    # the donor's rounds are overlapped (the default). Alone, a round spends averaging.matchmaking_timeout (5 s)
+    # looking for a group, in the background while the next round's steps run, and takes off at the H-th step (or,
+    # if the one before is still in the air then, as soon as that one lands and its outer step is taken). A round's
+    # record is written once its report is out: right after the next round took off, if it landed at the H-th step
+    # (H steps late); else during the steps, and the next takes off at the H-th step after it. A second after the
+    # take-off the round is in the air, however slow the machine. (status.json, rewritten each second, showed the
+    # short hand-over too seldom under load; a signal during a landing's outer step finds no round at all)
     inner_steps = int(next(s for s in SETS if s.startswith("inner_steps=")).split("=")[1])
     after = time.time()
-    peer.wait(
-        lambda: [s for s in peer.records("step") if s["time"] > after and s["inner_step"] == inner_steps],
-        "a round's last step",
-        poll=0.02,
-    )
-    time.sleep(1.0)
+
+    def took_off() -> float | None:
+        rounds = [r for r in peer.records("round") if r["time"] > after]
+        if not rounds:
+            return None
+        last = rounds[-1]
+        if last["steps_late"] >= inner_steps:  # landed at the H-th step: the next took off just before this record
+            when = last["time"]
+        else:
+            ends = [
+                s["time"] for s in peer.records("step") if s["time"] > last["time"] and s["inner_step"] == inner_steps
+            ]
+            if not ends:
+                return None
+            when = ends[-1]
+        return when if time.time() - when < 0.5 else None
+
+    # a round with the joiners the tests before sent away can take minutes (its audits wait out the gone)
+    when = peer.wait(took_off, "a round taking off", timeout=480, poll=0.02)
+    time.sleep(max(0.0, when + 1.0 - time.time()))
     peer.terminate()
     text = peer.log.read_text()
     # the donor's rounds are overlapped (the default): the signal comes while the round is handed over, or in a
