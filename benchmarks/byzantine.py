@@ -473,7 +473,7 @@ def summarize(invocations: list[list[dict]]) -> list[dict]:
             scenario=runs[0]["scenario"],
             ratio_to_honest_mean=[r["ratio_to_honest_mean"] for r in runs],
             ratio_to_absent=[r["ratio_to_absent"] for r in runs],
-            ratio_to_late=[r["ratio_to_late"] for r in runs],
+            ratio_to_late=[r.get("ratio_to_late") for r in runs],  # with late joiners only
             worst_round_ratio=[r["worst_round_ratio"] for r in runs],
         )
         for runs in zip(*invocations)

@@ -504,6 +504,8 @@ def test_byzantine_summary_spreads_each_scenario_over_invocations():
     assert round_ratios({1: 4.0, 2: None, 3: 3.0}, {1: 2.0, 2: 2.0}) == {1: 2.0, 2: None}
     assert _spread(summary[0]["ratio_to_absent"]) == "1.025 [0.97, 1.08]"
     assert _spread(summary[1]["ratio_to_honest_mean"]) == "0.92 [0.92, 0.92] (1 diverged)"
+    late = summarize([[dict(first[0], ratio_to_late=1.01)], [dict(second[0], ratio_to_late=0.99)]])
+    assert summary[0]["ratio_to_late"] == [None, None] and _spread(late[0]["ratio_to_late"]) == "1 [0.99, 1.01]"
 
 
 def test_gpu_smoke(tmp_path: Path):

@@ -60,7 +60,16 @@ def test_every_event_is_a_line_or_deliberately_silent(kind: type[PeerEvent]):
         return
     assert line is not None
     log_kind, text = line
-    assert log_kind in {"resync", "download", "state_loaded", "download_failed", "initialized", "log", "banned", "bad_donor"}
+    assert log_kind in {
+        "resync",
+        "download",
+        "state_loaded",
+        "download_failed",
+        "initialized",
+        "log",
+        "banned",
+        "bad_donor",
+    }
     assert text and "\n" not in text and "{" not in text
 
 
