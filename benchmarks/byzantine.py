@@ -275,19 +275,28 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
 
 
 def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None, honest: list[dict]) -> dict:
-    """What a late joiner loaded, and from whom: ``honest_state`` whether the state it loaded is one an honest peer
-    held at that epoch (its checksum after a round of that epoch), ``refused_liar`` the bad states it refused."""
+    """What a late joiner loaded, and from whom. It downloads the state, or (within ``averaging.replay_rounds`` of
+    its own epoch) replays the rounds it missed, each checked against the swarm's checksum. ``honest_state``: every
+    state it loaded is one an honest peer held at that epoch (its checksum after a round of that epoch), and so is
+    its state after its first round; ``refused_liar``: the bad states of the liar's it refused."""
     events = [r for r in _records(workdir / f"peer{index}.jsonl") if r.get("type") == "event"]
     loaded = [m.groupdict() for e in events if (m := _LOADED.search(e.get("message", "")))]
+    replayed = sum(1 for e in events if e.get("message", "").startswith("caught up to epoch"))
     held = {
         (r["epoch"], r["checksum"][:8]) for i in range(len(honest)) for r in _rounds(workdir / f"peer{i}.jsonl")
         if r.get("checksum")
     }  # fmt: skip
+    first = next((r for r in _rounds(workdir / f"peer{index}.jsonl") if r.get("checksum")), None)
     return dict(
         peer=index,
         exit=proc.returncode,
         loaded=loaded,
-        honest_state=bool(loaded) and all((int(x["epoch"]), x["checksum"]) in held for x in loaded),
+        replayed=replayed,
+        first_round_held=first is not None and (first["epoch"], first["checksum"][:8]) in held,
+        honest_state=bool(loaded or replayed)
+        and all((int(x["epoch"]), x["checksum"]) in held for x in loaded)
+        and first is not None
+        and (first["epoch"], first["checksum"][:8]) in held,
         from_liar=sum(1 for x in loaded if liar and liar.endswith(x["donor"])),
         refused_liar=sum(1 for e in events if e.get("kind") == "bad_donor" and liar and liar[-8:] in e["message"]),
     )
