@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 
 from benchmarks.attacker import ATTACKS
+from benchmarks.byzantine_logs import _epoch, _joiner, _joiners, _lines, _mean, _peer_id, _read, _rounds
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
@@ -77,7 +78,6 @@ BANNED_OR_ABSENT = (
     *("undying", "sybil"),  # gone after two rounds; or its record says it is two epochs ahead: no group waits for it
 )
 LATE_JOINS = (2, 4, 6)  # ``baddonor``: an honest peer joins once the swarm reaches each of these epochs
-_LOADED = re.compile(r"state of epoch (?P<epoch>\d+) \(checksum (?P<checksum>\w+)\) loaded from (?P<donor>\w+)")
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
 # alone would otherwise wait out matchmaking for every round left
@@ -272,83 +272,6 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),
     )
-
-
-def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None, honest: list[dict]) -> dict:
-    """What a late joiner loaded, and from whom. It downloads the state, or (within ``averaging.replay_rounds`` of
-    its own epoch) replays the rounds it missed, each checked against the swarm's checksum. ``honest_state``: every
-    state it loaded is one an honest peer held at that epoch (its checksum after a round of that epoch), and so is
-    its state after its first round; ``refused_liar``: the bad states of the liar's it refused."""
-    events = [r for r in _records(workdir / f"peer{index}.jsonl") if r.get("type") == "event"]
-    loaded = [m.groupdict() for e in events if (m := _LOADED.search(e.get("message", "")))]
-    replayed = sum(1 for e in events if e.get("message", "").startswith("caught up to epoch"))
-    held = {
-        (r["epoch"], r["checksum"][:8]) for i in range(len(honest)) for r in _rounds(workdir / f"peer{i}.jsonl")
-        if r.get("checksum")
-    }  # fmt: skip
-    first = next((r for r in _rounds(workdir / f"peer{index}.jsonl") if r.get("checksum")), None)
-    return dict(
-        peer=index,
-        exit=proc.returncode,
-        loaded=loaded,
-        replayed=replayed,
-        first_round_held=first is not None and (first["epoch"], first["checksum"][:8]) in held,
-        honest_state=bool(loaded or replayed)
-        and all((int(x["epoch"]), x["checksum"]) in held for x in loaded)
-        and first is not None
-        and (first["epoch"], first["checksum"][:8]) in held,
-        from_liar=sum(1 for x in loaded if liar and liar.endswith(x["donor"])),
-        refused_liar=sum(1 for e in events if e.get("kind") == "bad_donor" and liar and liar[-8:] in e["message"]),
-    )
-
-
-def _joiners(joiners: list[dict]) -> str:
-    """'loaded an honest state / of joiners, refused the liar's N times' ('-' without late joiners)."""
-    if not joiners:
-        return "-"
-    ok = sum(1 for j in joiners if j["honest_state"] and j["exit"] == 0)
-    return f"{ok}/{len(joiners)}, refused {sum(j['refused_liar'] for j in joiners)}"
-
-
-def _epoch(path: Path) -> int:
-    return max((r["epoch"] for r in _rounds(path)), default=0)
-
-
-def _lines(log: Path) -> list[str]:
-    return log.read_text(errors="replace").splitlines() if log.exists() else []
-
-
-def _read(path: Path) -> list:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written as we read
-            continue
-    return out
-
-
-def _rounds(path: Path) -> list[dict]:
-    return [r for r in _records(path) if r.get("type") == "round"]
-
-
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.fmean(values), 4) if values else None
-
-
-def _peer_id(log: Path) -> str | None:
-    found = re.search(r"Peer (Qm\w+) on ", log.read_text()) if log.exists() else None
-    return found.group(1) if found else None
 
 
 def main(argv: list[str] | None = None) -> int:
