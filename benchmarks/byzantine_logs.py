@@ -14,8 +14,10 @@ _LOADED = re.compile(r"state of epoch (?P<epoch>\d+) \(checksum (?P<checksum>\w+
 def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None, honest: list[dict]) -> dict:
     """What a late joiner loaded, and from whom. It downloads the state, or (within ``averaging.replay_rounds`` of
     its own epoch) replays the rounds it missed, each checked against the swarm's checksum. ``honest_state``: every
-    state it loaded is one an honest peer held at that epoch (its checksum after a round of that epoch), and so is
-    its state after its first round; ``refused_liar``: the bad states of the liar's it refused."""
+    state it downloaded is one an honest peer held at that epoch (its checksum after a round of that epoch); for a
+    replay, its state after its first round is (``first_round_held``, also given for downloads: a joiner whose
+    first round formed a group of its own differs without having loaded anything wrong); ``refused_liar``: the
+    liar's bad states it refused."""
     events = [r for r in _records(workdir / f"peer{index}.jsonl") if r.get("type") == "event"]
     loaded = [m.groupdict() for e in events if (m := _LOADED.search(e.get("message", "")))]
     replayed = sum(1 for e in events if e.get("message", "").startswith("caught up to epoch"))
@@ -30,10 +32,10 @@ def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None,
         loaded=loaded,
         replayed=replayed,
         first_round_held=first is not None and (first["epoch"], first["checksum"][:8]) in held,
-        honest_state=bool(loaded or replayed)
-        and all((int(x["epoch"]), x["checksum"]) in held for x in loaded)
-        and first is not None
-        and (first["epoch"], first["checksum"][:8]) in held,
+        # a download is checked by what it loaded; a replay (no checksum said) by the round after it
+        honest_state=all((int(x["epoch"]), x["checksum"]) in held for x in loaded)
+        if loaded
+        else bool(replayed) and first is not None and (first["epoch"], first["checksum"][:8]) in held,
         from_liar=sum(1 for x in loaded if liar and liar.endswith(x["donor"])),
         refused_liar=sum(1 for e in events if e.get("kind") == "bad_donor" and liar and liar[-8:] in e["message"]),
     )
