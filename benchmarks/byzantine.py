@@ -267,7 +267,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
         honest_peak_pss_mib=max((h["peak_pss_mib"] or 0 for h in honest), default=None),
         honest_resyncs=sum(h["resyncs"] for h in honest),
-        joiners=[_joiner(args.peers + j, workdir, proc, liar, honest) for j, (proc, _) in enumerate(late)],
+        joiners=[_joiner(args.peers + j, workdir, p.returncode, liar, len(honest)) for j, (p, _) in enumerate(late)],
         audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),
         seconds=round(time.monotonic() - started, 1),

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
 from pathlib import Path
 
 _LOADED = re.compile(r"state of epoch (?P<epoch>\d+) \(checksum (?P<checksum>\w+)\) loaded from (?P<donor>\w+)")
 
 
-def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None, honest: list[dict]) -> dict:
+def _joiner(index: int, workdir: Path, exit_code: int | None, liar: str | None, honest_peers: int) -> dict:
     """What a late joiner loaded, and from whom. It downloads the state, or (within ``averaging.replay_rounds`` of
     its own epoch) replays the rounds it missed, each checked against the swarm's checksum. ``honest_state``: every
     state it downloaded is one an honest peer held at that epoch (its checksum after a round of that epoch); for a
@@ -22,13 +21,13 @@ def _joiner(index: int, workdir: Path, proc: subprocess.Popen, liar: str | None,
     loaded = [m.groupdict() for e in events if (m := _LOADED.search(e.get("message", "")))]
     replayed = sum(1 for e in events if e.get("message", "").startswith("caught up to epoch"))
     held = {
-        (r["epoch"], r["checksum"][:8]) for i in range(len(honest)) for r in _rounds(workdir / f"peer{i}.jsonl")
+        (r["epoch"], r["checksum"][:8]) for i in range(honest_peers) for r in _rounds(workdir / f"peer{i}.jsonl")
         if r.get("checksum")
     }  # fmt: skip
     first = next((r for r in _rounds(workdir / f"peer{index}.jsonl") if r.get("checksum")), None)
     return dict(
         peer=index,
-        exit=proc.returncode,
+        exit=exit_code,
         loaded=loaded,
         replayed=replayed,
         first_round_held=first is not None and (first["epoch"], first["checksum"][:8]) in held,

@@ -7,6 +7,7 @@ served an older epoch is no liar (its round may have ended meanwhile): it is ask
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,7 +77,7 @@ def make_sync(tmp_path: Path, files: dict[str, Path], good: str, extra_votes: in
         reader=SimpleNamespace(view=lambda: view),
         emit=events.append,
         set_state=lambda state, now: None,
-        shield=lambda: __import__("contextlib").nullcontext(),
+        shield=contextlib.nullcontext,
         stop_requested=lambda: False,
     )
     checkpoints = SimpleNamespace(store=StateStore(tmp_path / "state", RUN), extra=dict)

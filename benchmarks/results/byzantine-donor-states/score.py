@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.byzantine_logs import _joiner, _lines, _peer_id, _rounds  # noqa: E402
@@ -27,11 +26,7 @@ def score(wd: Path, honest: list[int], liar_index: int | None) -> dict | None:
         return None
     results = [json.loads(f.read_text()) for f in files]
     liar = _peer_id(wd / f"peer{liar_index}.log") if liar_index is not None else None
-    joiners = [
-        _joiner(i, wd, SimpleNamespace(returncode=None), liar, honest)
-        for i in JOINERS
-        if (wd / f"peer{i}.jsonl").exists()
-    ]
+    joiners = [_joiner(i, wd, None, liar, len(honest)) for i in JOINERS if (wd / f"peer{i}.jsonl").exists()]
     logs = [line for i in [*honest, *JOINERS] for line in _lines(wd / f"peer{i}.log")]
     liar_log = _lines(wd / f"peer{liar_index}.log") if liar_index is not None else []
     return dict(
