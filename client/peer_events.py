@@ -11,6 +11,7 @@ from swarm.events import (
     AveragingFailed,
     Banned,
     CheckpointUnusable,
+    ClaimDoubted,
     DonorDistrusted,
     DownloadDeferred,
     DownloadFailed,
@@ -44,6 +45,11 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
             return "download_failed", f"state download from {donor[-8:]} failed: {reason}"
         case DonorDistrusted(donor=donor, reason=reason):
             return "bad_donor", f"peer {donor[-8:]} served a bad state ({reason}); not asking it again"
+        case ClaimDoubted(peers=peers, epoch=epoch, rounds=rounds):
+            return "doubted", (
+                f"{peers} peer(s) say the swarm is at epoch {epoch}, but none of them served that state: "
+                f"not believed until {rounds} rounds past it; this peer's round goes on"
+            )
         case Initialized(epoch=epoch, reason=reason):
             return "initialized", f"starting at epoch {epoch}: {reason}"
         case StateSaveFailed(reason=reason):

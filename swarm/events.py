@@ -175,6 +175,17 @@ class DonorDistrusted(PeerEvent):
 
 
 @dataclass(frozen=True)
+class ClaimDoubted(PeerEvent):
+    """Nobody served the epoch ``peers`` keys said the swarm is at: they are left out of this peer's view for
+    ``rounds`` rounds past it (``swarm.state.doubts``)."""
+
+    kind: ClassVar[str] = "claim_doubted"
+    peers: int
+    epoch: int
+    rounds: int
+
+
+@dataclass(frozen=True)
 class StateLoaded(PeerEvent):
     kind: ClassVar[str] = "state_loaded"
     donor: str

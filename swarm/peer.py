@@ -1,10 +1,9 @@
 """A DiLoCo peer: the object a training loop calls after every inner step.
 
-The loop owns the model, the data and the inner AdamW optimizer; the peer owns
-everything that involves other machines: joining, catching up, the outer round
-every H inner steps, keeping the global model consistent with the swarm, its
-state files, and leaving. Every network wait in here is bounded, so a volunteer
-who vanishes at any moment costs the others at most the timeouts of the manifest.
+The loop owns the model, the data and the inner AdamW optimizer; the peer owns everything that involves other
+machines: joining, catching up, the outer round every H inner steps, keeping the global model consistent with the
+swarm, its state files, and leaving. Every network wait in here is bounded, so a volunteer who vanishes at any
+moment costs the others at most the timeouts of the manifest.
 
 The peer composes the engine's parts and none of them holds it: ``connect`` builds the
 DHT side (the averager process, this peer's record, its bans, the swarm reader), ``start``
@@ -14,10 +13,9 @@ counts a step; at the H-th, ``run_outer_round`` lands the round still in flight 
 and ``OuterRound.begin``s the next; ``OuterRound.poll`` advances it between steps, and
 ``OuterRound.finish`` applies it in named phases (``swarm.round.pipeline``).
 
-Memory, per parameter: the global copy and its momentum (8 bytes), the shared
-pseudo-gradient buffer (4), and while a round runs the averaged values as they
-came off the wire (2 in FP16). ``connect`` forks the averager process before the
-model exists, so that process shares none of the model's pages.
+Memory, per parameter: the global copy and its momentum (8 bytes), the shared pseudo-gradient buffer (4), and while
+a round runs the averaged values as they came off the wire (2 in FP16). ``connect`` forks the averager process
+before the model exists, so that process shares none of the model's pages.
 """
 
 from __future__ import annotations
@@ -55,8 +53,9 @@ from swarm.round.pipeline import OuterRound
 from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
+from swarm.state.doubts import Doubts
 from swarm.state.outer import OuterState
-from swarm.state.sync import StateSync
+from swarm.state.sync import Resynced, StateSync
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +183,7 @@ class Peer:
         self._presence.update(micro_batch=size)
 
     def view(self) -> SwarmView:
-        """The swarm as the rules see it: banned peers are not in it (no donor, vote or mate of ours)."""
+        """The swarm as the rules see it: banned and doubted peers are not in it (no donor, vote or mate of ours)."""
         return self._reader.view()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -206,7 +205,8 @@ class Peer:
         self._shapes = [tuple(shape) for shape in shapes]
         self.averager = start_averager(self.dht, self._shapes, self.manifest, self.state_dir)
         m = self.manifest
-        keep, banned = (lambda e: self._guard.filter(e)), (lambda p: p in self._guard.bans)  # no vote, mate or group
+        self._doubts = Doubts(lambda: self.epoch)  # keys that claimed an epoch nobody served (``swarm.state.doubts``)
+        keep, banned = (lambda e: self._doubts.filter(self._guard.filter(e))), (lambda p: p in self._guard.bans)
         self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep, banned=banned)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
@@ -251,7 +251,7 @@ class Peer:
         self._outer = outer
         client_mode = bool(self.dht.client_mode)
         self._checkpoints = Checkpoints(ctx, self.state_dir, self._presence, self._state_extra, client_mode)
-        self._sync = StateSync(ctx, self._checkpoints, begin_round=self._steps.begin)
+        self._sync = StateSync(ctx, self._checkpoints, begin_round=self._steps.begin, doubts=self._doubts)
         self._rounds = OuterRound(ctx, self._sync, self._checkpoints, self._steps, self.stats, self._guard.on_findings)
         self._started = True
         resumed = self._sync.load_file(resume) if resume is not None else False
@@ -368,7 +368,7 @@ class Peer:
 
     def resync_now(self, reason: str) -> bool:
         """Replace our state with the swarm's (e.g. after repeated NaN losses); False if nobody could serve it."""
-        return self._rounds.resync(reason)
+        return self._rounds.resync(reason) == Resynced.taken
 
     def _finish_flight(self, waited: float = 0.0) -> None:
         self._landing = True  # before the flight goes: a reader of the two never sees neither

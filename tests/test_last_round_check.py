@@ -15,6 +15,7 @@ from swarm.events import PeerStats, RoundOutcome, RoundReport
 from swarm.round.consistency import RoundChecks
 from swarm.round.pipeline import OuterRound
 from swarm.round.steps import RoundSteps
+from swarm.state.sync import Resynced
 
 MINE, THEIRS, OLD = "1" * 64, "2" * 64, "3" * 64
 
@@ -32,7 +33,7 @@ class FakePeer:
         self.views = 0  # DHT reads
         self.outer = SimpleNamespace(epoch=epoch, checksum=lambda: checksum)
         self.resyncs: list[str] = []
-        self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._resync)
+        self.sync = SimpleNamespace(resync_needed=self._resync_needed, resync=self._sync_resync)
         self.late = ()
         self.late_after = float("inf")  # records in ``late`` are seen from this time.monotonic() on
 
@@ -61,6 +62,9 @@ class FakePeer:
     def _resync(self, why: str) -> bool:
         self.resyncs.append(why)
         return True
+
+    def _sync_resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
+        return Resynced.taken if self._resync(why) else Resynced.failed
 
 
 def checks_of(peer: FakePeer) -> RoundChecks:

@@ -15,6 +15,7 @@ from swarm.events import (
     AveragingFailed,
     Banned,
     CheckpointUnusable,
+    ClaimDoubted,
     DonorDistrusted,
     Left,
     PeerEvent,
@@ -44,6 +45,8 @@ VALUES = dict(  # a value for every field any event has, by its name
     kept_steps=False,
     bytes=1000,
     seconds=0.5,
+    peers=2,
+    rounds=3,
 )
 SILENT = {StateChanged, Left, RoundFinished, StateSaved}  # the loop's state, not lines
 
@@ -69,6 +72,7 @@ def test_every_event_is_a_line_or_deliberately_silent(kind: type[PeerEvent]):
         "log",
         "banned",
         "bad_donor",
+        "doubted",
     }
     assert text and "\n" not in text and "{" not in text
 
@@ -79,6 +83,11 @@ def test_lines_name_what_the_volunteer_needs():
     assert describe(event_of(DonorDistrusted)) == (
         "bad_donor",
         f"peer {DONOR[-8:]} served a bad state (behind the swarm); not asking it again",
+    )
+    assert describe(event_of(ClaimDoubted)) == (
+        "doubted",
+        "2 peer(s) say the swarm is at epoch 3, but none of them served that state: not believed until 3 rounds "
+        "past it; this peer's round goes on",
     )
     assert "state-000003.safetensors is unusable" in describe(event_of(CheckpointUnusable))[1]
     assert "this round is local" in describe(event_of(AveragingFailed))[1]
@@ -92,5 +101,5 @@ def test_lines_name_what_the_volunteer_needs():
 def test_every_event_type_keeps_its_recorded_name():
     """--log-json and older listeners see the same names as before, one per type."""
     names = [kind.kind for kind in EVENT_TYPES]
-    assert len(EVENT_TYPES) == 18 and len(set(names)) == len(names) and all(names)
+    assert len(EVENT_TYPES) == 19 and len(set(names)) == len(names) and all(names)
     assert {"download_started", "replayed", "state", "round", "banned", "averaging_error"} <= set(names)

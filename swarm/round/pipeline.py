@@ -43,7 +43,7 @@ from swarm.round.recovery import RoundRecovery
 from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
-from swarm.state.sync import StateSync
+from swarm.state.sync import Resynced, StateSync
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class OuterRound(RoundRecovery):
         # (epoch, group size) while the averaging buffers hold the group's average that moved us to that epoch
         self._last_average: tuple[int, int] | None = None
         self.last_round_local = False  # our last round stepped alone: we may have run ahead of the swarm
-        self.checks = RoundChecks(ctx, self.resync_needed, self.resync)  # did the groupmates end on our state?
+        resync = lambda why: self.resync(why) == Resynced.taken  # noqa: E731
+        self.checks = RoundChecks(ctx, self.resync_needed, resync)  # did the groupmates end on our state?
         self.merger = Merger(ctx, checkpoints) if ctx.manifest.averaging.merge_groups else None  # the second stage
 
     # ---- begin ---------------------------------------------------------------------------------
@@ -78,8 +79,8 @@ class OuterRound(RoundRecovery):
         epoch = ctx.outer.epoch
         self.checks.before_next_round(epoch)
         why = self.resync_needed(epoch)  # a late re-check of the last epoch, now that everyone published
-        if why is not None:
-            return self._resync_round(seconds, str(why), reason=why.reason)
+        if why is not None and (resynced := self._resync_at_begin(seconds, why)) is not None:
+            return resynced
         # no longer training from here: the hand-over below takes seconds at 100M+ in fp4 (error feedback); the
         # record goes out with the next refresh, and at once once the averager has the round
         ctx.set_state(PeerState.matchmaking, False)

@@ -15,7 +15,7 @@ from swarm.round.landing import add_steps
 from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
-from swarm.state.sync import StateSync
+from swarm.state.sync import Resynced, StateSync
 
 
 class RoundRecovery:
@@ -30,13 +30,28 @@ class RoundRecovery:
     def resync_needed(self, epoch: int) -> Resync | None:
         return self.sync.resync_needed(epoch, self.last_round_local)
 
-    def resync(self, why: str) -> bool:
-        """Take the swarm's state instead of ours (``StateSync.resync``); whether it worked."""
-        ok = self.sync.resync(why)
-        if ok:
+    def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
+        """Take the swarm's state instead of ours (``StateSync.resync``)."""
+        result = self.sync.resync(why, keep_model_if_doubted)
+        if result == Resynced.taken:
             self.stats.resyncs += 1
             self.last_round_local = False
-        return ok
+        return result
+
+    def _resync_at_begin(self, seconds: dict[str, float], why: Resync) -> RoundReport | None:
+        """A round's begin found our state is not the swarm's: re-sync, or (None) go on with the round when nobody
+        served the epoch we were said to be behind and the view without its claimants says ours is the swarm's
+        (``swarm.state.doubts``): the round's steps are kept, and our state is offered again."""
+        if why.reason != ResyncReason.behind:
+            return self._resync_round(seconds, str(why), reason=why.reason)
+        t0 = time.monotonic()
+        result = self.resync(str(why), keep_model_if_doubted=True)
+        if result != Resynced.doubted or self.resync_needed(self.ctx.outer.epoch) is not None:
+            return self._resynced_report(seconds, str(why), t0, result, reason=why.reason)
+        seconds["resync"] = time.monotonic() - t0
+        self.checkpoints.announce(self.steps.inner_step)
+        self.ctx.set_state(PeerState.training, True)
+        return None
 
     def _given_up(self, flight: Flight) -> RoundReport:
         """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
@@ -98,9 +113,21 @@ class RoundRecovery:
         outcome: RoundOutcome = RoundOutcome.resynced,
         reason: ResyncReason | None = None,
     ) -> RoundReport:
-        self._last_average = None
         t0 = time.monotonic()
-        resynced = self.resync(why)
+        return self._resynced_report(seconds, why, t0, self.resync(why), outcome, reason)
+
+    def _resynced_report(
+        self,
+        seconds: dict[str, float],
+        why: str,
+        t0: float,
+        result: Resynced,
+        outcome: RoundOutcome = RoundOutcome.resynced,
+        reason: ResyncReason | None = None,
+    ) -> RoundReport:
+        """The report of a round replaced by a re-sync (begun at ``t0``): its work is not in the swarm's state."""
+        self._last_average = None
+        resynced = result == Resynced.taken
         seconds.update(matchmaking=0.0, allreduce=0.0, audit=0.0, outer=0.0, resync=time.monotonic() - t0)
         self.steps.begin()
         return RoundReport(

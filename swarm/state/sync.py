@@ -10,6 +10,7 @@ rounds it missed instead (``swarm.state.replay``).
 
 from __future__ import annotations
 
+import enum
 import logging
 import random
 import time
@@ -22,6 +23,7 @@ from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_neede
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     CheckpointUnusable,
+    ClaimDoubted,
     DonorDistrusted,
     DownloadDeferred,
     DownloadFailed,
@@ -35,6 +37,7 @@ from swarm.state import file as state_file
 from swarm.state import trust
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
+from swarm.state.doubts import Doubts, unserved_claimants
 from swarm.state.file import StateFileError
 from swarm.state.replay import Replay
 from swarm.state.store import residual_path
@@ -45,13 +48,32 @@ DOWNLOAD_ATTEMPTS = 3
 MAX_DISTRUSTED = 1024  # donors remembered for serving a bad state (a stranger can make keys: a bound)
 MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
 VIEW_WAIT = 3.0  # records of other peers can take this long to reach a node that just joined
+UNSERVED_PASSES = 2  # download passes that found nobody serving an epoch ahead of ours before its claimants are doubted
+
+
+class Resynced(enum.Enum):
+    """What a re-sync did (``StateSync.resync``)."""
+
+    taken = "the swarm's state is ours now"
+    failed = "no donor served a verified state"
+    doubted = "nobody served the epoch we were told of: its claimants are doubted, and our state stands"
 
 
 class StateSync:
-    """``begin_round`` restarts the count of the round's inner steps: the model restarts from the global one."""
+    """``begin_round`` restarts the count of the round's inner steps: the model restarts from the global one.
+    ``doubts``: the keys whose claims nobody served (``swarm.state.doubts``), which the view of ``ctx.reader``
+    leaves out (the peer builds both); a sync of its own when not given."""
 
-    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints, begin_round: Callable[[], None]):
+    def __init__(
+        self,
+        ctx: PeerContext,
+        checkpoints: Checkpoints,
+        begin_round: Callable[[], None],
+        doubts: Doubts | None = None,
+    ):
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
+        self.doubts = doubts if doubts is not None else Doubts(lambda: ctx.outer.epoch)
+        self.doubted_claim = False  # the last download doubted the keys that claimed the epoch it wanted
         self.replay = Replay(ctx, checkpoints)
         self._download_rate: float | None = None  # bytes/s of our last state download
         # donors that served a state file that was not what they voted for, or whose bytes did not match their own
@@ -102,7 +124,7 @@ class StateSync:
             ctx.emit(Initialized(epoch, "checkpoint agrees with the swarm"))
             return
         ctx.set_state(PeerState.downloading_state, True)
-        if not self.download_consensus_state():
+        if not self.download_consensus_state(joining=True):
             if ctx.stop_requested():
                 raise LeaveRequested("asked to leave while downloading the state")
             raise StateDownloadError(
@@ -128,56 +150,87 @@ class StateSync:
         mine = outer.checksum() if outer.epoch == epoch else None
         return resync_needed(self.ctx.reader.view(), self.ctx.me, epoch, mine, last_round_local)
 
-    def resync(self, why: str) -> bool:
-        """Replace our state with the swarm's; whatever happens, the model restarts from the global copy."""
+    def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
+        """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
+        epoch we were told of, its claimants are doubted, our state is the swarm's again in the view without them,
+        and ``keep_model_if_doubted`` (the caller's round goes on, with its steps)."""
         ctx = self.ctx
         ctx.set_state(PeerState.resyncing, True)
         ctx.emit(Resyncing(why, ctx.outer.epoch))
         ok = self.download_consensus_state()
+        doubted = not ok and self.doubted_claim and self.resync_needed(ctx.outer.epoch, False) is None
+        if doubted and keep_model_if_doubted:
+            return Resynced.doubted  # the caller offers our state again and goes on
         ctx.outer.write_to(ctx.params)
         self._begin_round()
         self.checkpoints.announce(inner_step=0)
         ctx.set_state(PeerState.training, True)
-        return ok
+        return Resynced.taken if ok else Resynced.doubted if doubted else Resynced.failed
 
     # ---- downloading ---------------------------------------------------------------------------
 
-    def download_consensus_state(self) -> bool:
-        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash."""
+    def download_consensus_state(self, joining: bool = False) -> bool:
+        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash. When
+        passes find nobody serving an epoch ahead of ours, its claimants are doubted (``swarm.state.doubts``;
+        ``joining``: only while others say otherwise) and the next pass reads the view without them; a peer that
+        is not joining and is not behind in that view keeps its state (False, with ``doubted_claim`` set)."""
         ctx = self.ctx
         avg = ctx.manifest.averaging
         # nobody should copy a state we are replacing; checkpoints.announce offers ours again afterwards
         ctx.averager.allow_state_sharing = False
+        self.doubted_claim = False
         if self.replay.missed_rounds():
             return True
+        unserved = 0  # passes that found nobody serving an epoch ahead of ours
         for attempt in range(DOWNLOAD_ATTEMPTS):
             if ctx.stop_requested():
                 return False
             view = self._view_after_round_if_download_is_too_slow()
             if view.global_epoch is None:
                 return False
+            if self.doubted_claim and not joining and view.global_epoch <= ctx.outer.epoch:
+                return False  # without the keys that claimed more, our state is the swarm's
             agreed = consensus(view.peers, view.global_epoch)
-            if agreed is None:
-                time.sleep(1.0)
-                continue
-            donors = [
-                p.peer_id
-                for p in view.peers
-                if p.peer_id in agreed.holders
-                and p.peer_id != ctx.me
-                and not p.client_mode
-                and p.peer_id not in self.distrusted
-            ]
-            if not donors:
-                return agreed.agrees(ctx.outer.checksum()) and ctx.outer.epoch == agreed.epoch
-            random.shuffle(donors)  # spread joiners over donors
+            donors = self._donors(view, agreed)
+            if agreed is not None and not donors and view.global_epoch <= ctx.outer.epoch:
+                mine = agreed.agrees(ctx.outer.checksum()) and ctx.outer.epoch == agreed.epoch
+                return mine and any(holder != ctx.me for holder in agreed.holders)
             for donor in donors:
                 if ctx.stop_requested():
                     return False
                 if self._download_from(donor, agreed, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
+            if view.global_epoch > ctx.outer.epoch:
+                unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
+                if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
+                    continue  # the next pass reads the view without them
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
+
+    def _donors(self, view: SwarmView, agreed: Consensus | None) -> list[str]:
+        """The holders of the consensus that can serve it and did not serve us a bad state, in a random order (to
+        spread joiners over donors)."""
+        if agreed is None:
+            return []
+        me, holders = self.ctx.me, set(agreed.holders)
+        donors = [
+            p.peer_id
+            for p in view.peers
+            if p.peer_id in holders and p.peer_id != me and not p.client_mode and p.peer_id not in self.distrusted
+        ]
+        random.shuffle(donors)
+        return donors
+
+    def _doubt(self, view: SwarmView, joining: bool) -> bool:
+        """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
+        ctx = self.ctx
+        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, joining)
+        if not claim:
+            return False
+        rounds = self.doubts.add(claim, view.global_epoch)
+        self.doubted_claim = True
+        ctx.emit(ClaimDoubted(len(claim), view.global_epoch, rounds))
+        return True
 
     def _view_after_round_if_download_is_too_slow(self) -> SwarmView:
         """On a slow link a download can outlast what is left of the swarm's round; the state would be stale

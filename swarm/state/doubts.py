@@ -1,0 +1,82 @@
+"""Epochs that nobody serves are not believed: the keys that said the swarm reached an epoch ahead of ours, when
+none of them served that state, leave our view for a while.
+
+The global epoch is the upper median of live keys' epochs (``swarm.dht.view.global_epoch``), so half of the keys
+move it. A stranger holding them (its own peer, and extra keys that are only DHT records) made every honest peer
+"behind": its re-syncs found no donor serving the claimed epoch (the extra keys serve nothing, the stranger serves
+its own), and every round's work was thrown away (``benchmarks/results/byzantine-sybil``). An epoch the swarm
+really reached is served by the peers that reached it. So when a state download found nobody serving the epoch we
+were told the swarm is at, the keys that claimed it (every live key at that epoch or later) are doubted: their
+records leave this peer's view (no vote, mate or donor, as a ban does) until our own epoch has passed the one they
+claimed by ``DOUBT_ROUNDS`` rounds, twice as long each time the same key is doubted again. Then they are believed
+again, and asked again. Only this peer's view changes: nothing is published and nobody is accused (a claim that
+was not served proves nothing to others: the one asking could be the one cut off).
+
+A joiner, which holds no state of the swarm yet, doubts only while someone else in its view (not it, not the
+claimants) says otherwise: one that reaches nobody must not drop the whole swarm and start alone from the seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from swarm.dht.records import PeerEntry, PeerState
+from swarm.dht.view import SwarmView
+
+DOUBT_ROUNDS = 3  # rounds of ours past the claimed epoch before its claimants are believed (and asked) again
+MAX_DOUBT_ROUNDS = 96  # the doubling stops here: an honest peer that once could not serve is not shut out for good
+MAX_DOUBTED = 1024  # keys remembered (a stranger can make keys: a bound)
+
+
+def unserved_claimants(view: SwarmView, me: str, epoch: int, joining: bool) -> tuple[str, ...]:
+    """Whom to doubt when no donor served the view's global epoch, ahead of our ``epoch``: every other live key at
+    that epoch or later. None if the global epoch is not ahead of ours, nor (``joining``) when nobody else (not us,
+    not them) is in the view."""
+    claimed = view.global_epoch
+    if claimed is None or claimed <= epoch:
+        return ()
+    claim = tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch >= claimed)
+    witnesses = [p for p in view.peers if p.peer_id != me and p.epoch < claimed and p.state != PeerState.starting.value]
+    return () if joining and not witnesses else claim
+
+
+@dataclass
+class _Doubt:
+    until: int  # our epoch at which the key is believed again
+    times: int  # how often it was doubted
+
+
+class Doubts:
+    """The keys this peer does not believe for now; ``epoch()`` is ours (the doubts end as it passes theirs)."""
+
+    def __init__(self, epoch: Callable[[], int]):
+        self._epoch = epoch
+        self._doubts: dict[str, _Doubt] = {}
+
+    def add(self, peers: Iterable[str], claimed_epoch: int) -> int:
+        """Doubt ``peers``, which claimed ``claimed_epoch``; how many of our rounds the longest doubt lasts."""
+        longest = 0
+        for peer in peers:
+            doubt = self._doubts.pop(peer, None)
+            times = doubt.times + 1 if doubt is not None else 1
+            rounds = min(MAX_DOUBT_ROUNDS, DOUBT_ROUNDS << min(times - 1, 16))
+            if len(self._doubts) >= MAX_DOUBTED:
+                self._doubts.pop(next(iter(self._doubts)))  # the oldest
+            self._doubts[peer] = _Doubt(until=claimed_epoch + rounds, times=times)  # last in insertion order
+            longest = max(longest, rounds)
+        return longest
+
+    def doubted(self, peer: str) -> bool:
+        doubt = self._doubts.get(peer)
+        return doubt is not None and self._epoch() < doubt.until
+
+    @property
+    def active(self) -> list[str]:
+        return [peer for peer in self._doubts if self.doubted(peer)]
+
+    def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
+        """The entries of keys not doubted now."""
+        if not self._doubts:
+            return list(entries)
+        return [e for e in entries if not self.doubted(e.record.peer_id)]
