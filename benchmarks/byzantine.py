@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 from benchmarks.attacker import ATTACKS
-from benchmarks.byzantine_logs import _epoch, _joiner, _joiners, _lines, _mean, _peer_id, _read, _rounds
+from benchmarks.byzantine_logs import _epoch, _joiner, _joiners, _lines, _mean, _peer_id, _read, _records, _rounds
 from benchmarks.common import (
     Stopwatch,
     add_common_args,
@@ -235,6 +235,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
                 allreduce_bytes_received_mean=_mean([r["bytes_received"] for r in averaged]),
                 round_wall_seconds_mean=_mean([r["wall_seconds"] for r in rounds[1:]]),
                 resyncs=sum(1 for r in rounds if r.get("resynced")),
+                # claims of an epoch ahead that nobody served, whose keys it left out of its view (swarm.state.doubts)
+                claims_doubted=sum(1 for r in _records(workdir / f"peer{i}.jsonl") if r.get("kind") == "doubted"),
                 # slices that came in part and could not be fetched again whole (so were dropped), and why
                 repair_failures=[dict(epoch=r["epoch"], **f) for r in averaged for f in r.get("repair_failures", [])],
             )
@@ -267,6 +269,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         audit_seconds_mean=_mean([h["audit_seconds_mean"] for h in honest]),
         honest_peak_pss_mib=max((h["peak_pss_mib"] or 0 for h in honest), default=None),
         honest_resyncs=sum(h["resyncs"] for h in honest),
+        honest_claims_doubted=sum(h["claims_doubted"] for h in honest),
         joiners=[_joiner(args.peers + j, workdir, p.returncode, liar, len(honest)) for j, (p, _) in enumerate(late)],
         audit_bytes_mean=_mean([h["audit_bytes_mean"] for h in honest]),
         round_wall_seconds_mean=_mean([h["round_wall_seconds_mean"] for h in honest]),

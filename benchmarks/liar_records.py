@@ -110,8 +110,9 @@ def install_undying(rounds: int) -> None:
 
 
 def install_sybil(ghosts: int, client_argv: list[str]) -> None:
-    """The liar's own record lies from its first publish; ``ghosts`` extra keys start once the liar knows the run."""
+    """The liar's record lies once it holds the swarm's state; ``ghosts`` extra keys start then."""
     from swarm.dht.presence import Presence
+    from swarm.dht.records import PeerState
 
     folder = Path(tempfile.mkdtemp(prefix="swarm-sybil-"))
     epoch_file = folder / "epoch"
@@ -120,6 +121,8 @@ def install_sybil(ghosts: int, client_argv: list[str]) -> None:
 
     def lying(self):
         record = snapshot(self)
+        if record.state in (PeerState.starting.value, PeerState.downloading_state.value):
+            return record  # its own view reads its own record: lying before it holds the state, it could not join
         epoch_file.write_text(str(record.epoch))
         if not started and ghosts:
             started.extend(_spawn_ghosts(ghosts, self.run_id, _initial_peers(client_argv), epoch_file))
