@@ -50,7 +50,7 @@ it claims, is replaced:
   its own part alone would agree with an average of its choosing);
 - ``accuse``: honest in every value it sends and returns, but as an auditor it accuses every reducer it audits of
   a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned;
-- ``baddonor``, ``undying``, ``sybil``: lies in the state it serves and the records its keys publish
+- ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
   (``benchmarks.liar_records``).
 
 It follows the protocol in everything else. Nothing here is part of the product.
@@ -88,6 +88,7 @@ ATTACKS = {
     "baddonor": -4.0,
     "undying": 2.0,
     "sybil": 1.0,
+    "outvote": 2.0,
 }
 
 
@@ -100,8 +101,9 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
     if attack == "undying":
         liar_records.install_undying(int(factor))
         return
-    if attack == "sybil":
-        liar_records.install_sybil(int(factor), client_argv or [])
+    if attack in ("sybil", "outvote"):
+        ahead = 0 if attack == "outvote" else liar_records.AHEAD
+        liar_records.install_sybil(int(factor), client_argv or [], ahead=ahead)
         return
     if attack == "cut":
         _install_cut(factor)

@@ -26,7 +26,9 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   its baseline is ``honest / centered-clip+late``, the same late joiners without a liar;
 - ``undying / centered-clip``: the liar leaves, after two rounds, a record voting two epochs ahead, set to live a
   year; ``sybil / centered-clip``: the liar's record and those of extra keys (``--peers 4``: two keys of five)
-  vote two epochs ahead with a made-up checksum; the figures are the honest peers' re-syncs and their loss;
+  vote two epochs ahead with a made-up checksum; ``outvote / centered-clip``: the liar's record and those of two
+  extra keys (``--peers 3``: three keys of five) vote a made-up checksum of the swarm's own epoch, the majority's;
+  the figures are the honest peers' re-syncs, their doubted claims and their loss;
 - ``absent / mean``: the liar's seat left empty (one peer fewer, ``min_group_size`` =
   peers - 1): the best any defence can do, which is to leave the liar out entirely; the
   honest peers then train on less data than in the honest run. Every scenario's loss is

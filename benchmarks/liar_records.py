@@ -1,6 +1,7 @@
 """Lies that are not in a pseudo-gradient: in the state a peer serves and in the records its keys publish.
 
-Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``); nothing here is part of the product.
+Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``, ``outvote``); nothing here is part of the
+product.
 
 - ``baddonor``: honest in every value it averages and every vote, but every state file it serves joiners is
   poisoned: its parameters multiplied by ``factor`` (default -4), under a header with the epoch it voted for and a
@@ -11,7 +12,9 @@ Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``); nothing 
 - ``sybil``: the liar's record and those of ``factor`` extra keys (default 1: with three honest peers, two keys
   of five) vote two epochs ahead of the swarm and a made-up checksum for the epochs it is at: each extra key is a
   process of its own (a DHT node, a fresh libp2p identity, a progress record refreshed like a peer's), as a
-  stranger running many cheap keys would have. The liar itself trains and averages honestly.
+  stranger running many cheap keys would have. The liar itself trains and averages honestly;
+- ``outvote``: the same keys (``factor`` extra, default 2: with two honest peers, three keys of five) vote the
+  swarm's own epoch with a made-up checksum: the majority's checksum of every epoch, which nobody serves.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ def _say(text: str) -> None:  # to the log's file descriptor: the client routes 
     os.write(2, f"{text}\n".encode())
 
 
-def _lie_in(fields: dict, epoch: int) -> dict:
-    """A record's fields voting ``AHEAD`` epochs past ``epoch``, with the made-up checksum for every epoch between."""
-    checksums = [dict(epoch=e, checksum=BAD) for e in range(max(0, epoch - 1), epoch + AHEAD + 1)]
-    return {**fields, "epoch": epoch + AHEAD, "checksums": checksums}
+def _lie_in(fields: dict, epoch: int, ahead: int = AHEAD) -> dict:
+    """A record's fields voting ``ahead`` epochs past ``epoch``, with the made-up checksum for every epoch between."""
+    checksums = [dict(epoch=e, checksum=BAD) for e in range(max(0, epoch - 1), epoch + ahead + 1)]
+    return {**fields, "epoch": epoch + ahead, "checksums": checksums}
 
 
 def install_bad_donor(factor: float) -> None:
@@ -109,13 +112,15 @@ def install_undying(rounds: int) -> None:
     OuterRound._apply_error_feedback = dying
 
 
-def install_sybil(ghosts: int, client_argv: list[str]) -> None:
-    """The liar's record lies once it holds the swarm's state; ``ghosts`` extra keys start then."""
+def install_sybil(ghosts: int, client_argv: list[str], ahead: int = AHEAD) -> None:
+    """The liar's record lies once it holds the swarm's state; ``ghosts`` extra keys start then, all voting ``ahead``
+    epochs past the liar's (and the made-up checksum)."""
     from swarm.dht.presence import Presence
     from swarm.dht.records import PeerState
 
     folder = Path(tempfile.mkdtemp(prefix="swarm-sybil-"))
     epoch_file = folder / "epoch"
+    (folder / "ahead").write_text(str(ahead))
     snapshot = Presence.snapshot
     started: list[subprocess.Popen] = []
 
@@ -126,10 +131,29 @@ def install_sybil(ghosts: int, client_argv: list[str]) -> None:
         epoch_file.write_text(str(record.epoch))
         if not started and ghosts:
             started.extend(_spawn_ghosts(ghosts, self.run_id, _initial_peers(client_argv), epoch_file))
-        return type(record)(**_lie_in(record.dict(), record.epoch))
+        return type(record)(**_lie_in(record.dict(), record.epoch, ahead))
 
     Presence.snapshot = lying
-    _say(f"sybil: its record and {ghosts} extra key(s) vote epoch +{AHEAD} and a made-up checksum")
+    _keep_own_view_honest()
+    _say(f"{_name(ahead)}: its record and {ghosts} extra key(s) vote epoch +{ahead} and a made-up checksum")
+
+
+def _keep_own_view_honest() -> None:
+    """The liar's view leaves out its own (lying) record, as a stranger would patch it: reading itself ahead of the
+    swarm, it would re-sync every round instead of training with the honest peers."""
+    from swarm.dht.peers import SwarmReader
+
+    build = SwarmReader._build
+
+    def without_itself(self, entries):
+        me = self.dht.peer_id.to_base58()
+        return build(self, [e for e in entries if e.record.peer_id != me])
+
+    SwarmReader._build = without_itself
+
+
+def _name(ahead: int) -> str:
+    return "outvote" if ahead == 0 else "sybil"
 
 
 def _initial_peers(argv: list[str]) -> list[str]:
@@ -153,13 +177,17 @@ def _spawn_ghosts(n: int, run_id: str, maddrs: list[str], epoch_file: Path) -> l
 
 def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
     """One extra key: a DHT node with a fresh identity whose progress record votes ``AHEAD`` epochs past the liar's
-    epoch, refreshed like a peer's, until the liar is gone."""
+    epoch (or what the file ``ahead`` beside ``epoch_file`` says), refreshed like a peer's, until the liar is gone."""
     from swarm.dht.config import NetworkConfig
     from swarm.dht.network import start_dht
     from swarm.dht.presence import Presence
     from swarm.dht.records import PeerState
 
     parent = os.getppid()
+    try:
+        ahead = int(epoch_file.with_name("ahead").read_text())
+    except (OSError, ValueError):
+        ahead = AHEAD
     dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
     peer_id = dht.peer_id.to_base58()
     fields = dict(peer_id=peer_id, name=f"sybil-{peer_id[-4:]}", device="cpu", epoch=0, inner_step=0,
@@ -167,13 +195,13 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
                   client_mode=False, relayed=False, checksums=[], accusations=[])  # fmt: skip
     presence = Presence(dht, run_id, fields)
     presence.start()
-    _say(f"sybil: extra key {peer_id} publishing")
+    _say(f"{_name(ahead)}: extra key {peer_id} publishing")
     while os.getppid() == parent:
         try:
             epoch = int(epoch_file.read_text())
         except (OSError, ValueError):
             epoch = 0
-        lie = _lie_in(fields, epoch)
+        lie = _lie_in(fields, epoch, ahead)
         presence.update(epoch=lie["epoch"], checksums=lie["checksums"], publish_now=True)
         time.sleep(1.0)
     presence.stop()

@@ -47,8 +47,8 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
             return "bad_donor", f"peer {donor[-8:]} served a bad state ({reason}); not asking it again"
         case ClaimDoubted(peers=peers, epoch=epoch, rounds=rounds):
             return "doubted", (
-                f"{peers} peer(s) say the swarm is at epoch {epoch}, but none of them served that state: "
-                f"not believed until {rounds} rounds past it; this peer's round goes on"
+                f"{peers} peer(s) vouch for a state of epoch {epoch} that none of them served: not believed until "
+                f"{rounds} rounds past it; this peer's round goes on"
             )
         case Initialized(epoch=epoch, reason=reason):
             return "initialized", f"starting at epoch {epoch}: {reason}"

@@ -176,8 +176,8 @@ class DonorDistrusted(PeerEvent):
 
 @dataclass(frozen=True)
 class ClaimDoubted(PeerEvent):
-    """Nobody served the epoch ``peers`` keys said the swarm is at: they are left out of this peer's view for
-    ``rounds`` rounds past it (``swarm.state.doubts``)."""
+    """Nobody served the state of ``epoch`` that ``peers`` keys vouched for (an epoch ahead of ours, or the majority's
+    checksum of ours): they are left out of this peer's view for ``rounds`` rounds past it (``swarm.state.doubts``)."""
 
     kind: ClassVar[str] = "claim_doubted"
     peers: int

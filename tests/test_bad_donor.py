@@ -112,8 +112,9 @@ def test_bad_donors_are_refused_reported_and_not_asked_again(tmp_path, monkeypat
     assert [e.donor for e in events if isinstance(e, StateLoaded)] == ["honest"]
     assert set(sync.distrusted) == {"liar", "damaged"}
 
-    # the next re-sync skips them, and asks the stale donor again
+    # the next re-sync (of a peer that lost that state again) skips them, and asks the stale donor again
     ctx.averager.asked.clear()
+    ctx.outer = state(99, epoch=0)
     assert sync.download_consensus_state()
     assert ctx.averager.asked == ["stale", "honest"]
 

@@ -103,19 +103,32 @@ def no_sleeping(monkeypatch):
 def test_the_claimants_are_every_key_at_the_claimed_epoch_or_later():
     swarm = view(record("me", 3), record("b", 3), record("x", 5), record("y", 5), record("z", 6))
     assert swarm.global_epoch == 5
-    assert unserved_claimants(swarm, "me", 3, joining=False) == ("x", "y", "z")
-    assert unserved_claimants(swarm, "me", 5, joining=False) == ()  # not ahead of us: nothing claimed
-    assert unserved_claimants(swarm, "me", 6, joining=False) == ()
+    assert unserved_claimants(swarm, "me", 3, None, joining=False) == ("x", "y", "z")
+    assert unserved_claimants(swarm, "me", 5, None, joining=False) == ()  # nobody vouches for a checksum of 5
+    assert unserved_claimants(swarm, "me", 6, None, joining=False) == ()  # we ran ahead: they are the swarm
+
+
+def test_at_our_epoch_the_claimants_are_the_holders_of_a_majority_checksum_that_is_not_ours():
+    good = "a" * 64
+    ours = [record(p, 5, checksums=[(5, good)]) for p in ("me", "b")]
+    sybils = [record(k, 5, checksums=[(5, BAD)]) for k in ("x", "y", "z")]
+    swarm = view(*ours, *sybils)
+    assert unserved_claimants(swarm, "me", 5, good, joining=False) == ("x", "y", "z")
+    assert unserved_claimants(swarm, "me", 5, BAD, joining=False) == ()  # the majority's state is ours
+    assert unserved_claimants(view(*ours), "me", 5, good, joining=False) == ()
+    # a joiner at the seed, with the majority held by keys that serve nothing and one honest peer to say otherwise
+    assert unserved_claimants(view(*ours[1:], *sybils), "me", 5, None, joining=True) == ("x", "y", "z")
+    assert unserved_claimants(view(*sybils), "me", 5, None, joining=True) == ()
 
 
 def test_a_joiner_doubts_only_while_someone_else_says_otherwise():
     alone = view(record("me", 0, state=PeerState.downloading_state), record("x", 4), record("y", 4))
-    assert unserved_claimants(alone, "me", 0, joining=True) == ()  # it may be the one cut off: no seed start
-    assert unserved_claimants(alone, "me", 0, joining=False) == ("x", "y")  # a peer with a state goes on with it
+    assert unserved_claimants(alone, "me", 0, None, joining=True) == ()  # it may be the one cut off: no seed start
+    assert unserved_claimants(alone, "me", 0, None, joining=False) == ("x", "y")  # a peer with a state goes on with it
     starting = view(record("s", 0, state=PeerState.starting), record("x", 4), record("y", 4))
-    assert unserved_claimants(starting, "me", 0, joining=True) == ()  # a starting key vouches for nothing
+    assert unserved_claimants(starting, "me", 0, None, joining=True) == ()  # a starting key vouches for nothing
     witnessed = view(record("w", 2), record("x", 4), record("y", 4))
-    assert unserved_claimants(witnessed, "me", 0, joining=True) == ("x", "y")
+    assert unserved_claimants(witnessed, "me", 0, None, joining=True) == ("x", "y")
 
 
 def test_doubts_end_past_the_claimed_epoch_and_double_when_repeated():
@@ -170,6 +183,20 @@ def test_without_keeping_the_round_a_doubted_claim_is_not_a_resync(tmp_path):
     assert ctx.outer.checksum() == honest.checksum()
 
 
+def test_keys_that_outvote_our_checksum_and_serve_nothing_do_not_replace_our_state(tmp_path):
+    """Three extra keys vote a made-up checksum of our own epoch against two honest peers: "disagreed with the
+    majority's checksum"; nobody serves it, the keys are doubted, and the round goes on from our state."""
+    sync, ctx, events, honest, records = sybil_swarm(tmp_path, "a", ["a", "b"], epoch=3, ghosts=3)
+    lie = [record(k, 3, checksums=[(3, BAD)]) for k in ("ghost0", "ghost1", "ghost2")]
+    records[2:] = lie  # the liar stays out: only keys that serve nothing
+    assert sync.resync_needed(3, last_round_local=False).reason == ResyncReason.disagreed
+    model = [p.clone() for p in ctx.params]
+    assert sync.resync("disagreed", keep_model_if_doubted=True) == Resynced.doubted
+    assert [(e.peers, e.epoch) for e in events if isinstance(e, ClaimDoubted)] == [(3, 3)]
+    assert all(torch.equal(p, m) for p, m in zip(ctx.params, model)) and ctx.outer.checksum() == honest.checksum()
+    assert sync.resync_needed(3, last_round_local=False) is None
+
+
 def test_a_joiner_downloads_the_honest_state_instead_of_giving_up(tmp_path, monkeypatch):
     monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort())
     sync, ctx, events, honest, _ = sybil_swarm(tmp_path, "joiner", ["a"], epoch=4)
@@ -180,6 +207,29 @@ def test_a_joiner_downloads_the_honest_state_instead_of_giving_up(tmp_path, monk
     assert [(e.peers, e.epoch) for e in events if isinstance(e, ClaimDoubted)] == [(2, 4 + AHEAD)]
     failed = [e for e in events if isinstance(e, DownloadFailed)]
     assert {e.donor for e in failed} == {"liar", "ghost0"} and any("older" in e.reason for e in failed)
+
+
+def test_a_joiner_at_the_seed_of_a_run_still_there_downloads_nothing(tmp_path):
+    sync, ctx, events, honest, records = sybil_swarm(tmp_path, "joiner", ["m", "n"], ghosts=0)
+    records.pop()  # no liar
+    ctx.outer = state(1, epoch=0)  # the seed's weights, as the joiner built them
+    sync.checkpoints.save = lambda: None
+    sync.catch_up(resumed=False, expect_others=False)
+    assert ctx.averager.asked == [] and ctx.outer.checksum() == honest.checksum()
+    assert [e.reason for e in events if e.kind == "initialized"] == ["the swarm holds the seed"]
+
+
+def test_a_joiner_at_the_seed_doubts_a_liar_whose_vote_won_the_tie(tmp_path):
+    """One honest peer and one liar voting a made-up checksum of epoch 0: a tie, which goes to the lower id, the
+    liar's. It serves its real (honest) state, so it is distrusted, then doubted; the joiner holds the seed."""
+    sync, ctx, events, honest, records = sybil_swarm(tmp_path, "joiner", ["m"], ghosts=0)
+    records[-1] = record("liar", 0, checksums=[(0, BAD)])  # "liar" < "m": its checksum wins the tie
+    ctx.outer = state(1, epoch=0)
+    sync.checkpoints.save = lambda: None
+    sync.catch_up(resumed=False, expect_others=False)
+    assert ctx.averager.asked == ["liar"] and list(sync.distrusted) == ["liar"]
+    assert [(e.peers, e.epoch) for e in events if isinstance(e, ClaimDoubted)] == [(1, 0)]
+    assert ctx.outer.checksum() == honest.checksum()
 
 
 def test_a_joiner_that_only_reaches_the_claimants_still_gives_up(tmp_path):

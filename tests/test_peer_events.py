@@ -86,8 +86,8 @@ def test_lines_name_what_the_volunteer_needs():
     )
     assert describe(event_of(ClaimDoubted)) == (
         "doubted",
-        "2 peer(s) say the swarm is at epoch 3, but none of them served that state: not believed until 3 rounds "
-        "past it; this peer's round goes on",
+        "2 peer(s) vouch for a state of epoch 3 that none of them served: not believed until 3 rounds past it; "
+        "this peer's round goes on",
     )
     assert "state-000003.safetensors is unusable" in describe(event_of(CheckpointUnusable))[1]
     assert "this round is local" in describe(event_of(AveragingFailed))[1]

@@ -40,10 +40,8 @@ class RoundRecovery:
 
     def _resync_at_begin(self, seconds: dict[str, float], why: Resync) -> RoundReport | None:
         """A round's begin found our state is not the swarm's: re-sync, or (None) go on with the round when nobody
-        served the epoch we were said to be behind and the view without its claimants says ours is the swarm's
+        served the state the view said is the swarm's and the view without the keys that vouched for it says ours is
         (``swarm.state.doubts``): the round's steps are kept, and our state is offered again."""
-        if why.reason != ResyncReason.behind:
-            return self._resync_round(seconds, str(why), reason=why.reason)
         t0 = time.monotonic()
         result = self.resync(str(why), keep_model_if_doubted=True)
         if result != Resynced.doubted or self.resync_needed(self.ctx.outer.epoch) is not None:

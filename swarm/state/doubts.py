@@ -1,5 +1,6 @@
-"""Epochs that nobody serves are not believed: the keys that said the swarm reached an epoch ahead of ours, when
-none of them served that state, leave our view for a while.
+"""States that nobody serves are not believed: the keys that said the swarm reached an epoch ahead of ours, or
+that hold another checksum of our epoch as its majority, when none of them served that state, leave our view for a
+while.
 
 The global epoch is the upper median of live keys' epochs (``swarm.dht.view.global_epoch``), so half of the keys
 move it. A stranger holding them (its own peer, and extra keys that are only DHT records) made every honest peer
@@ -12,6 +13,11 @@ claimed by ``DOUBT_ROUNDS`` rounds, twice as long each time the same key is doub
 again, and asked again. Only this peer's view changes: nothing is published and nobody is accused (a claim that
 was not served proves nothing to others: the one asking could be the one cut off).
 
+Extra keys voting a made-up checksum of the current epoch are the same attack one step over: with more votes than
+the honest peers (half of the keys while those agree, a fifth when a round split their checksums four ways:
+``benchmarks/results/sybil-votes``) they made every honest peer "disagree with the majority", and its re-sync found
+nobody serving that checksum. The holders of a consensus nobody serves are doubted the same way.
+
 A joiner, which holds no state of the swarm yet, doubts only while someone else in its view (not it, not the
 claimants) says otherwise: one that reaches nobody must not drop the whole swarm and start alone from the seed.
 """
@@ -22,22 +28,30 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from swarm.dht.records import PeerEntry, PeerState
-from swarm.dht.view import SwarmView
+from swarm.dht.view import SwarmView, consensus
 
 DOUBT_ROUNDS = 3  # rounds of ours past the claimed epoch before its claimants are believed (and asked) again
 MAX_DOUBT_ROUNDS = 96  # the doubling stops here: an honest peer that once could not serve is not shut out for good
 MAX_DOUBTED = 1024  # keys remembered (a stranger can make keys: a bound)
+STARTING = PeerState.starting.value  # a key that vouches for nothing yet
 
 
-def unserved_claimants(view: SwarmView, me: str, epoch: int, joining: bool) -> tuple[str, ...]:
-    """Whom to doubt when no donor served the view's global epoch, ahead of our ``epoch``: every other live key at
-    that epoch or later. None if the global epoch is not ahead of ours, nor (``joining``) when nobody else (not us,
-    not them) is in the view."""
+def unserved_claimants(view: SwarmView, me: str, epoch: int, mine: str | None, joining: bool) -> tuple[str, ...]:
+    """Whom to doubt when no donor served the state the view says is the swarm's, which is not ours (``mine``, our
+    checksum at our ``epoch``): every other live key at the view's global epoch or later when that is ahead of ours;
+    at our own epoch, the holders of its consensus checksum. None when the view's state is ours, or behind ours (we
+    ran ahead: those are the swarm), nor (``joining``) when nobody else (not us, not them) is in the view."""
     claimed = view.global_epoch
-    if claimed is None or claimed <= epoch:
+    if claimed is None or claimed < epoch:
         return ()
-    claim = tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch >= claimed)
-    witnesses = [p for p in view.peers if p.peer_id != me and p.epoch < claimed and p.state != PeerState.starting.value]
+    if claimed > epoch:
+        claim = tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch >= claimed)
+    else:
+        agreed = consensus(view.peers, epoch)
+        if agreed is None or agreed.agrees(mine):
+            return ()
+        claim = tuple(peer for peer in agreed.holders if peer != me)
+    witnesses = [p for p in view.peers if p.peer_id != me and p.peer_id not in claim and p.state != STARTING]
     return () if joining and not witnesses else claim
 
 

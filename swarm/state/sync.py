@@ -73,7 +73,7 @@ class StateSync:
     ):
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
         self.doubts = doubts if doubts is not None else Doubts(lambda: ctx.outer.epoch)
-        self.doubted_claim = False  # the last download doubted the keys that claimed the epoch it wanted
+        self.doubted_claim = False  # the last download doubted the keys that vouched for the state it wanted
         self.replay = Replay(ctx, checkpoints)
         self._download_rate: float | None = None  # bytes/s of our last state download
         # donors that served a state file that was not what they voted for, or whose bytes did not match their own
@@ -114,16 +114,13 @@ class StateSync:
         others = [p for p in view.peers if p.peer_id != ctx.me and p.latest_checksum is not None]
         if not others:
             reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
-            ctx.emit(Initialized(ctx.outer.epoch, reason))
-            if not resumed:
-                self.checkpoints.save()
-            return
+            return self._start_from_own(reason, resumed)
         agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
-        epoch = ctx.outer.epoch
-        if resumed and agreed is not None and agreed.epoch == epoch and agreed.agrees(ctx.outer.checksum()):
-            ctx.emit(Initialized(epoch, "checkpoint agrees with the swarm"))
-            return
+        held = "checkpoint agrees with the swarm" if resumed else "the swarm holds the seed"
+        if self._holds(agreed):  # resumed, or a run still at its seed's weights: nothing to download
+            return self._start_from_own(held, resumed)
         ctx.set_state(PeerState.downloading_state, True)
+        before = ctx.outer.checksum()
         if not self.download_consensus_state(joining=True):
             if ctx.stop_requested():
                 raise LeaveRequested("asked to leave while downloading the state")
@@ -132,6 +129,14 @@ class StateSync:
                 "copy of the training state. Check that this machine can reach them (firewall, --client-mode), "
                 "then start again."
             )
+        if ctx.outer.checksum() == before:  # ours was the swarm's, once the view left out keys that lied
+            self._start_from_own(held, resumed)
+
+    def _start_from_own(self, reason: str, resumed: bool) -> None:
+        """Start from the state we have (a checkpoint, or the seed's weights, written as our first file)."""
+        self.ctx.emit(Initialized(self.ctx.outer.epoch, reason))
+        if not resumed:
+            self.checkpoints.save()
 
     def _wait_for_view(self) -> SwarmView:
         ctx = self.ctx
@@ -158,7 +163,7 @@ class StateSync:
         ctx.set_state(PeerState.resyncing, True)
         ctx.emit(Resyncing(why, ctx.outer.epoch))
         ok = self.download_consensus_state()
-        doubted = not ok and self.doubted_claim and self.resync_needed(ctx.outer.epoch, False) is None
+        doubted = not ok and self.doubted_claim and self._ours_in(ctx.reader.view())
         if doubted and keep_model_if_doubted:
             return Resynced.doubted  # the caller offers our state again and goes on
         ctx.outer.write_to(ctx.params)
@@ -170,10 +175,11 @@ class StateSync:
     # ---- downloading ---------------------------------------------------------------------------
 
     def download_consensus_state(self, joining: bool = False) -> bool:
-        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash. When
-        passes find nobody serving an epoch ahead of ours, its claimants are doubted (``swarm.state.doubts``;
-        ``joining``: only while others say otherwise) and the next pass reads the view without them; a peer that
-        is not joining and is not behind in that view keeps its state (False, with ``doubted_claim`` set)."""
+        """Fetch the state held by most peers at the global epoch from one of them, verified by its hash. When two
+        passes find nobody serving it, and it is not ours, the keys that vouched for it are doubted
+        (``swarm.state.doubts``; ``joining``: only while others say otherwise) and the next pass reads the view
+        without them; a peer that is not joining and holds the swarm's state in that view keeps its own (False, with
+        ``doubted_claim`` set)."""
         ctx = self.ctx
         avg = ctx.manifest.averaging
         # nobody should copy a state we are replacing; checkpoints.announce offers ours again afterwards
@@ -181,29 +187,27 @@ class StateSync:
         self.doubted_claim = False
         if self.replay.missed_rounds():
             return True
-        unserved = 0  # passes that found nobody serving an epoch ahead of ours
+        unserved = 0  # passes that found nobody serving the state wanted
         for attempt in range(DOWNLOAD_ATTEMPTS):
             if ctx.stop_requested():
                 return False
             view = self._view_after_round_if_download_is_too_slow()
             if view.global_epoch is None:
                 return False
-            if self.doubted_claim and not joining and view.global_epoch <= ctx.outer.epoch:
-                return False  # without the keys that claimed more, our state is the swarm's
+            if self.doubted_claim and not joining and self._ours_in(view):
+                return False  # without the keys that claimed another state, ours is the swarm's
             agreed = consensus(view.peers, view.global_epoch)
+            if self._holds(agreed):
+                return True
             donors = self._donors(view, agreed)
-            if agreed is not None and not donors and view.global_epoch <= ctx.outer.epoch:
-                mine = agreed.agrees(ctx.outer.checksum()) and ctx.outer.epoch == agreed.epoch
-                return mine and any(holder != ctx.me for holder in agreed.holders)
             for donor in donors:
                 if ctx.stop_requested():
                     return False
                 if self._download_from(donor, agreed, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
-            if view.global_epoch > ctx.outer.epoch:
-                unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
-                if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
-                    continue  # the next pass reads the view without them
+            unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
+            if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
+                continue  # the next pass reads the view without them
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
 
@@ -221,10 +225,26 @@ class StateSync:
         random.shuffle(donors)
         return donors
 
+    def _holds(self, agreed: Consensus | None) -> bool:
+        """The swarm's state is ours already, and another peer holds it too (a joiner's seed while the run is at
+        its first epoch, a resumed checkpoint, or a view without the keys that vouched for another state)."""
+        outer, me = self.ctx.outer, self.ctx.me
+        return (
+            agreed is not None
+            and agreed.epoch == outer.epoch
+            and agreed.agrees(outer.checksum())
+            and any(holder != me for holder in agreed.holders)
+        )
+
+    def _ours_in(self, view: SwarmView) -> bool:
+        """The view says our state is the swarm's (``swarm.dht.view.resync_needed``, our last round not local)."""
+        outer = self.ctx.outer
+        return resync_needed(view, self.ctx.me, outer.epoch, outer.checksum(), last_round_local=False) is None
+
     def _doubt(self, view: SwarmView, joining: bool) -> bool:
         """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
         ctx = self.ctx
-        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, joining)
+        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining)
         if not claim:
             return False
         rounds = self.doubts.add(claim, view.global_epoch)
