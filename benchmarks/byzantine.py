@@ -78,6 +78,9 @@ BANNED_OR_ABSENT = (
     *("reducer", "few", "hide", "nonfinite", "oversized", "absent"),
     *("forge", "omit", "withhold", "partial", "accuse"),
     *("undying", "sybil"),  # gone after two rounds; or its record says it is two epochs ahead: no group waits for it
+    # its lie is in its keys' votes; with them the peers' estimate of the swarm's size splits first-stage matchmaking
+    # into two keys (groups of 3: five keys), and a key holding one or two of three could never reach a whole group
+    "outvote",
 )
 LATE_JOINS = (2, 4, 6)  # ``baddonor``: an honest peer joins once the swarm reaches each of these epochs
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are

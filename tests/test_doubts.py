@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import test_bad_donor as bad_donor
 import torch
 from test_bad_donor import RUN, SHAPES, state, write
 from test_swarm_view import record
@@ -39,22 +40,14 @@ def view(*records, doubts: Doubts | None = None):
     return build_view(doubts.filter(found) if doubts else found, time.time(), 10, 8)
 
 
-class Donors:
+class Donors(bad_donor.Donors):
     """Each donor serves its file, or (no file: a key that is only a record) cannot be reached."""
 
-    def __init__(self, files: dict[str, Path]):
-        self.files, self.asked = files, []
-        self.allow_state_sharing = True
-
     def download_state(self, donor: str, destination: Path, **kwargs) -> dict:
-        self.asked.append(donor)
         if donor not in self.files:
+            self.asked.append(donor)
             raise ConnectionError(f"failed to connect to {donor}")
-        destination.write_bytes(self.files[donor].read_bytes())
-        return {}
-
-    def note_epoch(self, epoch: int) -> None:
-        pass
+        return super().download_state(donor, destination, **kwargs)
 
 
 def sybil_swarm(tmp_path: Path, me: str, honest_peers: list[str], epoch: int = 0, ghosts: int = 1):
