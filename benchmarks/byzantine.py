@@ -260,8 +260,10 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         audit_parts=audit_parts,  # 0: every part
         liar=liar,
         # whether an honest peer ever averaged in a group of every peer, the liar in it (None: no liar)
-        # (None too for ``sybil``: its lie is in its keys' votes, not in a group)
-        liar_met=any(n == args.peers for h in honest for n in h["group_sizes"]) if liar and attack != "sybil" else None,
+        # (None too for ``sybil`` and ``outvote``: their lie is in their keys' votes, not in a group)
+        liar_met=any(n == args.peers for h in honest for n in h["group_sizes"])
+        if liar and attack not in ("sybil", "outvote")
+        else None,
         attempt=attempt,
         # what the liar says it did (``benchmarks.attacker`` prints "ATTACK: ..." where the lie is not in a value)
         liar_said=[line for line in _lines(procs[-1][1]) if line.startswith(f"{attack}:")] if liar else [],
