@@ -287,3 +287,41 @@ def test_a_round_whose_resync_found_only_doubted_claims_goes_on_with_its_steps()
     peer.sync.resync = lambda why, keep_model_if_doubted=False: Resynced.failed
     report = rounds._resync_at_begin({}, rounds.resync_needed(5))
     assert report is not None and not report.resynced and not report.counted and steps.inner_step == 0
+
+
+def test_a_round_given_up_on_a_claim_nobody_serves_ends_local_instead_of_thrown_away():
+    """The view said the swarm finished our round without us (keys two epochs ahead) while it matchmade; the re-sync
+    found nobody serving that, doubted them, and the round ends as a local one with our own update (None: the caller
+    goes on to ``finish``'s local step) instead of a report that throws its work away."""
+    from test_last_round_check import MINE, FakePeer
+
+    from swarm.averager.handle import RoundAborted
+    from swarm.events import PeerStats
+    from swarm.round.flight import Flight
+    from swarm.round.pipeline import OuterRound
+    from swarm.round.steps import RoundSteps
+
+    claimants = [record(k, 7, checksums=[(7, BAD)]) for k in ("x", "y")]
+    peer = FakePeer([record("a", 5, checksums=[(5, MINE)]), record("b", 5, checksums=[(5, MINE)]), *claimants], 5, MINE)
+    peer.peer_id = "a"
+
+    def resync(why: str, keep_model_if_doubted: bool = False) -> Resynced:
+        peer.resyncs.append((why, keep_model_if_doubted))
+        peer.records = peer.records[:2]
+        return Resynced.doubted
+
+    peer.sync.resync = resync
+    steps = RoundSteps(inner_step=4, compute_seconds=1.0, started=0.0)
+    rounds = OuterRound(
+        peer.context(), peer.sync, SimpleNamespace(announce=lambda step: None), steps, PeerStats(), None
+    )
+    flight = Flight(5, samples=32, seconds={}, wait_until=0.0, aborted=RoundAborted("moved on"))
+    assert rounds._given_up(flight) is None
+    assert peer.resyncs == [("the swarm finished this round without us", True)] and "resync" in flight.seconds
+    assert steps.inner_step == 4  # nothing thrown away
+
+    # a claim still standing (nobody doubted): the round is replaced, its work not counted
+    peer.records = [*peer.records, *claimants]
+    peer.sync.resync = lambda why, keep_model_if_doubted=False: Resynced.failed
+    report = rounds._given_up(Flight(5, samples=32, seconds={}, wait_until=0.0, aborted=RoundAborted("moved on")))
+    assert report is not None and not report.counted and not report.resynced and steps.inner_step == 0

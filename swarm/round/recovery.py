@@ -51,9 +51,11 @@ class RoundRecovery:
         self.ctx.set_state(PeerState.training, True)
         return None
 
-    def _given_up(self, flight: Flight) -> RoundReport:
+    def _given_up(self, flight: Flight) -> RoundReport | None:
         """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
-        (overlapped: adopt its average; otherwise, or failing that, take the swarm's state)."""
+        (overlapped: adopt its average; otherwise, or failing that, take the swarm's state). None when nothing of
+        that round reached us and nobody served the state the swarm was said to be at: the keys that said so are
+        doubted (``swarm.state.doubts``), and the caller ends the round as a local one, with our own update."""
         ctx = self.ctx
         if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
             ctx.set_state(PeerState.leaving, True)
@@ -66,14 +68,20 @@ class RoundRecovery:
                 checksum=ctx.outer.checksum(),
                 seconds=flight.seconds,
             )
+        before = (ctx.outer.epoch, ctx.outer.checksum())
         if flight.stand_in is not None:  # overlapped: keep the steps taken since, on the swarm's average
             adopted = self._adopt_round(flight)
             if adopted is not None:
                 return adopted
         # our pseudo-gradient is for a round that is over: take the swarm's state
-        return self._resync_round(
-            flight.seconds, "the swarm finished this round without us", reason=ResyncReason.behind
-        )
+        why, t0 = "the swarm finished this round without us", time.monotonic()
+        if (ctx.outer.epoch, ctx.outer.checksum()) != before:  # a replay moved the state, then broke: re-sync
+            return self._resync_round(flight.seconds, why, reason=ResyncReason.behind)
+        result = self.resync(why, keep_model_if_doubted=True)  # the buffers still hold our own pseudo-gradient
+        if result == Resynced.doubted and self.resync_needed(ctx.outer.epoch) is None:
+            flight.seconds["resync"] = time.monotonic() - t0
+            return None
+        return self._resynced_report(flight.seconds, why, t0, result, reason=ResyncReason.behind)
 
     def _adopt_round(self, flight: Flight) -> RoundReport | None:
         """The swarm finished our round without us (overlapped): its average, replayed (``Replay.adopt``), moves the
