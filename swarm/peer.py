@@ -112,6 +112,7 @@ class Peer:
         self.averager: PseudoGradientAverager | None = None
         self._presence: Presence | None = None
         self._guard: Guard | None = None
+        self._doubts = Doubts(lambda: self.epoch)  # keys that vouched for a state nobody served (swarm.state.doubts)
         self._reader: SwarmReader | None = None
         self._early_end: EarlyEnd | None = None
         # set up by start: the global model, its files, the state download and the outer round
@@ -205,7 +206,6 @@ class Peer:
         self._shapes = [tuple(shape) for shape in shapes]
         self.averager = start_averager(self.dht, self._shapes, self.manifest, self.state_dir)
         m = self.manifest
-        self._doubts = Doubts(lambda: self.epoch)  # keys that claimed an epoch nobody served (``swarm.state.doubts``)
         keep, banned = (lambda e: self._doubts.filter(self._guard.filter(e))), (lambda p: p in self._guard.bans)
         self._reader = SwarmReader(self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep, banned=banned)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child

@@ -317,6 +317,7 @@ def test_a_round_given_up_on_a_claim_nobody_serves_ends_local_instead_of_thrown_
     )
     flight = Flight(5, samples=32, seconds={}, wait_until=0.0, aborted=RoundAborted("moved on"))
     assert rounds._given_up(flight) is None
+    assert flight.aborted is None and "not served" in flight.fallback  # finish steps it as a local round
     assert peer.resyncs == [("the swarm finished this round without us", True)] and "resync" in flight.seconds
     assert steps.inner_step == 4  # nothing thrown away
 

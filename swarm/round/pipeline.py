@@ -254,8 +254,6 @@ class OuterRound(RoundRecovery):
         flight.time_stages(started)
         if flight.aborted is not None and (given_up := self._given_up(flight)) is not None:
             return given_up
-        if flight.aborted is not None:  # the swarm was said to have finished it, but nobody served that state
-            flight.aborted, flight.fallback = None, "the swarm's claim to have finished it was not served"
         self._ban_caught_reducers(flight)
         group = self._usable_group(flight)
         self._step(flight)

@@ -43,8 +43,8 @@ class RoundRecovery:
         served the state the view said is the swarm's and the view without the keys that vouched for it says ours is
         (``swarm.state.doubts``): the round's steps are kept, and our state is offered again."""
         t0 = time.monotonic()
-        result = self.resync(str(why), keep_model_if_doubted=True)
-        if result != Resynced.doubted or self.resync_needed(self.ctx.outer.epoch) is not None:
+        result = self.resync(str(why), keep_model_if_doubted=True)  # doubted: the view now says ours is the swarm's
+        if result != Resynced.doubted:
             return self._resynced_report(seconds, str(why), t0, result, reason=why.reason)
         seconds["resync"] = time.monotonic() - t0
         self.checkpoints.announce(self.steps.inner_step)
@@ -55,7 +55,7 @@ class RoundRecovery:
         """A round given up on: the peer is leaving (nothing applied), or the swarm finished it without us
         (overlapped: adopt its average; otherwise, or failing that, take the swarm's state). None when nothing of
         that round reached us and nobody served the state the swarm was said to be at: the keys that said so are
-        doubted (``swarm.state.doubts``), and the caller ends the round as a local one, with our own update."""
+        doubted (``swarm.state.doubts``), and the round goes on to ``finish``'s local step with our own update."""
         ctx = self.ctx
         if flight.aborted.leaving:  # keep the last agreed state: it is what a restart resumes from
             ctx.set_state(PeerState.leaving, True)
@@ -78,8 +78,9 @@ class RoundRecovery:
         if (ctx.outer.epoch, ctx.outer.checksum()) != before:  # a replay moved the state, then broke: re-sync
             return self._resync_round(flight.seconds, why, reason=ResyncReason.behind)
         result = self.resync(why, keep_model_if_doubted=True)  # the buffers still hold our own pseudo-gradient
-        if result == Resynced.doubted and self.resync_needed(ctx.outer.epoch) is None:
+        if result == Resynced.doubted:
             flight.seconds["resync"] = time.monotonic() - t0
+            flight.aborted, flight.fallback = None, "the swarm's claim to have finished it was not served"
             return None
         return self._resynced_report(flight.seconds, why, t0, result, reason=ResyncReason.behind)
 

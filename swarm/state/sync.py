@@ -56,7 +56,7 @@ class Resynced(enum.Enum):
 
     taken = "the swarm's state is ours now"
     failed = "no donor served a verified state"
-    doubted = "nobody served the epoch we were told of: its claimants are doubted, and our state stands"
+    doubted = "nobody served the state we were told of: the keys that vouched for it are doubted, ours stands"
 
 
 class StateSync:
@@ -149,11 +149,13 @@ class StateSync:
 
     # ---- staying consistent --------------------------------------------------------------------
 
-    def resync_needed(self, epoch: int, last_round_local: bool) -> Resync | None:
-        """Why we must take the swarm's state at ``epoch``, or None (``swarm.dht.view.resync_needed``)."""
+    def resync_needed(self, epoch: int, last_round_local: bool, view: SwarmView | None = None) -> Resync | None:
+        """Why we must take the swarm's state at ``epoch``, or None (``swarm.dht.view.resync_needed``; in ``view``,
+        or one read now)."""
         outer = self.ctx.outer
         mine = outer.checksum() if outer.epoch == epoch else None
-        return resync_needed(self.ctx.reader.view(), self.ctx.me, epoch, mine, last_round_local)
+        view = view if view is not None else self.ctx.reader.view()
+        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local)
 
     def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
         """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
@@ -163,7 +165,7 @@ class StateSync:
         ctx.set_state(PeerState.resyncing, True)
         ctx.emit(Resyncing(why, ctx.outer.epoch))
         ok = self.download_consensus_state()
-        doubted = not ok and self.doubted_claim and self._ours_in(ctx.reader.view())
+        doubted = not ok and self.doubted_claim and self.resync_needed(ctx.outer.epoch, False) is None
         if doubted and keep_model_if_doubted:
             return Resynced.doubted  # the caller offers our state again and goes on
         ctx.outer.write_to(ctx.params)
@@ -194,7 +196,7 @@ class StateSync:
             view = self._view_after_round_if_download_is_too_slow()
             if view.global_epoch is None:
                 return False
-            if self.doubted_claim and not joining and self._ours_in(view):
+            if self.doubted_claim and not joining and self.resync_needed(ctx.outer.epoch, False, view) is None:
                 return False  # without the keys that claimed another state, ours is the swarm's
             agreed = consensus(view.peers, view.global_epoch)
             if self._holds(agreed):
@@ -235,11 +237,6 @@ class StateSync:
             and agreed.agrees(outer.checksum())
             and any(holder != me for holder in agreed.holders)
         )
-
-    def _ours_in(self, view: SwarmView) -> bool:
-        """The view says our state is the swarm's (``swarm.dht.view.resync_needed``, our last round not local)."""
-        outer = self.ctx.outer
-        return resync_needed(view, self.ctx.me, outer.epoch, outer.checksum(), last_round_local=False) is None
 
     def _doubt(self, view: SwarmView, joining: bool) -> bool:
         """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
