@@ -1,7 +1,6 @@
 """Half of the keys claim an epoch nobody serves, live: two real `swarm-client` peers and two extra keys (each its
 own process with a DHT node and a fresh libp2p identity, ``benchmarks.liar_records``' ghosts) whose records vote
-two epochs ahead of the first peer with a made-up checksum. The joiner runs with the defaults a volunteer has (its
-port the next free one after the default). The global epoch is the upper median of the keys'
+two epochs ahead of the first peer with a made-up checksum. The global epoch is the upper median of the keys'
 epochs, so the honest peers read themselves behind. Before ``swarm.state.doubts`` the first peer threw every
 round's work away on re-syncs that could not succeed, and a joiner gave up; now both train to the end."""
 
@@ -48,7 +47,7 @@ def test_keys_that_claim_an_epoch_nobody_serves_stop_no_round_and_no_joiner(tmp_
     try:
         # the joiner comes while the ghosts' claim is new: it must not give up, nor believe them
         b_args = ["--initial-peers", maddr, "--max-epochs", str(EPOCHS), "--workdir", str(tmp_path / "b")]
-        b = spawn("join", *b_args, log=b_log)  # the defaults a volunteer has: no --host-port, no --host-ip
+        b = spawn("join", *b_args, *LOCAL, log=b_log)
         assert b.wait(timeout=300) == 0, b_log.read_text()[-3000:]
         assert a.wait(timeout=300) == 0, a_log.read_text()[-3000:]
     finally:
