@@ -241,6 +241,7 @@ class Flight:
     bytes_in: float = 0.0
     bytes_out: float = 0.0
     matchmaking_seconds: float | None = None
+    retries: int = 0  # attempts after one that found no group (``OuterRound._matchmaking_bucket``)
     reported_bytes: float = 0.0  # what the RoundReport counts: both stages' all-reduce payload, sent + received
 
 
@@ -797,6 +798,7 @@ class Simulation:
                 m = self.merge_alone(p, f)
                 break
             if self.now < f.wait_until and mates_coming(self.view(p), p.pid, f.epoch):
+                f.retries += 1
                 continue
             self.land(p, f, "local", None)
             return
@@ -806,7 +808,7 @@ class Simulation:
         """One attempt: join the key's lobby; every tick, ``_why_give_up``; a group's all-reduce."""
         bucket = ""
         if self.avg.merge_groups:
-            bucket = matchmaking_bucket(p.pid, p.reader.peers_estimate, self.avg.target_group_size)
+            bucket = matchmaking_bucket(p.pid, p.reader.peers_estimate, self.avg.target_group_size, f.retries)
         key = epoch_group_bits(f.epoch, bucket=bucket)
         f.matched = Signal()
         started = self.now

@@ -256,6 +256,14 @@ def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgr
     assert matchmaking_bucket("QmA", peers=12, group_size=64) == ""  # one key, as before
     keys = {matchmaking_bucket(f"Qm{i}", peers=1000, group_size=64) for i in range(400)}
     assert len(keys) == 16 and all(len(k) == 4 for k in keys)  # 1000 / 64 -> 16 keys of 4 bits
+    # a retry after an attempt that found no group: half the bits, so that neighbouring keys' failures meet
+    retried = {matchmaking_bucket(f"Qm{i}", peers=1000, group_size=64, retries=1) for i in range(400)}
+    assert len(retried) == 4 and all(len(r) == 2 for r in retried)
+    assert all(
+        matchmaking_bucket(f"Qm{i}", 1000, 64, retries=1) == matchmaking_bucket(f"Qm{i}", 1000, 64)[:2]
+        for i in range(50)
+    )
+    assert {matchmaking_bucket(f"Qm{i}", 1000, 64, retries=3) for i in range(50)} == {""}  # 4 -> 2 -> 1 -> 0 bits
     assert epoch_group_bits(5, bucket="0110").endswith("0110") and set(epoch_group_bits(5, bucket="0110")) <= {"0", "1"}
 
 

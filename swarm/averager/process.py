@@ -339,12 +339,17 @@ def epoch_group_bits(epoch: int, bits: int = 16, bucket: str = "") -> str:
     return format(epoch % (1 << bits), f"0{bits}b") + bucket
 
 
-def matchmaking_bucket(peer_id: str, peers: float, group_size: int) -> str:
+def matchmaking_bucket(peer_id: str, peers: float, group_size: int, retries: int = 0) -> str:
     """A peer's share of its epoch's first-stage matchmaking: one of about ``peers / group_size`` keys (a power of
     two, by a hash prefix of its id), so a search reads about a group's worth of entries whatever the swarm's size;
-    the groups that form apart are merged in the second stage. Empty (one key) while the swarm fits one group."""
+    the groups that form apart are merged in the second stage. Empty (one key) while the swarm fits one group.
+
+    ``retries``: each attempt after one that found no group halves the key's bits, so the peers that failed in
+    neighbouring keys meet in their common, coarser one. The estimate counts every key's record, and keys that are
+    only records (which never matchmake) had split a swarm into keys that no group filled, every attempt alike."""
     buckets = max(1, peers / max(1, group_size))
     bits = min(16, math.ceil(math.log2(buckets))) if buckets > 1 else 0
+    bits >>= min(retries, 5)
     if bits == 0:
         return ""
     value = int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") >> (32 - bits)

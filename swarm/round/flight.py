@@ -38,6 +38,7 @@ class Flight:
     wait_until: float  # retries stop here (averaging.wait_for_peers)
     attempt: Averaging | None = None
     attempt_started: float = 0.0
+    retries: int = 0  # attempts after one that found no group (each in a coarser matchmaking key)
     stage_times: dict[str, float] = field(default_factory=dict)
     stand_in: list[torch.Tensor] | None = None  # overlapped: the step the local model took ahead of the group
     outcome: AllReduceOutcome | None = None

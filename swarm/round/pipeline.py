@@ -160,7 +160,7 @@ class OuterRound(RoundRecovery):
         flight.attempt = ctx.averager.start_averaging(
             weight=float(max(1, flight.samples)),
             gather=dict(epoch=flight.epoch, samples=flight.samples),
-            group_bits=epoch_group_bits(flight.epoch, bucket=self._matchmaking_bucket()),
+            group_bits=epoch_group_bits(flight.epoch, bucket=self._matchmaking_bucket(flight.retries)),
             timeout=avg.matchmaking_timeout,
             hard_timeout=avg.attempt_limit,
             on_stage=on_stage,
@@ -168,13 +168,13 @@ class OuterRound(RoundRecovery):
             leaving=ctx.stop_requested,
         )
 
-    def _matchmaking_bucket(self) -> str:
-        """With two-stage rounds, a large swarm matchmakes in keys of about a group each (merged afterwards)."""
+    def _matchmaking_bucket(self, retries: int) -> str:
+        """With two-stage rounds, a large swarm matchmakes in keys of about a group each (merged afterwards); a
+        retry in a coarser one."""
         if self.merger is None:
             return ""
-        return matchmaking_bucket(
-            self.ctx.me, self.ctx.reader.peers_estimate, self.ctx.manifest.averaging.target_group_size
-        )
+        group_size = self.ctx.manifest.averaging.target_group_size
+        return matchmaking_bucket(self.ctx.me, self.ctx.reader.peers_estimate, group_size, retries)
 
     def _why_give_up(self, flight: Flight) -> str | None:
         """Why looking for a group is pointless now, from the records read in the background while inner steps run
@@ -236,6 +236,7 @@ class OuterRound(RoundRecovery):
             # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
             coming = mates_coming(ctx.reader.view(), ctx.me, flight.epoch)
             if time.monotonic() < flight.wait_until and coming and not ctx.stop_requested():
+                flight.retries += 1
                 self._attempt(flight)
                 return False
         flight.done = True
