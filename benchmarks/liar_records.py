@@ -15,6 +15,10 @@ product.
   stranger running many cheap keys would have. The liar itself trains and averages honestly;
 - ``outvote``: the same keys (``factor`` extra, default 2: with two honest peers, three keys of five) vote the
   swarm's own epoch with a made-up checksum: the majority's checksum of every epoch, which nobody serves.
+
+A ghost whose ``ahead`` file says ``inflate`` votes nothing: its record follows the epoch file in the state
+"training", so it is counted in the swarm's size and looks like an epoch-mate on its way to the round
+(``tests/test_extra_keys_live.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 BAD = "f" * 64
 AHEAD = 2  # epochs ahead of the swarm that the lying records vote for
 YEAR = 365 * 24 * 3600.0
+INFLATE = "inflate"  # in the ``ahead`` file: a ghost that votes nothing, only counts and looks like an epoch-mate
 
 
 def _say(text: str) -> None:  # to the log's file descriptor: the client routes a child's stderr to its debug log
@@ -185,9 +190,11 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
 
     parent = os.getppid()
     try:
-        ahead = int(epoch_file.with_name("ahead").read_text())
-    except (OSError, ValueError):
-        ahead = AHEAD
+        said = epoch_file.with_name("ahead").read_text().strip()
+    except OSError:
+        said = str(AHEAD)
+    inflate = said == INFLATE
+    ahead = int(said) if said.isdigit() else AHEAD
     dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
     peer_id = dht.peer_id.to_base58()
     fields = dict(peer_id=peer_id, name=f"sybil-{peer_id[-4:]}", device="cpu", epoch=0, inner_step=0,
@@ -201,8 +208,11 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
             epoch = int(epoch_file.read_text())
         except (OSError, ValueError):
             epoch = 0
-        lie = _lie_in(fields, epoch, ahead)
-        presence.update(epoch=lie["epoch"], checksums=lie["checksums"], publish_now=True)
+        if inflate:  # no vote: an epoch-mate still training, as far as its record says
+            presence.update(epoch=epoch, publish_now=True)
+        else:
+            lie = _lie_in(fields, epoch, ahead)
+            presence.update(epoch=lie["epoch"], checksums=lie["checksums"], publish_now=True)
         time.sleep(1.0)
     presence.stop()
     dht.shutdown()

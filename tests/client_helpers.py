@@ -104,3 +104,37 @@ def wait_for_line(
             raise AssertionError(f"{gone[0].args[-8:]} exited ({gone[0].returncode}) before {needle!r} was printed")
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {needle!r}:\n{log.read_text()[-3000:]}")
+
+
+class Ghosts:
+    """Extra keys (``benchmarks.liar_records``' ghosts: each its own process, DHT node and libp2p identity) whose
+    records follow the epoch of the peer whose status file is ``status``; ``ahead`` says what they claim (a number of
+    epochs ahead, with a made-up checksum; or ``inflate``: no vote, an epoch-mate still training)."""
+
+    def __init__(self, count: int, run_id: str, maddr: str, status: Path, folder: Path, ahead: str) -> None:
+        import threading
+
+        self.epoch_file, self.status, self.stop = folder / "epoch", status, threading.Event()
+        self.epoch_file.write_text("0")
+        (folder / "ahead").write_text(ahead)
+        self.follower = threading.Thread(target=self._follow, daemon=True)
+        self.follower.start()
+        command = [sys.executable, "-m", "benchmarks.liar_records", run_id, str(self.epoch_file), maddr]
+        env = {**os.environ, **PEER_ENV}
+        root = Path(__file__).resolve().parents[1]
+        self.processes = [subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.DEVNULL) for _ in range(count)]
+
+    def _follow(self) -> None:
+        from client.health import PeerStatus
+
+        while not self.stop.wait(0.5):
+            try:
+                self.epoch_file.write_text(str(PeerStatus.model_validate_json(self.status.read_text()).epoch))
+            except (OSError, ValueError):
+                continue  # not written yet, or caught mid-replace
+
+    def close(self) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.kill()
+            process.wait(timeout=10)

@@ -6,16 +6,12 @@ round's work away on re-syncs that could not succeed, and a joiner gave up; now 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
-from client_helpers import FAST, LOCAL, PEER_ENV, spawn, wait_for_line
+from client_helpers import FAST, LOCAL, Ghosts, spawn, wait_for_line
 
-from client.health import STATUS_FILE, PeerStatus
+from client.health import STATUS_FILE
 
 JOIN = re.compile(r"swarm-client join --initial-peers (\S+) --run ([0-9a-f]{16})")
 ROUND = re.compile(r"round -> epoch (\d+): .*checksum (\w+)")
@@ -23,27 +19,12 @@ EPOCHS = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def follow(status: Path, epoch_file: Path, stop: threading.Event) -> None:
-    """The ghosts vote two epochs past the epoch written here: the first peer's, as the liar's own record is."""
-    while not stop.wait(0.5):
-        try:
-            epoch_file.write_text(str(PeerStatus.model_validate_json(status.read_text()).epoch))
-        except (OSError, ValueError):
-            continue  # not written yet, or caught mid-replace
-
-
 def test_keys_that_claim_an_epoch_nobody_serves_stop_no_round_and_no_joiner(tmp_path):
-    a_log, b_log, epoch_file = tmp_path / "a.log", tmp_path / "b.log", tmp_path / "epoch"
-    epoch_file.write_text("0")
+    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a_args = ["--max-epochs", str(2 * EPOCHS), "--workdir", str(tmp_path / "a")]
     a = spawn("start", "--preset", "tiny", *FAST, *LOCAL, *a_args, log=a_log)
     maddr, run_id = JOIN.search(wait_for_line(a_log, "swarm-client join", a)).groups()
-    stop = threading.Event()
-    updater = threading.Thread(target=follow, args=(tmp_path / "a" / STATUS_FILE, epoch_file, stop), daemon=True)
-    updater.start()
-    ghost = [sys.executable, "-m", "benchmarks.liar_records", run_id, str(epoch_file), maddr]
-    env = {**os.environ, **PEER_ENV}
-    ghosts = [subprocess.Popen(ghost, env=env, cwd=ROOT, stdout=subprocess.DEVNULL) for _ in range(2)]
+    ghosts = Ghosts(2, run_id, maddr, tmp_path / "a" / STATUS_FILE, tmp_path, ahead="2")
     try:
         # the joiner comes while the ghosts' claim is new: it must not give up, nor believe them
         b_args = ["--initial-peers", maddr, "--max-epochs", str(EPOCHS), "--workdir", str(tmp_path / "b")]
@@ -51,10 +32,7 @@ def test_keys_that_claim_an_epoch_nobody_serves_stop_no_round_and_no_joiner(tmp_
         assert b.wait(timeout=300) == 0, b_log.read_text()[-3000:]
         assert a.wait(timeout=300) == 0, a_log.read_text()[-3000:]
     finally:
-        stop.set()
-        for process in ghosts:
-            process.kill()
-            process.wait(timeout=10)
+        ghosts.close()
     a_text, b_text = a_log.read_text(), b_log.read_text()
     assert "Traceback" not in a_text + b_text
     # each peer tried the ghosts' claim, found nobody serving it, and stopped believing it
