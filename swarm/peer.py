@@ -227,7 +227,7 @@ class Peer:
             refuse=self.averager.set_bans,
             announce=lambda ban: self._emit(Banned(ban)),
         )
-        self._early_end = EarlyEnd(m, self.peer_id, self._reader.recent_view)  # joining rounds early
+        self._early_end = EarlyEnd(m, self.peer_id, lambda: self._rounds.waiting_view())  # joining rounds early
         self._connected = True
 
     def start(self, model: torch.nn.Module, resume: Path | None = None) -> None:

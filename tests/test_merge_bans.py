@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from swarm.dht import groups
 from swarm.dht.groups import group_record, group_tag
 from swarm.round.merge import Merger
+from swarm.round.no_shows import NoShows
 
 HONEST, LIAR = "Qm" + "h" * 44, "Qm" + "l" * 44
 
@@ -21,7 +22,7 @@ def test_the_groups_of_banned_delegates_are_not_read_into_the_second_stage(monke
     monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: peer == LIAR)
     ctx = SimpleNamespace(reader=reader, manifest=SimpleNamespace(run_id="0" * 16))
-    merger = Merger(ctx, checkpoints=None)
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0))
     assert [r.delegate for r in merger._read()] == [HONEST]
     assert reader.other_records == 2  # both were read: the DHT traffic is counted as it was
     reader.banned = lambda peer: False

@@ -39,6 +39,8 @@ class Flight:
     attempt: Averaging | None = None
     attempt_started: float = 0.0
     retries: int = 0  # attempts after one that found no group (each in a coarser matchmaking key)
+    awaited: frozenset[str] | None = None  # others working towards the round when our first stage ended
+    awaited_at: float = 0.0  # (DHT time) ``swarm.round.no_shows``
     stage_times: dict[str, float] = field(default_factory=dict)
     stand_in: list[torch.Tensor] | None = None  # overlapped: the step the local model took ahead of the group
     outcome: AllReduceOutcome | None = None

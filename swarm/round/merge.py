@@ -25,6 +25,7 @@ from swarm.dht import groups
 from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.events import MergeSource, short_reason
+from swarm.round.no_shows import NoShows
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -77,8 +78,8 @@ class MergeState:
 class Merger:
     """Drives the second stage of the round's flights (``OuterRound``), one ``MergeState`` each."""
 
-    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints):
-        self.ctx, self.checkpoints = ctx, checkpoints
+    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints, no_shows: NoShows):
+        self.ctx, self.checkpoints, self.no_shows = ctx, checkpoints, no_shows
 
     def after_group(self, epoch: int, outcome: AllReduceOutcome, samples: dict[str, int]) -> MergeState:
         """Our group's all-reduce is done: register it (if we are its delegate) and start waiting."""
@@ -142,6 +143,7 @@ class Merger:
             return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
+            view = self.no_shows.waiting_view(view)  # keys that missed earlier rounds are not waited for
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
             decision = Decision.wait if view is None else delegate_decision(

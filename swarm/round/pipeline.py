@@ -26,11 +26,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from hivemind.utils import get_dht_time
+
 from swarm.averager.codecs import apply_error_feedback
 from swarm.averager.handle import RoundAborted
 from swarm.averager.process import epoch_group_bits, matchmaking_bucket
 from swarm.dht.records import PeerState
-from swarm.dht.view import mates_coming, nobody_to_group_with, swarm_moved_on
+from swarm.dht.view import SwarmView, mates_coming, nobody_to_group_with, swarm_moved_on
 from swarm.errors import LeaveRequested
 from swarm.events import AveragingFailed, PeerStats, RoundFinished, RoundOutcome, RoundReport, short_reason
 from swarm.manifest import StandIn
@@ -39,6 +41,7 @@ from swarm.round.flight import EXPECTED_FAILURES, Flight
 from swarm.round.landing import add_steps, all_finite, damp_steps, share_kept
 from swarm.round.local_update import keep_local_update, round_to_codec
 from swarm.round.merge import Merger
+from swarm.round.no_shows import NoShows, no_shows, working_towards
 from swarm.round.recovery import RoundRecovery
 from swarm.round.steps import RoundSteps
 from swarm.state.checkpoints import Checkpoints
@@ -68,7 +71,8 @@ class OuterRound(RoundRecovery):
         self.last_round_local = False  # our last round stepped alone: we may have run ahead of the swarm
         resync = lambda why: self.resync(why) == Resynced.taken  # noqa: E731
         self.checks = RoundChecks(ctx, self.resync_needed, resync)  # did the groupmates end on our state?
-        self.merger = Merger(ctx, checkpoints) if ctx.manifest.averaging.merge_groups else None  # the second stage
+        self.no_shows = NoShows(lambda: ctx.outer.epoch)  # keys we waited for that did not come: not waited for
+        self.merger = Merger(ctx, checkpoints, self.no_shows) if ctx.manifest.averaging.merge_groups else None
 
     # ---- begin ---------------------------------------------------------------------------------
 
@@ -181,7 +185,7 @@ class OuterRound(RoundRecovery):
         (they must not wait on the DHT), from the DHT once the loop waits (a second sooner): the swarm finished
         this round without us; or (two-stage rounds) every epoch-mate is merging its group's average, so nobody
         is left to form a group with: join their second stage as a group of one (``flight.join_merge``)."""
-        view = self.ctx.reader.view() if flight.blocking else self.ctx.reader.recent_view()
+        view = self.no_shows.waiting_view(self.ctx.reader.view() if flight.blocking else self.ctx.reader.recent_view())
         if view is None:
             return None
         if swarm_moved_on(view, flight.epoch):
@@ -204,6 +208,7 @@ class OuterRound(RoundRecovery):
         try:
             if not flight.attempt.poll():
                 return False
+            self._await_others(flight)
             outcome = flight.attempt.result()
             epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
             flight.outcome = outcome
@@ -234,13 +239,23 @@ class OuterRound(RoundRecovery):
                 flight.merge = self.merger.alone(flight.epoch, flight.samples)  # others formed groups: join them
                 return False
             # epoch-mates still on their way to the round: wait for them rather than step alone and run ahead
-            coming = mates_coming(ctx.reader.view(), ctx.me, flight.epoch)
+            coming = mates_coming(self.no_shows.waiting_view(ctx.reader.view()), ctx.me, flight.epoch)
             if time.monotonic() < flight.wait_until and coming and not ctx.stop_requested():
                 flight.retries += 1
                 self._attempt(flight)
                 return False
         flight.done = True
         return True
+
+    def _await_others(self, flight: Flight) -> None:
+        """Our first stage is over: note who is still working towards the round (``swarm.round.no_shows``)."""
+        view = self.ctx.reader.recent_view()
+        if flight.awaited is None and view is not None:
+            flight.awaited, flight.awaited_at = working_towards(view, self.ctx.me, flight.epoch), get_dht_time()
+
+    def waiting_view(self) -> SwarmView | None:
+        """The recent view without the no-shows: what the waits for epoch-mates read (``EarlyEnd`` too)."""
+        return self.no_shows.waiting_view(self.ctx.reader.recent_view())
 
     def wait(self, flight: Flight) -> None:
         flight.blocking = True
@@ -264,7 +279,21 @@ class OuterRound(RoundRecovery):
         report = self._count(flight, group)
         self._announce(report)
         self.checks.after_round(report, group, report.averaged, self.overlapped)
+        self._note_no_shows(flight)
         return report
+
+    def _note_no_shows(self, flight: Flight) -> None:
+        """The keys we waited for that are still working towards the round now it is over: not waited for a while."""
+        view = self.ctx.reader.recent_view()
+        if not flight.awaited or view is None:
+            return
+        group = flight.outcome.group if flight.outcome is not None else ()
+        missed = no_shows(flight.awaited, view, self.ctx.me, flight.epoch, group, flight.awaited_at)
+        if missed:
+            rounds = self.no_shows.add(missed, flight.epoch)
+            names = ", ".join(p[-6:] for p in missed)
+            logger.info("epoch %d: %d key(s) still working towards it after it ended: not waited for in the next "
+                        "%d rounds (%s)", flight.epoch, len(missed), rounds, names)  # fmt: skip
 
     def _ban_caught_reducers(self, flight: Flight) -> None:
         """Reducers our audits caught (in either stage): banned, and the accusations published

@@ -9,8 +9,9 @@ its own), and every round's work was thrown away (``benchmarks/results/byzantine
 really reached is served by the peers that reached it. So when a state download found nobody serving the epoch we
 were told the swarm is at, the keys that claimed it (every live key at that epoch or later) are doubted: their
 records leave this peer's view (no vote, mate or donor, as a ban does) until our own epoch has passed the one they
-claimed by ``DOUBT_ROUNDS`` rounds, twice as long each time the same key is doubted again. Then they are believed
-again, and asked again. Only this peer's view changes: nothing is published and nobody is accused (a claim that
+claimed by ``DOUBT_ROUNDS`` rounds, twice as long each time the same key is doubted again (``swarm.dht.ledger``).
+Then they are believed again, and asked again. Only this peer's view changes: nothing is published and nobody is
+accused (a claim that
 was not served proves nothing to others: the one asking could be the one cut off).
 
 Extra keys voting a made-up checksum of the current epoch are the same attack one step over: with more votes than
@@ -24,9 +25,9 @@ claimants) says otherwise: one that reaches nobody must not drop the whole swarm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
+from swarm.dht.ledger import EpochLedger
 from swarm.dht.records import PeerEntry, PeerState
 from swarm.dht.view import SwarmView, consensus
 
@@ -55,42 +56,17 @@ def unserved_claimants(view: SwarmView, me: str, epoch: int, mine: str | None, j
     return () if joining and not witnesses else claim
 
 
-@dataclass
-class _Doubt:
-    until: int  # our epoch at which the key is believed again
-    times: int  # how often it was doubted
-
-
-class Doubts:
+class Doubts(EpochLedger):
     """The keys this peer does not believe for now; ``epoch()`` is ours (the doubts end as it passes theirs)."""
 
     def __init__(self, epoch: Callable[[], int]):
-        self._epoch = epoch
-        self._doubts: dict[str, _Doubt] = {}
-
-    def add(self, peers: Iterable[str], claimed_epoch: int) -> int:
-        """Doubt ``peers``, which claimed ``claimed_epoch``; how many of our rounds the longest doubt lasts."""
-        longest = 0
-        for peer in peers:
-            doubt = self._doubts.pop(peer, None)
-            times = doubt.times + 1 if doubt is not None else 1
-            rounds = min(MAX_DOUBT_ROUNDS, DOUBT_ROUNDS << min(times - 1, 16))
-            if len(self._doubts) >= MAX_DOUBTED:
-                self._doubts.pop(next(iter(self._doubts)))  # the oldest
-            self._doubts[peer] = _Doubt(until=claimed_epoch + rounds, times=times)  # last in insertion order
-            longest = max(longest, rounds)
-        return longest
+        super().__init__(epoch, DOUBT_ROUNDS, MAX_DOUBT_ROUNDS, MAX_DOUBTED)
 
     def doubted(self, peer: str) -> bool:
-        doubt = self._doubts.get(peer)
-        return doubt is not None and self._epoch() < doubt.until
-
-    @property
-    def active(self) -> list[str]:
-        return [peer for peer in self._doubts if self.doubted(peer)]
+        return self.holds(peer)
 
     def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
         """The entries of keys not doubted now."""
-        if not self._doubts:
+        if not self:
             return list(entries)
-        return [e for e in entries if not self.doubted(e.record.peer_id)]
+        return [e for e in entries if not self.holds(e.record.peer_id)]

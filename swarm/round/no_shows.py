@@ -1,0 +1,69 @@
+"""Patience is for peers that come: the keys a round waited for that never came are not waited for again a while.
+
+A peer waits for its epoch-mates in four places, and each reads what their records say: a round that found no group
+retries while mates are on their way (``swarm.dht.view.mates_coming``, up to ``averaging.wait_for_peers``); a peer
+that found none joins the others' second stage once nobody is still training (``nobody_to_group_with``); a peer
+ends its round early when a mate's record says it will arrive before our next step ends (``round_due``); and a
+delegate holds the second stage while peers of the epoch are unaccounted for (``swarm.dht.groups.delegate_decision``,
+up to half of ``averaging.merge_timeout``). A record costs nothing to write: two extra keys saying "training" at the
+swarm's epoch held every merge of three honest peers for those 30 s (the ``outvote`` benchmark's rounds took 33 s
+instead of 15), and a key claiming to be one step from the end would cut every honest round short.
+
+So when a round ends, the keys that were still working towards it (training, matchmaking or averaging at its epoch,
+outside our group) both when our first stage ended and in a record written after that missed it: they are no-shows.
+The view those waits read leaves them out until our epoch has passed the round's by ``NO_SHOW_ROUNDS``, twice as
+long each time a key misses again (``swarm.dht.ledger``). Nothing else changes: their votes count, they may join
+any group, and they are asked for states; only nobody waits for them. An honest peer that missed a round so was
+slower than the swarm's patience already: it joins the rounds it reaches (a peer ends its own round early when its
+mates start without it), and is waited for again when its hold ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import replace
+
+from swarm.dht.groups import WORKING
+from swarm.dht.ledger import EpochLedger
+from swarm.dht.view import SwarmView
+
+NO_SHOW_ROUNDS = 2  # rounds of ours past the missed one before a no-show is waited for again
+MAX_NO_SHOW_ROUNDS = 64  # the doubling stops here
+MAX_NO_SHOWS = 1024  # keys remembered (a stranger can make keys: a bound)
+
+
+def working_towards(view: SwarmView, me: str, epoch: int) -> frozenset[str]:
+    """The other keys whose records say they are still working towards the end of ``epoch``."""
+    return frozenset(p.peer_id for p in view.peers if p.peer_id != me and p.epoch == epoch and p.state in WORKING)
+
+
+def no_shows(
+    awaited: Collection[str], view: SwarmView, me: str, epoch: int, group: Collection[str], since: float
+) -> tuple[str, ...]:
+    """Of the keys ``awaited`` (working towards ``epoch`` when our first stage ended, at DHT time ``since``), those
+    outside our ``group`` that a record written after ``since`` still shows working towards it: they missed it."""
+    return tuple(
+        sorted(
+            p.peer_id
+            for p in view.peers
+            if p.peer_id in awaited
+            and p.peer_id != me
+            and p.peer_id not in group
+            and p.epoch == epoch
+            and p.state in WORKING
+            and p.time > since
+        )
+    )
+
+
+class NoShows(EpochLedger):
+    """The keys nobody waits for now; ``epoch()`` is ours."""
+
+    def __init__(self, epoch: Callable[[], int]):
+        super().__init__(epoch, NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS)
+
+    def waiting_view(self, view: SwarmView | None) -> SwarmView | None:
+        """``view`` without the no-shows' records: what a wait for epoch-mates reads (its global epoch unchanged)."""
+        if view is None or not self:
+            return view
+        return replace(view, peers=tuple(p for p in view.peers if not self.holds(p.peer_id)))
