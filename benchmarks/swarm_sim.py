@@ -96,6 +96,7 @@ from swarm.dht.view import (
 from swarm.manifest import RunManifest
 from swarm.round.early_end import CHECK_EVERY
 from swarm.round.merge import FETCH_EVERY, READ_EVERY, STAGE2_TRIES
+from swarm.round.no_shows import NoShows, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS
 
@@ -242,6 +243,8 @@ class Flight:
     bytes_out: float = 0.0
     matchmaking_seconds: float | None = None
     retries: int = 0  # attempts after one that found no group (``OuterRound._matchmaking_bucket``)
+    awaited: frozenset[str] | None = None  # ``swarm.round.no_shows``
+    awaited_at: float = 0.0
     reported_bytes: float = 0.0  # what the RoundReport counts: both stages' all-reduce payload, sent + received
 
 
@@ -275,6 +278,7 @@ class SimPeer:
     publish_token: int = 0
     training_from: float | None = None  # when it first trained
     resumed: bool = False  # it starts with a checkpoint of its own
+    no_shows: NoShows | None = None  # ``OuterRound.no_shows``: keys it waited for that did not come
 
 
 @dataclass(eq=False)
@@ -316,6 +320,7 @@ class Simulation:
         self._flow_token: dict[str, int] = {}
         self._flow_updated: dict[str, float] = {}
         self.rounds: list[dict] = []
+        self.no_shows_noted = 0  # keys noted as no-shows, by all peers
         self.epochs: list[tuple[float, int | None]] = []  # (time, the live peers' global epoch)
         self.apart: list[tuple[float, int]] = []  # (time, training peers reading 2+ levels below the median)
         self.joins: list[dict] = []
@@ -565,6 +570,7 @@ class Simulation:
             reader=SwarmReader(self, "sim", self.m.inner_steps, self.m.samples_per_step),
             joined=self.now,
         )
+        p.no_shows = NoShows(lambda p=p: p.epoch)
         if s.launch_checkpoint and i < s.peers:
             p.model, p.resumed = SEED_MODEL, True
         self.peers[pid] = p
@@ -625,7 +631,7 @@ class Simulation:
         if not self.avg.join_rounds_early or self.now < p.next_check or p.inner_step == 0 or p.flight is not None:
             return False
         p.next_check = self.now + CHECK_EVERY
-        view = self.recent_view(p)
+        view = p.no_shows.waiting_view(self.recent_view(p))
         if view is None:
             return False
         if left_behind(view, p.epoch, p.ended_behind_at):
@@ -775,6 +781,8 @@ class Simulation:
         """``OuterRound.poll``: the first stage (retried while epoch-mates come), then the second."""
         while True:
             outcome = yield from self.matchmake(p, f)
+            if f.awaited is None and (seen := self.recent_view(p)) is not None:  # ``OuterRound._await_others``
+                f.awaited, f.awaited_at = working_towards(seen, p.pid, f.epoch), self.now
             if outcome == "moved on":  # _given_up: overlapped, adopt the round by a one-round replay
                 adopted = False
                 if self.avg.overlap:
@@ -797,7 +805,7 @@ class Simulation:
             if self.avg.merge_groups and groups_at(self.read_groups(p), f.epoch):
                 m = self.merge_alone(p, f)
                 break
-            if self.now < f.wait_until and mates_coming(self.view(p), p.pid, f.epoch):
+            if self.now < f.wait_until and mates_coming(p.no_shows.waiting_view(self.view(p)), p.pid, f.epoch):
                 f.retries += 1
                 continue
             self.land(p, f, "local", None)
@@ -820,7 +828,7 @@ class Simulation:
             if self.now - started >= self.avg.matchmaking_timeout:
                 self.leave_lobby(key, p)
                 return "no group"
-            view = self.view(p) if f.blocking else self.recent_view(p)
+            view = p.no_shows.waiting_view(self.view(p) if f.blocking else self.recent_view(p))
             if view is None:
                 continue
             if swarm_moved_on(view, f.epoch):
@@ -969,11 +977,15 @@ class Simulation:
                     self.start_stage2(p, m, plan)
                     continue
             if deciding:
-                view = self.view(p, m.members) if f.blocking else self.recent_view(p)
+                view = p.no_shows.waiting_view(self.view(p, m.members) if f.blocking else self.recent_view(p))
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
                 decision = Decision.wait if view is None else delegate_decision(
                     view, m.records, m.epoch, m.members, m.tag, waited, patience, self.avg.allreduce_limit
                 )  # fmt: skip
+                if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``
+                    missed = sorted(working_towards(view, p.pid, m.epoch) - set(m.members))
+                    p.no_shows.add(missed, m.epoch)
+                    self.no_shows_noted += len(missed)
                 if decision == Decision.alone and m.digest is not None:
                     self.contents[m.digest] = (frozenset([m.tag]), 0.0)
                     self.register(p, m, merged=m.digest, included=[m.tag])
@@ -1086,10 +1098,20 @@ class Simulation:
         if kind in ("merged", "group"):
             p.unchecked = (p.epoch, f.merge.members if f.merge else (p.pid,))
         tag = tag if tag is not None else (f.merge.tag if f.merge is not None else None)
+        self.note_no_shows(p, f)
         self.note_round(p, f, kind, f.samples, tag=tag, groups=groups, update=update if kind == "merged" else None)
         p.flight = None
         self.set_state(p, PeerState.training)
         self.fire(f.landed)
+
+    def note_no_shows(self, p: SimPeer, f: Flight) -> None:
+        """``OuterRound._note_no_shows``."""
+        view = self.recent_view(p)
+        if f.awaited and view is not None:
+            group = f.merge.members if f.merge is not None else (p.pid,)
+            missed = no_shows(f.awaited, view, p.pid, f.epoch, group, f.awaited_at)
+            p.no_shows.add(missed, f.epoch)
+            self.no_shows_noted += len(missed)
 
     def note_round(self, p: SimPeer, f: Flight | None, kind: str, samples: int, **extra: Any) -> None:
         self.rounds.append(dict(
@@ -1196,6 +1218,7 @@ def figures(sim: Simulation) -> dict[str, Any]:
         contribution_share_second_half=_share(sum(r["counted"] for r in late), len(late)),
         reported_counted_share=_share(sum(r["reported_counted"] for r in rounds), len(rounds)),
         outcomes=dict(sorted(kinds.items())),
+        no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)
         rounds_per_hour=_round(rate, 2),
         final_epoch=sim.epochs[-1][1] if sim.epochs else None,
         groups_per_round=_round(statistics.mean(registered), 2) if registered else None,

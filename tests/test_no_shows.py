@@ -6,13 +6,16 @@ without them while the votes do not change."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from test_groups import group, view_of
 from test_swarm_view import A, B, C, record
 
-from swarm.dht.groups import Decision, delegate_decision
+from swarm.dht import groups
+from swarm.dht.groups import Decision, delegate_decision, group_record, group_tag
 from swarm.dht.records import PeerState
 from swarm.dht.view import mates_coming, nobody_to_group_with, round_due
+from swarm.round.merge import Merger, MergeState
 from swarm.round.no_shows import MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS, NO_SHOW_ROUNDS, NoShows, no_shows, working_towards
 
 G1, G2 = "9" * 40, "8" * 40  # extra keys: records that say "training" and never come
@@ -78,3 +81,34 @@ def test_every_wait_for_epoch_mates_reads_the_view_without_no_shows():
     others = view_of(record(A, 3, PeerState.matchmaking), record(B, 3, PeerState.merging), record(G1, 3))
     assert not nobody_to_group_with(others, A, 3) and nobody_to_group_with(held.waiting_view(others), A, 3)
     assert held.waiting_view(None) is None and NoShows(lambda: 0).waiting_view(ghosts) is ghosts
+
+
+def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(monkeypatch):
+    """``Merger.poll`` with the real rules and records, fakes for the DHT: the delegate of the round's only group
+    waits half of ``merge_timeout`` for a key that says it is training, registers its group's average as the
+    swarm's, and from then on does not wait for that key (a key that follows the swarm's epoch is at the next one
+    by the time the round ends, so the end of the round alone would not catch it)."""
+    me, mate, tag, epoch = A, B, group_tag(b"ours"), 3
+    records = [group_record(epoch, tag, me, 2, 64.0, "a" * 64, False)]
+    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
+    monkeypatch.setattr(groups, "register", lambda dht, run_id, record: records.append(record) or True)
+    live = [record(me, epoch, PeerState.merging), record(mate, epoch, PeerState.merging), record(G1, epoch)]
+    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, recent_view=lambda: view_of(*live))
+    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=0.0, merge_limit=60.0)
+    ctx = SimpleNamespace(
+        me=me,
+        reader=reader,
+        manifest=SimpleNamespace(run_id="0" * 16, averaging=averaging),
+        averager=SimpleNamespace(client_mode=False, finalize_update=lambda e: True),
+        set_state=lambda *a: None,
+    )
+    held = NoShows(lambda: epoch)
+    merger = Merger(ctx, checkpoints=None, no_shows=held)
+    state = MergeState(epoch, tag, me, (me, mate), 2, 64.0, "a" * 64, deadline=time.monotonic() + 60)
+    state.registered_at = time.monotonic() - 1.5  # past SETTLE, within the patience (2 s)
+    assert not merger.poll(state, blocking=False) and not state.decided and not held.holds(G1)  # waits for G1
+    state.registered_at, state.read_at = time.monotonic() - 2.5, -float("inf")  # the patience is over
+    merger.poll(state, blocking=False)
+    assert state.decided and held.holds(G1) and not held.holds(mate)  # alone: ours is the swarm's; G1 held
+    # the next round's delegate does not wait for it
+    assert held.waiting_view(view_of(*live)).peers == tuple(sorted(live[:2], key=lambda p: p.peer_id))

@@ -24,8 +24,9 @@ from swarm.averager.transfer import read_update
 from swarm.dht import groups
 from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
+from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
-from swarm.round.no_shows import NoShows
+from swarm.round.no_shows import NoShows, working_towards
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -157,6 +158,8 @@ class Merger:
                 ]
                 logger.debug("merge of epoch %d, group %s: %s after %.1f s; groups %s", state.epoch, state.tag,
                              decision.value, waited, seen)  # fmt: skip
+            if decision != Decision.wait and waited >= patience:  # we gave up on those still working towards it
+                self._note_no_shows(view, state)
             if decision == Decision.alone and state.digest is None:  # alone, and no group to merge with
                 state.fallback = "no other group this round"
                 return self._finish(state, counted=False)
@@ -174,6 +177,16 @@ class Merger:
             state.fallback = "no swarm's average in time: our group's own was applied"
             return self._finish(state, counted=False)
         return False
+
+    def _note_no_shows(self, view: SwarmView, state: MergeState) -> None:
+        """The keys the merge waited for all its patience that still work towards the round: not waited for a while
+        (``swarm.round.no_shows``; noted here too because a key that follows the swarm's epoch is at the next one
+        by the time the round ends)."""
+        missed = sorted(working_towards(view, self.ctx.me, state.epoch) - set(state.members))
+        if missed:
+            rounds = self.no_shows.add(missed, state.epoch)
+            logger.info("merge of epoch %d: %d key(s) never came: not waited for in the next %d rounds (%s)",
+                        state.epoch, len(missed), rounds, ", ".join(p[-6:] for p in missed))  # fmt: skip
 
     def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
         """Our delegate died in the all-reduce or moved on without registering the group: one member speaks for
