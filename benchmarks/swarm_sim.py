@@ -96,7 +96,7 @@ from swarm.dht.view import (
 from swarm.manifest import RunManifest
 from swarm.round.early_end import CHECK_EVERY
 from swarm.round.merge import FETCH_EVERY, READ_EVERY, STAGE2_TRIES
-from swarm.round.no_shows import NoShows, no_shows, working_towards
+from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS
 
@@ -983,7 +983,7 @@ class Simulation:
                     view, m.records, m.epoch, m.members, m.tag, waited, patience, self.avg.allreduce_limit
                 )  # fmt: skip
                 if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``
-                    missed = sorted(working_towards(view, p.pid, m.epoch) - set(m.members))
+                    missed = given_up_on(view, m.records, p.pid, m.epoch, m.members, m.tag)
                     p.no_shows.add(missed, m.epoch)
                     self.no_shows_noted += len(missed)
                 if decision == Decision.alone and m.digest is not None:

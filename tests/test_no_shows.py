@@ -16,7 +16,15 @@ from swarm.dht.groups import Decision, delegate_decision, group_record, group_ta
 from swarm.dht.records import PeerState
 from swarm.dht.view import mates_coming, nobody_to_group_with, round_due
 from swarm.round.merge import Merger, MergeState
-from swarm.round.no_shows import MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS, NO_SHOW_ROUNDS, NoShows, no_shows, working_towards
+from swarm.round.no_shows import (
+    MAX_NO_SHOW_ROUNDS,
+    MAX_NO_SHOWS,
+    NO_SHOW_ROUNDS,
+    NoShows,
+    given_up_on,
+    no_shows,
+    working_towards,
+)
 
 G1, G2 = "9" * 40, "8" * 40  # extra keys: records that say "training" and never come
 
@@ -112,3 +120,16 @@ def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(
     assert state.decided and held.holds(G1) and not held.holds(mate)  # alone: ours is the swarm's; G1 held
     # the next round's delegate does not wait for it
     assert held.waiting_view(view_of(*live)).peers == tuple(sorted(live[:2], key=lambda p: p.peer_id))
+
+
+def test_a_delegate_gives_up_on_keys_that_say_merging_only_while_they_outnumber_the_registered_groups():
+    mine, theirs = "1" * 16, "2" * 16
+    d = "d" * 40
+    registered = [group(3, mine, A), group(3, theirs, d, size=2)]  # C and d merge in theirs
+    honest = [record(A, 3, PeerState.merging), record(B, 3, PeerState.merging), record(C, 3, PeerState.merging)]
+    honest.append(record(d, 3, PeerState.merging))
+    assert given_up_on(view_of(*honest, record(G1, 3)), registered, A, 3, (A, B), mine) == (G1,)
+    # a key that says "merging" in no registered group: more merging keys than the registered groups hold
+    crowd = view_of(*honest, record(G1, 3), record(G2, 3, PeerState.merging))
+    assert given_up_on(crowd, registered, A, 3, (A, B), mine) == tuple(sorted([G1, G2, C]))  # not d: it speaks
+    assert given_up_on(crowd, registered, A, 4, (A, B), mine) == ()

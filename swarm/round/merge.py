@@ -26,7 +26,7 @@ from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, 
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
-from swarm.round.no_shows import NoShows, working_towards
+from swarm.round.no_shows import NoShows, given_up_on
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -182,7 +182,7 @@ class Merger:
         """The keys the merge waited for all its patience that still work towards the round: not waited for a while
         (``swarm.round.no_shows``; noted here too because a key that follows the swarm's epoch is at the next one
         by the time the round ends)."""
-        missed = sorted(working_towards(view, self.ctx.me, state.epoch) - set(state.members))
+        missed = given_up_on(view, state.records, self.ctx.me, state.epoch, state.members, state.tag)
         if missed:
             rounds = self.no_shows.add(missed, state.epoch)
             logger.info("merge of epoch %d: %d key(s) never came: not waited for in the next %d rounds (%s)",

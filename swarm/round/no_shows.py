@@ -20,11 +20,12 @@ mates start without it), and is waited for again when its hold ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
-from swarm.dht.groups import WORKING
+from swarm.dht.groups import WORKING, groups_at
 from swarm.dht.ledger import EpochLedger
+from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
 
 NO_SHOW_ROUNDS = 2  # rounds of ours past the missed one before a no-show is waited for again
@@ -54,6 +55,22 @@ def no_shows(
             and p.time > since
         )
     )
+
+
+def given_up_on(
+    view: SwarmView, records: Sequence[GroupRecord], me: str, epoch: int, group: Collection[str], tag: str
+) -> tuple[str, ...]:
+    """The keys a delegate waited its whole patience for (``swarm.dht.groups.unaccounted``): those still working
+    towards ``epoch``, and, while more keys say they are merging than the other registered groups hold, the merging
+    keys that speak for no registered group (a member of one may be among them: held for a round or two, it only
+    goes unwaited-for; a key that says "merging" must not hold every merge for free)."""
+    registered = [r for r in groups_at(records, epoch) if r.group != tag]
+    others = [p for p in view.peers if p.epoch == epoch and p.peer_id != me and p.peer_id not in group]
+    missed = {p.peer_id for p in others if p.state in WORKING}
+    merging = {p.peer_id for p in others if p.state == PeerState.merging.value}
+    if len(merging) > sum(r.size for r in registered):
+        missed |= merging - {r.delegate for r in registered}
+    return tuple(sorted(missed))
 
 
 class NoShows(EpochLedger):
