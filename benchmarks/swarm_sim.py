@@ -781,7 +781,7 @@ class Simulation:
         """``OuterRound.poll``: the first stage (retried while epoch-mates come), then the second."""
         while True:
             outcome = yield from self.matchmake(p, f)
-            if f.awaited is None and (seen := self.recent_view(p)) is not None:  # ``OuterRound._await_others``
+            if f.awaited is None and (seen := p.no_shows.waiting_view(self.recent_view(p))) is not None:
                 f.awaited, f.awaited_at = working_towards(seen, p.pid, f.epoch), self.now
             if outcome == "moved on":  # _given_up: overlapped, adopt the round by a one-round replay
                 adopted = False
