@@ -11,6 +11,8 @@ instead of 15), and a key claiming to be one step from the end would cut every h
 
 So when a round ends, the keys that were still working towards it (training, matchmaking or averaging at its epoch,
 outside our group) both when our first stage ended and in a record written after that missed it: they are no-shows.
+So are the keys a delegate waited its whole patience for (``given_up_on``): a key that follows the swarm's epoch is
+at the next one by the time the round ends.
 The view those waits read leaves them out until our epoch has passed the round's by ``NO_SHOW_ROUNDS``, twice as
 long each time a key misses again (``swarm.dht.ledger``). Nothing else changes: their votes count, they may join
 any group, and they are asked for states; only nobody waits for them. An honest peer that missed a round so was

@@ -250,8 +250,7 @@ class OuterRound(RoundRecovery):
     def _await_others(self, flight: Flight) -> None:
         """Our first stage is over: note who is still working towards the round (``swarm.round.no_shows``), of the
         keys we wait for (one held already is not held longer for a round nobody waited for it)."""
-        view = self.waiting_view()
-        if flight.awaited is None and view is not None:
+        if flight.awaited is None and (view := self.waiting_view()) is not None:
             flight.awaited, flight.awaited_at = working_towards(view, self.ctx.me, flight.epoch), get_dht_time()
 
     def waiting_view(self) -> SwarmView | None:
