@@ -1109,7 +1109,9 @@ class Simulation:
         view = self.recent_view(p)
         if f.awaited and view is not None:
             group = f.merge.members if f.merge is not None else (p.pid,)
-            missed = no_shows(f.awaited, view, p.pid, f.epoch, group, f.awaited_at)
+            missed = [
+                k for k in no_shows(f.awaited, view, p.pid, f.epoch, group, f.awaited_at) if not p.no_shows.holds(k)
+            ]
             p.no_shows.add(missed, f.epoch)
             self.no_shows_noted += len(missed)
 

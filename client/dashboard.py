@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from client.idle import NAMED, OwnState, why_idle
+from client.round_line import how_it_went
 from client.swarm_watch import FADE_SECONDS, SwarmWatch, TrackedPeer
 from client.telemetry import Telemetry
 from swarm import PeerState, RunManifest, SwarmView
@@ -278,7 +279,7 @@ def _round_line(tel: Telemetry) -> str:
     if r is None:
         return "none yet"
     s = r.seconds
-    how = f"group of {r.group_size}" if r.averaged else f"local ({r.fallback_reason})"
+    how = how_it_went(r, group="group of {}")
     return (
         f"{how}: matchmaking {s.get('matchmaking', 0):.1f} s, all-reduce {s.get('allreduce', 0):.1f} s"
         + (f" (audits {s['audit']:.1f} s)" if s.get("audit", 0) > 0 else "")

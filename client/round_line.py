@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from swarm import RoundReport
+from swarm import RoundOutcome, RoundReport
+
+
+def how_it_went(report: RoundReport, group: str = "averaged with {} peers") -> str:
+    """What the round applied: the group's average; or, when not ours, why (a round that took the swarm's average
+    of the other groups says so: it has no fallback reason)."""
+    if report.averaged:
+        return group.format(report.group_size)
+    if report.fallback_reason:
+        return f"local ({report.fallback_reason})"
+    if report.outcome == RoundOutcome.adopted:
+        return "the swarm's average without ours"
+    return "local"
 
 
 def round_line(report: RoundReport, inner_steps: int) -> tuple[str, str]:
     """(kind, line): ``round`` for an averaged round, ``fallback`` for a local one."""
     s = report.seconds
-    how = f"averaged with {report.group_size} peers" if report.averaged else f"local ({report.fallback_reason})"
+    how = how_it_went(report)
     audits = f"(audits {s['audit']:.1f}s) " if s.get("audit", 0) > 0 else ""  # checked reducers, within it
     late = f"landed {report.steps_late}/{inner_steps} steps late " if report.steps_late is not None else ""
     return (

@@ -26,3 +26,11 @@ def test_a_local_blocking_round_says_why_and_neither_audits_nor_lag():
     assert kind == "fallback"
     assert "local (no group), re-synced; " in line
     assert "audits" not in line and "landed" not in line
+
+
+def test_a_round_that_took_the_swarms_average_without_ours_says_so_not_local_none():
+    adopted = report(averaged=False, group_size=1, outcome=RoundOutcome.adopted, fallback_reason=None)
+    kind, line = round_line(adopted, 20)
+    assert kind == "fallback" and "epoch 7: the swarm's average without ours; " in line and "None" not in line
+    given_up = report(averaged=False, outcome=RoundOutcome.adopted, fallback_reason="the swarm finished it")
+    assert "local (the swarm finished it)" in round_line(given_up, 20)[1]

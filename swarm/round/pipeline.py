@@ -289,6 +289,7 @@ class OuterRound(RoundRecovery):
             return
         group = flight.outcome.group if flight.outcome is not None else ()
         missed = no_shows(flight.awaited, view, self.ctx.me, flight.epoch, group, flight.awaited_at)
+        missed = [p for p in missed if not self.no_shows.holds(p)]  # held by the merge's delegate: noted once
         if missed:
             rounds = self.no_shows.add(missed, flight.epoch)
             names = ", ".join(p[-6:] for p in missed)
