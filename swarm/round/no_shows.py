@@ -6,8 +6,9 @@ that found none joins the others' second stage once nobody is still training (``
 ends its round early when a mate's record says it will arrive before our next step ends (``round_due``); and a
 delegate holds the second stage while peers of the epoch are unaccounted for (``swarm.dht.groups.delegate_decision``,
 up to half of ``averaging.merge_timeout``). A record costs nothing to write: two extra keys saying "training" at the
-swarm's epoch held every merge of three honest peers for those 30 s (the ``outvote`` benchmark's rounds took 33 s
-instead of 15), and a key claiming to be one step from the end would cut every honest round short.
+swarm's epoch held every merge of three honest peers for those 30 s (the ``outvote`` benchmark's rounds took 34 s,
+honest ones 8; with no-shows 14-16.5 s: ``benchmarks/results/byzantine-no-shows``), and a key claiming to be one
+step from the end would cut every honest round short.
 
 So when a round ends, the keys that were still working towards it (training, matchmaking or averaging at its epoch,
 outside our group) both when our first stage ended and in a record written after that missed it: they are no-shows.
