@@ -984,8 +984,7 @@ class Simulation:
                 )  # fmt: skip
                 if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``
                     missed = given_up_on(view, m.records, p.pid, m.epoch, m.members, m.tag)
-                    p.no_shows.add(missed, m.epoch)
-                    self.no_shows_noted += len(missed)
+                    self.no_shows_noted += len(p.no_shows.note(missed, m.epoch, "never came to the merge"))
                 if decision == Decision.alone and m.digest is not None:
                     self.contents[m.digest] = (frozenset([m.tag]), 0.0)
                     self.register(p, m, merged=m.digest, included=[m.tag])
@@ -1109,11 +1108,8 @@ class Simulation:
         view = self.recent_view(p)
         if f.awaited and view is not None:
             group = f.merge.members if f.merge is not None else (p.pid,)
-            missed = [
-                k for k in no_shows(f.awaited, view, p.pid, f.epoch, group, f.awaited_at) if not p.no_shows.holds(k)
-            ]
-            p.no_shows.add(missed, f.epoch)
-            self.no_shows_noted += len(missed)
+            missed = no_shows(f.awaited, view, p.pid, f.epoch, group, f.awaited_at)
+            self.no_shows_noted += len(p.no_shows.note(missed, f.epoch, "still working towards it after it ended"))
 
     def note_round(self, p: SimPeer, f: Flight | None, kind: str, samples: int, **extra: Any) -> None:
         self.rounds.append(dict(

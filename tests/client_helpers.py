@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,8 +113,6 @@ class Ghosts:
     epochs ahead, with a made-up checksum; or ``inflate``: no vote, an epoch-mate still training)."""
 
     def __init__(self, count: int, run_id: str, maddr: str, status: Path, folder: Path, ahead: str) -> None:
-        import threading
-
         self.epoch_file, self.status, self.stop = folder / "epoch", status, threading.Event()
         self.epoch_file.write_text("0")
         (folder / "ahead").write_text(ahead)

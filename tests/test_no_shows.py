@@ -133,3 +133,10 @@ def test_a_delegate_gives_up_on_keys_that_say_merging_only_while_they_outnumber_
     crowd = view_of(*honest, record(G1, 3), record(G2, 3, PeerState.merging))
     assert given_up_on(crowd, registered, A, 3, (A, B), mine) == tuple(sorted([G1, G2, C]))  # not d: it speaks
     assert given_up_on(crowd, registered, A, 4, (A, B), mine) == ()
+
+
+def test_a_key_is_noted_once_a_round_and_the_log_names_only_the_new_ones():
+    held = NoShows(lambda: 3)
+    assert held.note([G1], 3, "never came to the merge") == [G1]
+    assert held.note([G1, G2], 3, "still working towards it after it ended") == [G2]  # G1: held already this round
+    assert held.add([G1], 3) == 2 * NO_SHOW_ROUNDS  # only a real second miss doubles it

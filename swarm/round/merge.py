@@ -183,10 +183,7 @@ class Merger:
         (``swarm.round.no_shows``; noted here too because a key that follows the swarm's epoch is at the next one
         by the time the round ends)."""
         missed = given_up_on(view, state.records, self.ctx.me, state.epoch, state.members, state.tag)
-        if missed:
-            rounds = self.no_shows.add(missed, state.epoch)
-            logger.info("merge of epoch %d: %d key(s) never came: not waited for in the next %d rounds (%s)",
-                        state.epoch, len(missed), rounds, ", ".join(p[-6:] for p in missed))  # fmt: skip
+        self.no_shows.note(missed, state.epoch, "never came to the merge")
 
     def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
         """Our delegate died in the all-reduce or moved on without registering the group: one member speaks for

@@ -23,6 +23,7 @@ mates start without it), and is waited for again when its hold ends.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
@@ -30,6 +31,8 @@ from swarm.dht.groups import WORKING, groups_at
 from swarm.dht.ledger import EpochLedger
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
+
+logger = logging.getLogger(__name__)
 
 NO_SHOW_ROUNDS = 2  # rounds of ours past the missed one before a no-show is waited for again
 MAX_NO_SHOW_ROUNDS = 64  # the doubling stops here
@@ -81,6 +84,16 @@ class NoShows(EpochLedger):
 
     def __init__(self, epoch: Callable[[], int]):
         super().__init__(epoch, NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS)
+
+    def note(self, missed: Sequence[str], epoch: int, what: str) -> list[str]:
+        """Hold the keys that missed the round of ``epoch`` (``what`` says how, for the log); a key held already
+        (noted earlier in the same round) is not held longer for it. The keys newly held."""
+        fresh = [peer for peer in missed if not self.holds(peer)]
+        if fresh:
+            rounds = self.add(fresh, epoch)
+            logger.info("epoch %d: %d key(s) %s: not waited for in the next %d rounds (%s)", epoch, len(fresh), what,
+                        rounds, ", ".join(p[-6:] for p in fresh))  # fmt: skip
+        return fresh
 
     def waiting_view(self, view: SwarmView | None) -> SwarmView | None:
         """``view`` without the no-shows' records: what a wait for epoch-mates reads (its global epoch unchanged)."""

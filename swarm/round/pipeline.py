@@ -289,12 +289,7 @@ class OuterRound(RoundRecovery):
             return
         group = flight.outcome.group if flight.outcome is not None else ()
         missed = no_shows(flight.awaited, view, self.ctx.me, flight.epoch, group, flight.awaited_at)
-        missed = [p for p in missed if not self.no_shows.holds(p)]  # held by the merge's delegate: noted once
-        if missed:
-            rounds = self.no_shows.add(missed, flight.epoch)
-            names = ", ".join(p[-6:] for p in missed)
-            logger.info("epoch %d: %d key(s) still working towards it after it ended: not waited for in the next "
-                        "%d rounds (%s)", flight.epoch, len(missed), rounds, names)  # fmt: skip
+        self.no_shows.note(missed, flight.epoch, "still working towards it after it ended")
 
     def _ban_caught_reducers(self, flight: Flight) -> None:
         """Reducers our audits caught (in either stage): banned, and the accusations published
