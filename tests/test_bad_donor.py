@@ -107,7 +107,7 @@ def test_bad_donors_are_refused_reported_and_not_asked_again(tmp_path, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(ctx.outer.tensors(), honest.tensors()))
     distrusted = [e for e in events if isinstance(e, DonorDistrusted)]
     assert [e.donor for e in distrusted] == ["liar", "damaged"]
-    assert "not the one most peers hold" in distrusted[0].reason and "do not match" in distrusted[1].reason
+    assert "not the one a majority of peers" in distrusted[0].reason and "do not match" in distrusted[1].reason
     assert [e.donor for e in events if isinstance(e, DownloadFailed)] == ["stale"]  # no lie: asked again
     assert [e.donor for e in events if isinstance(e, StateLoaded)] == ["honest"]
     assert set(sync.distrusted) == {"liar", "damaged"}
@@ -143,7 +143,7 @@ def test_the_memory_of_bad_donors_is_bounded(tmp_path):
 def test_a_lie_is_a_holders_other_state_of_the_wanted_epoch():
     good, bad = "a" * 64, "b" * 64
     view = view_of(record("p1", 5, checksums=[(5, good)]), record("p2", 5, checksums=[(5, good)]))
-    wanted = trust.consensus(view.peers, 5)
+    wanted = trust.trusted_consensus(view.peers, 5)
     assert trust.served_a_lie("p1", 5, bad, wanted)
     assert not trust.served_a_lie("p1", 5, good, wanted)
     assert not trust.served_a_lie("p1", 4, bad, wanted)  # an older round's file: its round moved on

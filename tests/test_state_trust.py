@@ -6,8 +6,9 @@ from __future__ import annotations
 from test_groups import view_of
 from test_swarm_view import record
 
-from swarm.dht.view import consensus
-from swarm.state.trust import MIN_HOLDERS, refusal
+from swarm.dht.view import ResyncReason, consensus, resync_needed, trusted_consensus
+from swarm.state.trust import GROUPMATE_ROUNDS, MAX_GROUPMATES, MIN_HOLDERS, Groupmates, refusal
+from swarm.state.trust import wanted as trust_wanted
 
 GOOD, BAD, NEXT = "a" * 64, "b" * 64, "c" * 64
 ME = "joiner"
@@ -49,3 +50,71 @@ def test_one_holder_is_not_enough_where_others_voted_and_is_where_it_is_the_only
     three = view_of(record("p1", 5, checksums=[(5, GOOD)]), record("p2", 5, checksums=[(5, BAD)]),
                     record(ME, 5, checksums=[(5, GOOD)]))  # fmt: skip
     assert "1 peer(s), 2 needed" in refusal(three, 5, GOOD, consensus(three.peers, 5), ME)
+
+
+# ---- votes a minority of keys cannot buy (``trusted_consensus``, ``wanted``, ``Groupmates``) -----------------
+
+OLD, H1, H2 = "0" * 64, "1" * 64, "2" * 64
+
+
+def split_swarm_and_a_third_of_keys(attacker_votes_old: bool = True):
+    """Four honest peers whose round at epoch 6 ended in two groups (H1, H2), all from the same state of epoch 5,
+    and two attacker keys (a third of six, ids that sort first) voting and serving a poisoned checksum of 6."""
+    honest = [record(f"p{i}", 6, checksums=[(5, OLD), (6, H1 if i < 2 else H2)]) for i in range(4)]
+    liars = [record(f"0liar{i}", 6, checksums=[(5, OLD if attacker_votes_old else BAD), (6, BAD)]) for i in range(2)]
+    return view_of(*honest, *liars)
+
+
+def test_a_third_of_the_keys_wins_the_plurality_of_a_split_swarm_but_no_joiner_takes_its_state():
+    view = split_swarm_and_a_third_of_keys()
+    assert consensus(view.peers, 6).checksum == BAD  # a tie of two, the lowest ids: what the old rule took
+    assert trusted_consensus(view.peers, 6) is None  # two of six is not half
+    wanted = trust_wanted(view, frozenset())
+    assert (wanted.epoch, wanted.checksum) == (5, OLD)  # the last state the honest swarm held as one
+    assert refusal(view, 6, BAD, wanted, ME) is not None
+    assert refusal(view, 5, OLD, wanted, ME) is None
+    # the attacker's keys cannot move the epoch before either: four of six still hold it
+    assert trust_wanted(split_swarm_and_a_third_of_keys(attacker_votes_old=False), frozenset()).checksum == OLD
+
+
+def test_a_running_peer_takes_a_plurality_only_where_its_groupmates_hold_it():
+    view = split_swarm_and_a_third_of_keys()
+    # p2 (H2) averaged with p0 lately: H1 and its own H2 are in the running, the attacker's is not
+    assert resync_needed(view, "p2", 6, H2, False, vouched={"p0"}).reason == ResyncReason.disagreed
+    assert trusted_consensus(view.peers, 6, {"p2", "p0"}).checksum == H1
+    assert refusal(view, 6, H1, trusted_consensus(view.peers, 6, {"p2", "p0"}), "p2", {"p2", "p0"}) is None
+    assert refusal(view, 6, BAD, consensus(view.peers, 6), "p2", {"p2", "p0"}) is not None
+    # without evidence it keeps its own state (ours is always in the running; nobody else's is)
+    assert resync_needed(view, "p2", 6, H2, False) is None
+    # the attacker's keys only win a running peer's vote where one of them averaged with it lately
+    assert trusted_consensus(view.peers, 6, {"p2", "0liar0"}).checksum == BAD
+
+
+def test_a_minority_of_keys_never_makes_a_trusted_consensus_for_a_joiner():
+    for honest in range(1, 12):
+        for liars in range(honest):  # fewer than the honest keys, however the honest peers are split
+            for groups in range(1, honest + 1):
+                peers = [record(f"p{i:02d}", 6, checksums=[(6, f"{i % groups:064x}")]) for i in range(honest)]
+                peers += [record(f"0l{i:02d}", 6, checksums=[(6, BAD)]) for i in range(liars)]
+                agreed = trusted_consensus(view_of(*peers).peers, 6)
+                assert agreed is None or agreed.checksum != BAD
+
+
+def test_the_finishers_of_a_round_are_half_of_the_swarm_when_their_epoch_is_the_global_one():
+    for n in range(1, 10):
+        done = (n + 1) // 2  # the upper median's epoch is 7 once this many finished
+        peers = [record(f"p{i}", 7, checksums=[(6, OLD), (7, H1)]) for i in range(done)]
+        peers += [record(f"q{i}", 6, checksums=[(6, OLD)]) for i in range(n - done)]
+        view = view_of(*peers)
+        assert view.global_epoch == 7 and trust_wanted(view, frozenset()).epoch == 7
+
+
+def test_groupmates_are_the_last_rounds_mates_bounded():
+    mates = Groupmates()
+    mates.note(["me", "a", "b"], "me")
+    assert mates.keys() == {"a", "b"}
+    for i in range(GROUPMATE_ROUNDS):
+        mates.note(["me", f"x{i}"], "me")
+    assert "a" not in mates.keys() and len(mates.keys()) == GROUPMATE_ROUNDS
+    mates.note([f"y{i}" for i in range(10_000)], "me")
+    assert len(mates.keys()) <= GROUPMATE_ROUNDS - 1 + MAX_GROUPMATES

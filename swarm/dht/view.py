@@ -8,7 +8,7 @@ consensus) are applied identically by every peer, the dashboard and the tests.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from swarm.dht.records import PeerEntry, PeerState, ProgressRecord
@@ -92,22 +92,48 @@ def eta_next_round(
     return max(remaining) if remaining else None
 
 
-def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
-    """The checksum held by most peers at ``epoch``.
-
-    Ties go to the checksum held by the lowest peer id, so every peer that sees
-    the same records picks the same winner, and two diverged peers converge on one
-    of their states instead of swapping.
-    """
+def _votes(peers: Sequence[ProgressRecord], epoch: int) -> dict[str, list[str]]:
     votes: dict[str, list[str]] = {}
     for p in peers:
         checksum = p.checksum_at(epoch)
         if checksum is not None:
             votes.setdefault(checksum, []).append(p.peer_id)
-    if not votes:
+    return votes
+
+
+def _winner(epoch: int, votes: dict[str, list[str]], among: Collection[str]) -> Consensus | None:
+    if not among:
         return None
-    winner = min(votes, key=lambda c: (-len(votes[c]), min(votes[c])))
+    winner = min(among, key=lambda c: (-len(votes[c]), min(votes[c])))
     return Consensus(epoch, winner, tuple(sorted(votes[winner])), sum(map(len, votes.values())))
+
+
+def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
+    """The checksum held by most peers at ``epoch`` (what the dashboard shows; what a peer may take as the swarm's
+    is ``trusted_consensus``).
+
+    Ties go to the checksum held by the lowest peer id, so every peer that sees
+    the same records picks the same winner, and two diverged peers converge on one
+    of their states instead of swapping.
+    """
+    votes = _votes(peers, epoch)
+    return _winner(epoch, votes, votes)
+
+
+def electorate(peers: Sequence[ProgressRecord]) -> int:
+    """The keys a checksum needs half of: the keys ``global_epoch`` counts (all live keys past starting), so that
+    the finishers of a round whose epoch is the global one, agreeing, always are half of them."""
+    return sum(1 for p in peers if p.state != PeerState.starting.value)
+
+
+def trusted_consensus(peers: Sequence[ProgressRecord], epoch: int, vouched: Collection[str] = ()) -> Consensus | None:
+    """The checksum of ``epoch`` a peer may take as the swarm's: the most common of those held by at least half of
+    the electorate (so a minority of keys, however they vote, never makes one), or by a key in ``vouched`` (the
+    peer itself and the keys it averaged with lately: its own evidence, ``swarm.state.trust.Groupmates``). A
+    joiner vouches for nobody: it takes only a majority's state. Ties as in ``consensus``."""
+    votes = _votes(peers, epoch)
+    total = electorate(peers)
+    return _winner(epoch, votes, [c for c, h in votes.items() if 2 * len(h) >= total or not set(h).isdisjoint(vouched)])
 
 
 def build_view(entries: Sequence[PeerEntry], now: float, inner_steps: int, samples_per_step: int) -> SwarmView:
@@ -137,15 +163,18 @@ class Resync:
         return f"{self.reason.value} (epoch {self.epoch}, the swarm is at {self.global_epoch})"
 
 
-def resync_needed(view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool) -> Resync | None:
+def resync_needed(
+    view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool, vouched: Collection[str] = ()
+) -> Resync | None:
     """The swarm is ahead of ``epoch``; or our last round was local and took us past the global epoch while
-    others sit there; or most peers hold another checksum for ``epoch`` (more than one voting)."""
+    others sit there; or another checksum is the trusted consensus of ``epoch`` (more than one voting): held by a
+    majority, or by a key in ``vouched`` (``trusted_consensus``; ours is always in the running)."""
     if view.global_epoch is not None and view.global_epoch > epoch:
         return Resync(ResyncReason.behind, epoch, view.global_epoch)
     if last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
         if any(p.peer_id != me and p.epoch == view.global_epoch for p in view.peers):
             return Resync(ResyncReason.ran_ahead, epoch, view.global_epoch)
-    agreed = consensus(view.peers, epoch)
+    agreed = trusted_consensus(view.peers, epoch, {me, *vouched})
     if agreed is not None and checksum is not None and not agreed.agrees(checksum) and agreed.voters > 1:
         return Resync(ResyncReason.disagreed, epoch, view.global_epoch)
     return None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from swarm.averager.transfer import DownloadStopped
 from swarm.dht.records import PeerState
-from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
+from swarm.dht.view import Consensus, Resync, SwarmView, resync_needed, trusted_consensus
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     CheckpointUnusable,
@@ -74,7 +74,9 @@ class StateSync:
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
         self.doubts = doubts if doubts is not None else Doubts(lambda: ctx.outer.epoch)
         self.doubted_claim = False  # the last download doubted the keys that vouched for the state it wanted
-        self.replay = Replay(ctx, checkpoints)
+        # the keys we averaged with lately: a plurality one of them holds is taken without a majority (``trust``)
+        self.groupmates = trust.Groupmates()
+        self.replay = Replay(ctx, checkpoints, self.vouched)
         self._download_rate: float | None = None  # bytes/s of our last state download
         # donors that served a state file that was not what they voted for, or whose bytes did not match their own
         # header: never asked again by this process (the file is unsigned, so it proves nothing to other peers)
@@ -115,7 +117,7 @@ class StateSync:
         if not others:
             reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
             return self._start_from_own(reason, resumed)
-        agreed = consensus(view.peers, view.global_epoch) if view.global_epoch is not None else None
+        agreed = trust.wanted(view, self.vouched(joining=True))
         held = "checkpoint agrees with the swarm" if resumed else "the swarm holds the seed"
         if self._holds(agreed):  # resumed, or a run still at its seed's weights: nothing to download
             return self._start_from_own(held, resumed)
@@ -155,7 +157,12 @@ class StateSync:
         outer = self.ctx.outer
         mine = outer.checksum() if outer.epoch == epoch else None
         view = view if view is not None else self.ctx.reader.view()
-        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local)
+        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local, self.groupmates.keys())
+
+    def vouched(self, joining: bool = False) -> frozenset[str]:
+        """The keys whose plurality we take as the swarm's state without a majority (``trust``): ourselves and our
+        recent groupmates; nobody while joining (a joiner has no evidence of its own, and takes a majority's)."""
+        return frozenset() if joining else frozenset({self.ctx.me, *self.groupmates.keys()})
 
     def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
         """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
@@ -198,34 +205,39 @@ class StateSync:
                 return False
             if self.doubted_claim and not joining and self.resync_needed(ctx.outer.epoch, False, view) is None:
                 return False  # without the keys that claimed another state, ours is the swarm's
-            agreed = consensus(view.peers, view.global_epoch)
+            vouched = self.vouched(joining)
+            if joining:  # the latest epoch a majority holds (while a round ends, its finishers may be too few)
+                agreed = trust.wanted(view, vouched)
+            else:
+                agreed = trusted_consensus(view.peers, view.global_epoch, vouched)
             if self._holds(agreed):
                 return True
             donors = self._donors(view, agreed)
             for donor in donors:
                 if ctx.stop_requested():
                     return False
-                if self._download_from(donor, agreed, avg.chunk_timeout, avg.allreduce_timeout):
+                if self._download_from(donor, agreed, vouched, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
             unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
-            if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
+            if unserved >= UNSERVED_PASSES and self._doubt(view, joining, vouched):
                 continue  # the next pass reads the view without them
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
 
     def _donors(self, view: SwarmView, agreed: Consensus | None) -> list[str]:
         """The holders of the consensus that can serve it and did not serve us a bad state, in a random order (to
-        spread joiners over donors)."""
+        spread joiners over donors), those still at its epoch first (the others serve a later one)."""
         if agreed is None:
             return []
         me, holders = self.ctx.me, set(agreed.holders)
-        donors = [
-            p.peer_id
+        epochs = {
+            p.peer_id: p.epoch
             for p in view.peers
             if p.peer_id in holders and p.peer_id != me and not p.client_mode and p.peer_id not in self.distrusted
-        ]
+        }
+        donors = list(epochs)
         random.shuffle(donors)
-        return donors
+        return sorted(donors, key=lambda donor: epochs[donor] != agreed.epoch)
 
     def _holds(self, agreed: Consensus | None) -> bool:
         """The swarm's state is ours already, and another peer holds it too (a joiner's seed while the run is at
@@ -238,10 +250,10 @@ class StateSync:
             and any(holder != me for holder in agreed.holders)
         )
 
-    def _doubt(self, view: SwarmView, joining: bool) -> bool:
+    def _doubt(self, view: SwarmView, joining: bool, vouched: frozenset[str]) -> bool:
         """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
         ctx = self.ctx
-        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining)
+        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining, vouched)
         if not claim:
             return False
         rounds = self.doubts.add(claim, view.global_epoch)
@@ -271,16 +283,24 @@ class StateSync:
                 break
         return view
 
-    def _download_from(self, donor: str, wanted: Consensus, chunk_timeout: float, timeout: float) -> bool:
+    def _download_from(
+        self, donor: str, wanted: Consensus, vouched: frozenset[str], chunk_timeout: float, timeout: float
+    ) -> bool:
         self.ctx.emit(DownloadStarted(donor))
         destination = self.checkpoints.store.temporary_path(f"download-{donor[-8:]}")
         try:
-            return self._fetch_and_load(donor, wanted, destination, chunk_timeout, timeout)
+            return self._fetch_and_load(donor, wanted, vouched, destination, chunk_timeout, timeout)
         finally:
             destination.unlink(missing_ok=True)  # adopted files were renamed away; anything left is a failure
 
     def _fetch_and_load(
-        self, donor: str, wanted: Consensus, destination: Path, chunk_timeout: float, timeout: float
+        self,
+        donor: str,
+        wanted: Consensus,
+        vouched: frozenset[str],
+        destination: Path,
+        chunk_timeout: float,
+        timeout: float,
     ) -> bool:
         ctx = self.ctx
         started = time.monotonic()
@@ -308,7 +328,7 @@ class StateSync:
         except StateFileError as e:  # bytes that do not match their own header: damaged or made up by the donor
             self._distrust(donor, str(e))
             return False
-        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me)
+        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me, vouched)
         if refused is not None:  # the swarm's view decides, not the donor's header
             if trust.served_a_lie(donor, header.epoch, header.checksum, wanted):
                 self._distrust(donor, refused)
