@@ -2,19 +2,24 @@
 
 Keys are free: a stranger can run many peers, each with its own identity, each publishing a progress record that
 votes. This drives the rules every peer applies to the records it reads (``swarm.dht.view.global_epoch``,
-``swarm.dht.view.consensus`` and ``swarm.state.trust.refusal``) with ``N`` honest records and ``k`` of an
-attacker's, and finds the least ``k`` that moves each vote:
+``swarm.dht.view.trusted_consensus``, ``swarm.state.trust.wanted`` and ``swarm.state.trust.refusal``) with ``N``
+honest records and ``k`` of an attacker's, and finds the least ``k`` that moves each vote:
 
 - ``epoch``: the global epoch made one that no honest peer holds (E + 2 while honest peers are at E and E + 1):
-  every honest peer then reads itself "behind" and re-syncs from a donor that holds it (only the attacker);
-- ``checksum``: the consensus checksum of an epoch made the attacker's: every honest peer that holds another
-  "disagreed with the majority's checksum" and re-syncs;
-- ``donor``: a joiner accepts the attacker's state file (its checksum passes ``trust.refusal``).
+  every honest peer then reads itself "behind" and downloads, and the doubts take over (``swarm.state.doubts``);
+- ``checksum``: a running honest peer (which averaged with three honest peers lately) takes the attacker's
+  checksum of E as the swarm's: it "disagreed with the majority's checksum" and loads the attacker's state;
+- ``checksum-mate``: the same, where one of the attacker's keys is among those three groupmates (it averaged in
+  the peer's groups in an earlier round, sending parts as a trainer does; a mate that votes another checksum for
+  the very round it shared with the peer is no evidence, ``trust.Groupmates``);
+- ``donor``: a joiner accepts the attacker's state file of E (``trust.wanted`` and ``trust.refusal``).
 
 Each for an honest swarm that agrees (one checksum, everyone at one epoch) and one that is split (``--split``
-groups whose checksums differ, or peers straddling two epochs in a round's transition), which is when a
-plurality is cheapest to beat. The attacker's keys are given the lowest peer ids (ties go to the lowest id: a
-stranger can grind keys until it has them). Pure rules: no network; it runs in seconds.
+groups whose checksums of E differ, all from the same state of E - 1, and half of the peers already at E + 1),
+which is when a plurality is cheapest to beat. The attacker's keys vote its checksum for E and are given the
+lowest peer ids (ties go to the lowest id: a stranger can grind keys until it has them). ``plurality`` is the rule
+before this one, in the same run: the most common checksum, held by two keys. Pure rules: no network; it runs in
+seconds.
 
 Run: ``python -m benchmarks.sybil_votes``.
 """
@@ -26,51 +31,62 @@ import time
 
 from benchmarks.common import Stopwatch, add_common_args, finish, print_table
 from swarm.dht.records import EpochChecksum, PeerState, ProgressRecord
-from swarm.dht.view import SwarmView, consensus, global_epoch
-from swarm.state.trust import refusal
+from swarm.dht.view import SwarmView, consensus, global_epoch, trusted_consensus
+from swarm.state.trust import refusal, wanted
 
 NAME = "sybil_votes"
+RULES = ("plurality", "trusted")
 E = 10
 BAD = "f" * 64
+BEFORE = "e" * 64  # the honest swarm's checksum of E - 1
 
 
-def _record(peer_id: str, epoch: int, checksum: str | None) -> ProgressRecord:
+def _record(peer_id: str, epoch: int, checksums: dict[int, str]) -> ProgressRecord:
     return ProgressRecord(
         peer_id=peer_id, name="p", device="cpu", epoch=epoch, inner_step=0, samples_per_second=1.0,
         tokens_processed=0, state=PeerState.training.value, last_loss=None, client_mode=False, relayed=False,
-        checksums=[EpochChecksum(epoch=epoch, checksum=checksum)] if checksum else [], time=time.time(),
+        checksums=[EpochChecksum(epoch=e, checksum=c) for e, c in checksums.items()], time=time.time(),
     )  # fmt: skip
 
 
 def honest_swarm(n: int, split: int, straddle: bool) -> list[ProgressRecord]:
-    """``n`` honest peers: at E (or half of them already at E + 1), their checksums of E in ``split`` groups."""
+    """``n`` honest peers: at E (or half of them already at E + 1), their checksums of E in ``split`` groups, all
+    from the one checksum of E - 1."""
     peers = []
     for i in range(n):
         epoch = E + 1 if straddle and i % 2 else E
-        checksum = f"{i % split:064x}" if epoch == E else f"{(i % split) + 100:064x}"
-        peers.append(_record(f"Qmhonest{i:06d}", epoch, checksum))
+        checksums = {E - 1: BEFORE, E: f"{i % split:064x}"}
+        if epoch == E + 1:
+            checksums[E + 1] = f"{(i % split) + 100:064x}"
+        peers.append(_record(f"Qmhonest{i:06d}", epoch, checksums))
     return peers
 
 
 def attackers(k: int, epoch: int) -> list[ProgressRecord]:
-    return [_record(f"Qm0attacker{i:06d}", epoch, BAD) for i in range(k)]
+    return [_record(f"Qm0attacker{i:06d}", epoch, {E - 1: BAD, epoch: BAD}) for i in range(k)]
 
 
-def moved(attack: str, honest: list[ProgressRecord], k: int) -> bool:
+def moved(attack: str, rule: str, honest: list[ProgressRecord], k: int) -> bool:
     if attack == "epoch":
         return global_epoch(honest + attackers(k, E + 2)) == E + 2
-    if attack == "checksum":
-        agreed = consensus(honest + attackers(k, E), E)
+    peers = honest + attackers(k, E)
+    if rule == "plurality":  # the rule before: the most common checksum, two holders
+        agreed = consensus(peers, E)
+        return agreed is not None and agreed.checksum == BAD and len(agreed.holders) >= 2
+    if attack.startswith("checksum"):  # honest peer 0, which averaged with honest peers 1-3 lately
+        vouched = {p.peer_id for p in honest[:4]}
+        if attack == "checksum-mate" and k:
+            vouched = {*list(vouched)[:3], attackers(1, E)[0].peer_id}
+        agreed = trusted_consensus(peers, E, vouched)
         return agreed is not None and agreed.checksum == BAD
-    view_peers = honest + attackers(k, E)
-    view = SwarmView(tuple(view_peers), global_epoch(view_peers), None)
-    wanted = consensus(view.peers, E)
-    return wanted is not None and refusal(view, E, BAD, wanted, "joiner") is None
+    view = SwarmView(tuple(peers), global_epoch(peers), None)
+    chosen = wanted(view, frozenset())
+    return chosen is not None and refusal(view, E, BAD, chosen, "joiner") is None
 
 
-def least_keys(attack: str, honest: list[ProgressRecord]) -> int:
+def least_keys(attack: str, rule: str, honest: list[ProgressRecord]) -> int:
     k = 0
-    while not moved(attack, honest, k):
+    while not moved(attack, rule, honest, k):
         k += 1
     return k
 
@@ -87,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         for swarm, split, straddle in (("agrees", 1, False), ("split", args.split, True)):
             honest = honest_swarm(n, split, straddle)
-            for attack in ("epoch", "checksum", "donor"):
-                k = least_keys(attack, honest)
-                rows.append(dict(honest=n, swarm=swarm, attack=attack, keys=k, fraction=round(k / (n + k), 3)))
+            for attack in ("epoch", "checksum", "checksum-mate", "donor"):
+                rules = ("median",) if attack == "epoch" else ("trusted",) if attack == "checksum-mate" else RULES
+                for rule in rules:
+                    k = least_keys(attack, rule, honest)
+                    rows.append(dict(honest=n, swarm=swarm, attack=attack, rule=rule, keys=k,
+                                     fraction=round(k / (n + k), 3)))  # fmt: skip
     print_table(
         "least attacker keys that move each vote (fraction of all keys)",
-        ["honest peers", "honest swarm", "attack", "attacker keys", "fraction of keys"],
-        [(r["honest"], r["swarm"], r["attack"], r["keys"], r["fraction"]) for r in rows],
+        ["honest peers", "honest swarm", "attack", "rule", "attacker keys", "fraction of keys"],
+        [(r["honest"], r["swarm"], r["attack"], r["rule"], r["keys"], r["fraction"]) for r in rows],
     )
     finish(NAME, args.out, dict(split=args.split, results=rows), smoke=args.smoke, clock=clock, plots=False)
     return 0

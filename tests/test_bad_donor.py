@@ -16,6 +16,7 @@ import torch
 from test_groups import view_of
 from test_swarm_view import record
 
+from swarm.dht.view import consensus, trusted_consensus
 from swarm.events import DonorDistrusted, DownloadFailed, StateLoaded
 from swarm.manifest import OuterOptimizerSpec
 from swarm.state import file as state_file
@@ -143,7 +144,7 @@ def test_the_memory_of_bad_donors_is_bounded(tmp_path):
 def test_a_lie_is_a_holders_other_state_of_the_wanted_epoch():
     good, bad = "a" * 64, "b" * 64
     view = view_of(record("p1", 5, checksums=[(5, good)]), record("p2", 5, checksums=[(5, good)]))
-    wanted = trust.trusted_consensus(view.peers, 5)
+    wanted = trusted_consensus(view.peers, 5)
     assert trust.served_a_lie("p1", 5, bad, wanted)
     assert not trust.served_a_lie("p1", 5, good, wanted)
     assert not trust.served_a_lie("p1", 4, bad, wanted)  # an older round's file: its round moved on
@@ -194,3 +195,36 @@ def test_the_benchmarks_lying_records_are_records_a_reader_parses():
     assert lie.checksum_at(5) == BAD and lie.checksum_at(5 + AHEAD) == BAD
     argv = ["join", "--initial-peers", "/ip4/1/tcp/2/p2p/Qm1", "/ip4/3/tcp/4/p2p/Qm2", "--run", "ab"]
     assert _initial_peers(argv) == argv[2:4] and _initial_peers(["join"]) == []
+
+
+def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_joiner(tmp_path, monkeypatch):
+    """A split swarm (four honest peers whose round of epoch 7 ended in two groups, from one state of epoch 6, two
+    of them still at 6) and two attacker keys, a third of six, with the lowest ids: they vote for a poisoned state
+    of epoch 7 and serve it, a file that checks out on its own. Their vote is the plurality (the rule before took
+    it); the joiner takes the epoch before, which four of six hold, and never loads the poison."""
+    monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort())
+    before, h1, h2 = state(1, epoch=EPOCH - 1), state(2), state(3)
+    poisoned = state(2)
+    poisoned.params[0].mul_(-4.0)
+    poisoned._checksum = None
+    files = {
+        "0liar0": write(tmp_path / "poison.st", poisoned),
+        "0liar1": write(tmp_path / "poison.st", poisoned),
+        "a": write(tmp_path / "h1.st", h1),
+        "b": write(tmp_path / "before-b.st", before),
+        "c": write(tmp_path / "h2.st", h2),
+        "d": write(tmp_path / "before-d.st", before),
+    }
+    old = (EPOCH - 1, before.checksum())
+    records = [record(k, EPOCH, checksums=[old, (EPOCH, poisoned.checksum())]) for k in ("0liar0", "0liar1")]
+    records += [record("a", EPOCH, checksums=[old, (EPOCH, h1.checksum())]), record("b", EPOCH - 1, checksums=[old])]
+    records += [record("c", EPOCH, checksums=[old, (EPOCH, h2.checksum())]), record("d", EPOCH - 1, checksums=[old])]
+    sync, ctx, events = make_sync(tmp_path, files, before.checksum())
+    view = view_of(*records)
+    ctx.reader = SimpleNamespace(view=lambda: view)
+    assert view.global_epoch == EPOCH and consensus(view.peers, EPOCH).checksum == poisoned.checksum()
+    sync.catch_up(resumed=False, expect_others=False)
+    loaded = [(e.donor, e.epoch) for e in events if isinstance(e, StateLoaded)]
+    assert loaded == [("b", EPOCH - 1)] and ctx.outer.checksum() == before.checksum()
+    assert "0liar0" not in ctx.averager.asked and "0liar1" not in ctx.averager.asked

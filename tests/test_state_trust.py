@@ -111,10 +111,22 @@ def test_the_finishers_of_a_round_are_half_of_the_swarm_when_their_epoch_is_the_
 
 def test_groupmates_are_the_last_rounds_mates_bounded():
     mates = Groupmates()
-    mates.note(["me", "a", "b"], "me")
+    mates.note(["me", "a", "b"], "me", 1, H1)
     assert mates.keys() == {"a", "b"}
     for i in range(GROUPMATE_ROUNDS):
-        mates.note(["me", f"x{i}"], "me")
+        mates.note(["me", f"x{i}"], "me", 2 + i, H1)
     assert "a" not in mates.keys() and len(mates.keys()) == GROUPMATE_ROUNDS
-    mates.note([f"y{i}" for i in range(10_000)], "me")
+    mates.note([f"y{i}" for i in range(10_000)], "me", 99, H1)
     assert len(mates.keys()) <= GROUPMATE_ROUNDS - 1 + MAX_GROUPMATES
+
+
+def test_a_groupmate_that_votes_another_checksum_for_a_round_we_shared_is_no_evidence():
+    """The liar averages in our group and votes its own checksum of that very epoch: it is not vouched for, so its
+    checksum needs a majority like anyone's."""
+    mates = Groupmates()
+    mates.note(["p2", "0liar0", "p3"], "p2", 6, H2)
+    view = split_swarm_and_a_third_of_keys()
+    assert mates.keys(view.peers) == {"p3"}  # p3 holds H2 with us; the liar says BAD for epoch 6
+    assert trusted_consensus(view.peers, 6, {"p2", *mates.keys(view.peers)}).checksum == H2
+    # a mate that moved on (no vote for the shared epoch any more), or holds what we hold, stays
+    assert mates.keys([record("p3", 9, checksums=[(9, H1)])]) == {"p3", "0liar0"}

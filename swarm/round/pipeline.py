@@ -291,7 +291,7 @@ class OuterRound(RoundRecovery):
             return
         caught = {f.get("peer") for f in outcome.findings if f.get("banned")}
         mates = [p for p in outcome.group if p not in outcome.absent and p not in caught]
-        self.sync.groupmates.note(mates, self.ctx.me)
+        self.sync.groupmates.note(mates, self.ctx.me, self.ctx.outer.epoch, self.ctx.outer.checksum())
 
     def _note_no_shows(self, flight: Flight) -> None:
         """The keys we waited for that are still working towards the round now it is over: not waited for a while."""

@@ -157,12 +157,16 @@ class StateSync:
         outer = self.ctx.outer
         mine = outer.checksum() if outer.epoch == epoch else None
         view = view if view is not None else self.ctx.reader.view()
-        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local, self.groupmates.keys())
+        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local, self.groupmates.keys(view.peers))
 
-    def vouched(self, joining: bool = False) -> frozenset[str]:
+    def vouched(self, joining: bool = False, view: SwarmView | None = None) -> frozenset[str]:
         """The keys whose plurality we take as the swarm's state without a majority (``trust``): ourselves and our
-        recent groupmates; nobody while joining (a joiner has no evidence of its own, and takes a majority's)."""
-        return frozenset() if joining else frozenset({self.ctx.me, *self.groupmates.keys()})
+        recent groupmates that do not contradict us in ``view`` (one read now if not given); nobody while joining
+        (a joiner has no evidence of its own, and takes a majority's)."""
+        if joining:
+            return frozenset()
+        view = view if view is not None else self.ctx.reader.view()
+        return frozenset({self.ctx.me, *self.groupmates.keys(view.peers)})
 
     def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
         """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
@@ -205,7 +209,7 @@ class StateSync:
                 return False
             if self.doubted_claim and not joining and self.resync_needed(ctx.outer.epoch, False, view) is None:
                 return False  # without the keys that claimed another state, ours is the swarm's
-            vouched = self.vouched(joining)
+            vouched = self.vouched(joining, view)
             if joining:  # the latest epoch a majority holds (while a round ends, its finishers may be too few)
                 agreed = trust.wanted(view, vouched)
             else:

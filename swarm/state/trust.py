@@ -21,9 +21,9 @@ header names an epoch and a checksum; the donor chose those, so neither is belie
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
-from swarm.dht.records import CHECKSUM_HISTORY
+from swarm.dht.records import CHECKSUM_HISTORY, ProgressRecord
 from swarm.dht.view import Consensus, SwarmView, trusted_consensus
 
 MIN_HOLDERS = 2
@@ -33,18 +33,30 @@ MAX_GROUPMATES = 256  # a group is bounded by the manifest; this bounds what one
 
 class Groupmates:
     """The keys this peer averaged with (their parts taken into its average) in its last ``GROUPMATE_ROUNDS``
-    averaged rounds: its own evidence that they train with it, read by ``trusted_consensus``."""
+    averaged rounds, and the checksum each of those rounds ended on: its own evidence that they train with it,
+    read by ``trusted_consensus``. A mate whose record holds another checksum for an epoch we ended in a group
+    with it contradicts what we saw, and is no evidence while it does."""
 
     def __init__(self) -> None:
-        self._rounds: deque[frozenset[str]] = deque(maxlen=GROUPMATE_ROUNDS)
+        self._rounds: deque[tuple[int, frozenset[str], str]] = deque(maxlen=GROUPMATE_ROUNDS)
 
-    def note(self, group: Iterable[str], me: str) -> None:
+    def note(self, group: Iterable[str], me: str, epoch: int, checksum: str) -> None:
+        """``group`` ended a round with us on the state of ``epoch`` whose checksum is ``checksum``."""
         mates = frozenset(p for p in list(group)[:MAX_GROUPMATES] if p != me)
         if mates:
-            self._rounds.append(mates)
+            self._rounds.append((epoch, mates, checksum))
 
-    def keys(self) -> frozenset[str]:
-        return frozenset().union(*self._rounds)
+    def keys(self, peers: Sequence[ProgressRecord] = ()) -> frozenset[str]:
+        """Our recent groupmates, less those whose record in ``peers`` contradicts a round we shared."""
+        mates = frozenset().union(*(m for _, m, _ in self._rounds))
+        records = {p.peer_id: p for p in peers if p.peer_id in mates}
+        contradicting = {
+            mate
+            for epoch, shared, checksum in self._rounds
+            for mate in shared & records.keys()
+            if records[mate].checksum_at(epoch) not in (None, checksum)
+        }
+        return mates - contradicting
 
 
 def wanted(view: SwarmView, vouched: Collection[str], floor: int = 0) -> Consensus | None:
