@@ -84,6 +84,7 @@ from swarm.dht.records import (
 from swarm.dht.view import (
     SwarmView,
     build_view,
+    consensus,
     global_epoch,
     left_behind,
     mates_coming,
@@ -99,7 +100,6 @@ from swarm.round.merge import FETCH_EVERY, READ_EVERY, STAGE2_TRIES
 from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS
-from swarm.state.trust import Groupmates
 from swarm.state.trust import wanted as trust_wanted
 
 NAME = "swarm_sim"
@@ -272,7 +272,6 @@ class SimPeer:
     next_check: float = 0.0
     ended_behind_at: int | None = None
     unchecked: tuple[int, tuple[str, ...]] | None = None
-    groupmates: Groupmates = field(default_factory=Groupmates)  # ``StateSync.groupmates``
     feed_reads: int = 0
     written: int = 0
     group_writes: int = 0
@@ -654,9 +653,7 @@ class Simulation:
         if p.unchecked is not None and p.unchecked[0] == p.epoch:  # await_checksums: one read of the mates' buckets
             self.view(p, tuple(m for m in p.unchecked[1] if m != p.pid))
         p.unchecked = None
-        view = self.view(p)
-        why = resync_needed(view, p.pid, p.epoch, p.checksums.get(p.epoch), p.last_round_local,
-                            p.groupmates.keys(view.peers))  # fmt: skip
+        why = resync_needed(self.view(p), p.pid, p.epoch, p.checksums.get(p.epoch), p.last_round_local)
         samples = p.inner_step * self.m.samples_per_step
         if why is not None:
             self.note_round(p, None, "resynced", samples, reason=why.reason.name)
@@ -684,7 +681,7 @@ class Simulation:
             waited += 0.5
             view = self.view(p)
         others = [q for q in view.peers if q.peer_id != p.pid and q.latest_checksum is not None]
-        agreed = trust_wanted(view, frozenset())
+        agreed = trust_wanted(view)
         kept = p.resumed and agreed is not None and agreed.epoch == p.epoch and agreed.agrees(p.model)
         join = dict(peer=p.index, at=self.now, rate_mbit=p.rate * 8 / 1e6, downloaded=bool(others) and not kept)
         self.joins.append(join)
@@ -716,10 +713,6 @@ class Simulation:
         p.inner_step = 0
         self.set_state(p, PeerState.training)
 
-    def vouched(self, p: SimPeer, joining: bool, view: SwarmView) -> frozenset[str]:
-        """``StateSync.vouched``."""
-        return frozenset() if joining else frozenset({p.pid, *p.groupmates.keys(view.peers)})
-
     def download_consensus_state(self, p: SimPeer, joining: bool = False) -> Generator:
         if p.model is not None:
             replayed = yield from self.missed_rounds(p, self.avg.replay_rounds)
@@ -729,11 +722,7 @@ class Simulation:
             view = self.view(p)
             if view.global_epoch is None:
                 return False
-            vouched = self.vouched(p, joining, view)
-            if joining:
-                agreed = trust_wanted(view, vouched)
-            else:
-                agreed = trusted_consensus(view.peers, view.global_epoch, vouched)
+            agreed = trust_wanted(view) if joining else consensus(view.peers, view.global_epoch)
             if agreed is None:
                 yield 1.0
                 continue
@@ -741,12 +730,13 @@ class Simulation:
             if not donors:
                 return agreed.agrees(p.model) and p.epoch == agreed.epoch
             self.rng.shuffle(donors)
+            donors.sort(key=lambda d: self.peers[d].epoch != agreed.epoch)  # ``StateSync._donors``
             for donor in donors:
                 ok = yield Transfer(donor, STATE_BYTES * self.setup.params, self.avg.allreduce_timeout, "state")
                 held = self.peers[donor]
                 if not ok or not held.alive:
                     continue
-                check = trusted_consensus(self.view(p).peers, held.epoch, vouched)  # ``trust.refusal``
+                check = (trusted_consensus if joining else consensus)(self.view(p).peers, held.epoch)  # ``refusal``
                 check = check or (agreed if held.epoch == agreed.epoch else None)
                 if held.epoch >= agreed.epoch and check is not None and check.agrees(held.model):
                     self.load(p, held.epoch, held.model)
@@ -760,12 +750,11 @@ class Simulation:
         start, target = p.epoch, view.global_epoch
         if target is None or not 0 < target - start <= limit:
             return False
-        vouched = self.vouched(p, False, view)
-        ours = trusted_consensus(view.peers, start, vouched)
+        ours = consensus(view.peers, start)
         if ours is None or not ours.agrees(p.model):
             return False
         for epoch in range(start, target):
-            agreed = trusted_consensus(view.peers, epoch + 1, vouched)
+            agreed = consensus(view.peers, epoch + 1)
             if agreed is None:
                 return False
             donors = [q.peer_id for q in view.peers if q.peer_id in agreed.holders and q.peer_id != p.pid]
@@ -1111,8 +1100,6 @@ class Simulation:
         p.last_round_local = kind == "local"
         if kind in ("merged", "group"):
             p.unchecked = (p.epoch, f.merge.members if f.merge else (p.pid,))
-            if f.merge is not None:  # ``OuterRound._note_groupmates``
-                p.groupmates.note(f.merge.members, p.pid, p.epoch, p.model)
         tag = tag if tag is not None else (f.merge.tag if f.merge is not None else None)
         self.note_no_shows(p, f)
         self.note_round(p, f, kind, f.samples, tag=tag, groups=groups, update=update if kind == "merged" else None)

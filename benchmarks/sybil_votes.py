@@ -2,24 +2,21 @@
 
 Keys are free: a stranger can run many peers, each with its own identity, each publishing a progress record that
 votes. This drives the rules every peer applies to the records it reads (``swarm.dht.view.global_epoch``,
-``swarm.dht.view.trusted_consensus``, ``swarm.state.trust.wanted`` and ``swarm.state.trust.refusal``) with ``N``
+``swarm.dht.view.consensus``, ``trusted_consensus``, ``swarm.state.trust.wanted`` and ``refusal``) with ``N``
 honest records and ``k`` of an attacker's, and finds the least ``k`` that moves each vote:
 
 - ``epoch``: the global epoch made one that no honest peer holds (E + 2 while honest peers are at E and E + 1):
   every honest peer then reads itself "behind" and downloads, and the doubts take over (``swarm.state.doubts``);
-- ``checksum``: a running honest peer (which averaged with three honest peers lately) takes the attacker's
-  checksum of E as the swarm's: it "disagreed with the majority's checksum" and loads the attacker's state;
-- ``checksum-mate``: the same, where one of the attacker's keys is among those three groupmates (it averaged in
-  the peer's groups in an earlier round, sending parts as a trainer does; a mate that votes another checksum for
-  the very round it shared with the peer is no evidence, ``trust.Groupmates``);
+- ``checksum``: a running honest peer takes the attacker's checksum of E as the swarm's: it "disagreed with the
+  majority's checksum" and loads the attacker's state (the plurality: running peers converge on it);
 - ``donor``: a joiner accepts the attacker's state file of E (``trust.wanted`` and ``trust.refusal``).
 
 Each for an honest swarm that agrees (one checksum, everyone at one epoch) and one that is split (``--split``
 groups whose checksums of E differ, all from the same state of E - 1, and half of the peers already at E + 1),
 which is when a plurality is cheapest to beat. The attacker's keys vote its checksum for E and are given the
-lowest peer ids (ties go to the lowest id: a stranger can grind keys until it has them). ``plurality`` is the rule
-before this one, in the same run: the most common checksum, held by two keys. Pure rules: no network; it runs in
-seconds.
+lowest peer ids (ties go to the lowest id: a stranger can grind keys until it has them). For ``donor``,
+``plurality`` is the rule before this one, in the same run: the most common checksum, held by two keys. Pure
+rules: no network; it runs in seconds.
 
 Run: ``python -m benchmarks.sybil_votes``.
 """
@@ -31,11 +28,10 @@ import time
 
 from benchmarks.common import Stopwatch, add_common_args, finish, print_table
 from swarm.dht.records import EpochChecksum, PeerState, ProgressRecord
-from swarm.dht.view import SwarmView, consensus, global_epoch, trusted_consensus
+from swarm.dht.view import SwarmView, consensus, global_epoch, resync_needed
 from swarm.state.trust import refusal, wanted
 
 NAME = "sybil_votes"
-RULES = ("plurality", "trusted")
 E = 10
 BAD = "f" * 64
 BEFORE = "e" * 64  # the honest swarm's checksum of E - 1
@@ -70,18 +66,16 @@ def moved(attack: str, rule: str, honest: list[ProgressRecord], k: int) -> bool:
     if attack == "epoch":
         return global_epoch(honest + attackers(k, E + 2)) == E + 2
     peers = honest + attackers(k, E)
+    view = SwarmView(tuple(peers), global_epoch(peers), None)
+    if attack == "checksum":  # an honest peer of epoch E holding another checksum
+        why = resync_needed(view, honest[0].peer_id, E, honest[0].checksum_at(E), False)
+        agreed = consensus(peers, E)
+        return why is not None and agreed.checksum == BAD and refusal(view, E, BAD, agreed, honest[0].peer_id) is None
     if rule == "plurality":  # the rule before: the most common checksum, two holders
         agreed = consensus(peers, E)
         return agreed is not None and agreed.checksum == BAD and len(agreed.holders) >= 2
-    if attack.startswith("checksum"):  # honest peer 0, which averaged with honest peers 1-3 lately
-        vouched = {p.peer_id for p in honest[:4]}
-        if attack == "checksum-mate" and k:
-            vouched = {*list(vouched)[:3], attackers(1, E)[0].peer_id}
-        agreed = trusted_consensus(peers, E, vouched)
-        return agreed is not None and agreed.checksum == BAD
-    view = SwarmView(tuple(peers), global_epoch(peers), None)
-    chosen = wanted(view, frozenset())
-    return chosen is not None and refusal(view, E, BAD, chosen, "joiner") is None
+    chosen = wanted(view)
+    return chosen is not None and refusal(view, E, BAD, chosen, "joiner", joining=True) is None
 
 
 def least_keys(attack: str, rule: str, honest: list[ProgressRecord]) -> int:
@@ -103,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         for swarm, split, straddle in (("agrees", 1, False), ("split", args.split, True)):
             honest = honest_swarm(n, split, straddle)
-            for attack in ("epoch", "checksum", "checksum-mate", "donor"):
-                rules = ("median",) if attack == "epoch" else ("trusted",) if attack == "checksum-mate" else RULES
+            for attack in ("epoch", "checksum", "donor"):
+                rules = {"epoch": ("median",), "checksum": ("plurality",), "donor": ("plurality", "trusted")}[attack]
                 for rule in rules:
                     k = least_keys(attack, rule, honest)
                     rows.append(dict(honest=n, swarm=swarm, attack=attack, rule=rule, keys=k,

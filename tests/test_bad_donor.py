@@ -108,7 +108,7 @@ def test_bad_donors_are_refused_reported_and_not_asked_again(tmp_path, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(ctx.outer.tensors(), honest.tensors()))
     distrusted = [e for e in events if isinstance(e, DonorDistrusted)]
     assert [e.donor for e in distrusted] == ["liar", "damaged"]
-    assert "not the one a majority of peers" in distrusted[0].reason and "do not match" in distrusted[1].reason
+    assert "not the one most peers hold" in distrusted[0].reason and "do not match" in distrusted[1].reason
     assert [e.donor for e in events if isinstance(e, DownloadFailed)] == ["stale"]  # no lie: asked again
     assert [e.donor for e in events if isinstance(e, StateLoaded)] == ["honest"]
     assert set(sync.distrusted) == {"liar", "damaged"}

@@ -24,6 +24,7 @@ class ResyncReason(enum.Enum):
 
 GONE_STATES = frozenset({PeerState.left.value, PeerState.leaving.value})  # said goodbye
 _ACTIVE = {PeerState.training.value, PeerState.matchmaking.value, PeerState.averaging.value}
+_UNVOTING = frozenset({PeerState.starting.value, PeerState.downloading_state.value})  # no state of their own yet
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,8 @@ def _winner(epoch: int, votes: dict[str, list[str]], among: Collection[str]) -> 
 
 
 def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
-    """The checksum held by most peers at ``epoch`` (what the dashboard shows; what a peer may take as the swarm's
-    is ``trusted_consensus``).
+    """The checksum held by most peers at ``epoch``: what running peers converge on (a joiner takes only a
+    ``trusted_consensus``).
 
     Ties go to the checksum held by the lowest peer id, so every peer that sees
     the same records picks the same winner, and two diverged peers converge on one
@@ -120,20 +121,22 @@ def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
     return _winner(epoch, votes, votes)
 
 
-def electorate(peers: Sequence[ProgressRecord]) -> int:
-    """The keys a checksum needs half of: the keys ``global_epoch`` counts (all live keys past starting), so that
-    the finishers of a round whose epoch is the global one, agreeing, always are half of them."""
-    return sum(1 for p in peers if p.state != PeerState.starting.value)
+def electorate(peers: Sequence[ProgressRecord], epoch: int) -> list[ProgressRecord]:
+    """The keys whose votes count for ``epoch``, a checksum needing half of them: every live key that holds a state
+    (not starting, not downloading one) and is at most one epoch behind it (the peers still in its round count
+    against the first finishers' checksum; stragglers further behind have no say). Those ``global_epoch`` counts
+    include them, so the finishers of a round, agreeing, are half of them once their epoch is the global one."""
+    return [p for p in peers if p.state not in _UNVOTING and p.epoch >= epoch - 1]
 
 
-def trusted_consensus(peers: Sequence[ProgressRecord], epoch: int, vouched: Collection[str] = ()) -> Consensus | None:
-    """The checksum of ``epoch`` a peer may take as the swarm's: the most common of those held by at least half of
-    the electorate (so a minority of keys, however they vote, never makes one), or by a key in ``vouched`` (the
-    peer itself and the keys it averaged with lately: its own evidence, ``swarm.state.trust.Groupmates``). A
-    joiner vouches for nobody: it takes only a majority's state. Ties as in ``consensus``."""
-    votes = _votes(peers, epoch)
-    total = electorate(peers)
-    return _winner(epoch, votes, [c for c, h in votes.items() if 2 * len(h) >= total or not set(h).isdisjoint(vouched)])
+def trusted_consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
+    """The checksum of ``epoch`` a joiner may take as the swarm's: the most common of those held by at least half
+    of the electorate, so that a minority of keys, however they vote and whatever they serve, never makes one.
+    None while no checksum has half (a round's groups ended apart, or its first finishers are still few). Ties as
+    in ``consensus``."""
+    voters = electorate(peers, epoch)
+    votes = _votes(voters, epoch)
+    return _winner(epoch, votes, [c for c, holders in votes.items() if 2 * len(holders) >= len(voters)])
 
 
 def build_view(entries: Sequence[PeerEntry], now: float, inner_steps: int, samples_per_step: int) -> SwarmView:
@@ -163,18 +166,15 @@ class Resync:
         return f"{self.reason.value} (epoch {self.epoch}, the swarm is at {self.global_epoch})"
 
 
-def resync_needed(
-    view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool, vouched: Collection[str] = ()
-) -> Resync | None:
+def resync_needed(view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool) -> Resync | None:
     """The swarm is ahead of ``epoch``; or our last round was local and took us past the global epoch while
-    others sit there; or another checksum is the trusted consensus of ``epoch`` (more than one voting): held by a
-    majority, or by a key in ``vouched`` (``trusted_consensus``; ours is always in the running)."""
+    others sit there; or most peers hold another checksum for ``epoch`` (more than one voting)."""
     if view.global_epoch is not None and view.global_epoch > epoch:
         return Resync(ResyncReason.behind, epoch, view.global_epoch)
     if last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
         if any(p.peer_id != me and p.epoch == view.global_epoch for p in view.peers):
             return Resync(ResyncReason.ran_ahead, epoch, view.global_epoch)
-    agreed = trusted_consensus(view.peers, epoch, {me, *vouched})
+    agreed = consensus(view.peers, epoch)
     if agreed is not None and checksum is not None and not agreed.agrees(checksum) and agreed.voters > 1:
         return Resync(ResyncReason.disagreed, epoch, view.global_epoch)
     return None

@@ -12,14 +12,14 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from swarm.averager.allreduce import check_parts, decode_into
 from swarm.averager.codecs import codec
 from swarm.averager.transfer import DownloadStopped, read_update
-from swarm.dht.view import trusted_consensus
+from swarm.dht.view import consensus
 from swarm.events import DownloadFailed, Replayed, ReplayFailed, ReplayStarted, short_reason
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
@@ -36,10 +36,8 @@ class ReplayStep(enum.Enum):
 
 
 class Replay:
-    """``vouched()``: the keys whose plurality of an epoch we take without a majority (``trusted_consensus``)."""
-
-    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints, vouched: Callable[[], frozenset[str]]):
-        self.ctx, self.checkpoints, self._vouched = ctx, checkpoints, vouched
+    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints):
+        self.ctx, self.checkpoints = ctx, checkpoints
 
     def adopt(self, shift: Sequence[torch.Tensor]) -> bool:
         """Overlapped: the swarm finished the round of our epoch without us while our next round's inner steps
@@ -62,13 +60,12 @@ class Replay:
         limit = 1 if shift is not None else ctx.manifest.averaging.replay_rounds
         if target is None or not 0 < target - start <= limit:
             return False
-        vouched = self._vouched()
-        ours = trusted_consensus(view.peers, start, vouched)
+        ours = consensus(view.peers, start)
         if ours is None or not ours.agrees(ctx.outer.checksum()):
             return False
         ctx.emit(ReplayStarted(start, target))
         for epoch in range(start, target):
-            agreed = trusted_consensus(view.peers, epoch + 1, vouched)
+            agreed = consensus(view.peers, epoch + 1)
             if agreed is None:
                 return False
             donors = [p.peer_id for p in view.peers if p.peer_id in agreed.holders and not p.client_mode]

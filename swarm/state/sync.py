@@ -19,7 +19,7 @@ from pathlib import Path
 
 from swarm.averager.transfer import DownloadStopped
 from swarm.dht.records import PeerState
-from swarm.dht.view import Consensus, Resync, SwarmView, resync_needed, trusted_consensus
+from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     CheckpointUnusable,
@@ -74,9 +74,7 @@ class StateSync:
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
         self.doubts = doubts if doubts is not None else Doubts(lambda: ctx.outer.epoch)
         self.doubted_claim = False  # the last download doubted the keys that vouched for the state it wanted
-        # the keys we averaged with lately: a plurality one of them holds is taken without a majority (``trust``)
-        self.groupmates = trust.Groupmates()
-        self.replay = Replay(ctx, checkpoints, self.vouched)
+        self.replay = Replay(ctx, checkpoints)
         self._download_rate: float | None = None  # bytes/s of our last state download
         # donors that served a state file that was not what they voted for, or whose bytes did not match their own
         # header: never asked again by this process (the file is unsigned, so it proves nothing to other peers)
@@ -117,7 +115,7 @@ class StateSync:
         if not others:
             reason = "resumed from checkpoint" if resumed else "first peer of the run: weights from the manifest seed"
             return self._start_from_own(reason, resumed)
-        agreed = trust.wanted(view, self.vouched(joining=True))
+        agreed = trust.wanted(view)
         held = "checkpoint agrees with the swarm" if resumed else "the swarm holds the seed"
         if self._holds(agreed):  # resumed, or a run still at its seed's weights: nothing to download
             return self._start_from_own(held, resumed)
@@ -157,16 +155,7 @@ class StateSync:
         outer = self.ctx.outer
         mine = outer.checksum() if outer.epoch == epoch else None
         view = view if view is not None else self.ctx.reader.view()
-        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local, self.groupmates.keys(view.peers))
-
-    def vouched(self, joining: bool = False, view: SwarmView | None = None) -> frozenset[str]:
-        """The keys whose plurality we take as the swarm's state without a majority (``trust``): ourselves and our
-        recent groupmates that do not contradict us in ``view`` (one read now if not given); nobody while joining
-        (a joiner has no evidence of its own, and takes a majority's)."""
-        if joining:
-            return frozenset()
-        view = view if view is not None else self.ctx.reader.view()
-        return frozenset({self.ctx.me, *self.groupmates.keys(view.peers)})
+        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local)
 
     def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
         """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
@@ -209,21 +198,18 @@ class StateSync:
                 return False
             if self.doubted_claim and not joining and self.resync_needed(ctx.outer.epoch, False, view) is None:
                 return False  # without the keys that claimed another state, ours is the swarm's
-            vouched = self.vouched(joining, view)
-            if joining:  # the latest epoch a majority holds (while a round ends, its finishers may be too few)
-                agreed = trust.wanted(view, vouched)
-            else:
-                agreed = trusted_consensus(view.peers, view.global_epoch, vouched)
+            # a joiner: the latest epoch half of the keys hold (``trust.wanted``); a running peer: the plurality
+            agreed = trust.wanted(view) if joining else consensus(view.peers, view.global_epoch)
             if self._holds(agreed):
                 return True
             donors = self._donors(view, agreed)
             for donor in donors:
                 if ctx.stop_requested():
                     return False
-                if self._download_from(donor, agreed, vouched, avg.chunk_timeout, avg.allreduce_timeout):
+                if self._download_from(donor, agreed, joining, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
             unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
-            if unserved >= UNSERVED_PASSES and self._doubt(view, joining, vouched):
+            if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
                 continue  # the next pass reads the view without them
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
@@ -254,10 +240,10 @@ class StateSync:
             and any(holder != me for holder in agreed.holders)
         )
 
-    def _doubt(self, view: SwarmView, joining: bool, vouched: frozenset[str]) -> bool:
+    def _doubt(self, view: SwarmView, joining: bool) -> bool:
         """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
         ctx = self.ctx
-        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining, vouched)
+        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining)
         if not claim:
             return False
         rounds = self.doubts.add(claim, view.global_epoch)
@@ -288,12 +274,12 @@ class StateSync:
         return view
 
     def _download_from(
-        self, donor: str, wanted: Consensus, vouched: frozenset[str], chunk_timeout: float, timeout: float
+        self, donor: str, wanted: Consensus, joining: bool, chunk_timeout: float, timeout: float
     ) -> bool:
         self.ctx.emit(DownloadStarted(donor))
         destination = self.checkpoints.store.temporary_path(f"download-{donor[-8:]}")
         try:
-            return self._fetch_and_load(donor, wanted, vouched, destination, chunk_timeout, timeout)
+            return self._fetch_and_load(donor, wanted, joining, destination, chunk_timeout, timeout)
         finally:
             destination.unlink(missing_ok=True)  # adopted files were renamed away; anything left is a failure
 
@@ -301,7 +287,7 @@ class StateSync:
         self,
         donor: str,
         wanted: Consensus,
-        vouched: frozenset[str],
+        joining: bool,
         destination: Path,
         chunk_timeout: float,
         timeout: float,
@@ -332,7 +318,7 @@ class StateSync:
         except StateFileError as e:  # bytes that do not match their own header: damaged or made up by the donor
             self._distrust(donor, str(e))
             return False
-        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me, vouched)
+        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me, joining)
         if refused is not None:  # the swarm's view decides, not the donor's header
             if trust.served_a_lie(donor, header.epoch, header.checksum, wanted):
                 self._distrust(donor, refused)
