@@ -9,6 +9,7 @@ from __future__ import annotations
 from swarm.defence.bans import BAN_ROUNDS
 from swarm.events import (
     AveragingFailed,
+    AwaitingMajority,
     Banned,
     CheckpointUnusable,
     ClaimDoubted,
@@ -38,6 +39,11 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
             return "download", (
                 f"waiting ~{eta:.0f} s for the swarm's round to end before downloading: at the last "
                 f"download's speed it takes ~{expected:.0f} s, more than is left of this round"
+            )
+        case AwaitingMajority(epoch=epoch, seconds=seconds):
+            return "download", (
+                f"no state of epoch {epoch} is held by half of the peers yet (its round ended with its groups apart): "
+                f"waiting up to {seconds:.0f} s before downloading"
             )
         case StateLoaded(donor=donor, epoch=epoch, checksum=checksum):
             return "state_loaded", f"state of epoch {epoch} (checksum {checksum[:8]}) loaded from {donor[-8:]}"

@@ -175,6 +175,16 @@ class DonorDistrusted(PeerEvent):
 
 
 @dataclass(frozen=True)
+class AwaitingMajority(PeerEvent):
+    """A joiner waits (at most ``seconds``) for a state of the swarm's ``epoch`` that half of the keys hold, and a
+    donor still at it: a round ended with its groups apart, and the running peers' re-syncs mend that."""
+
+    kind: ClassVar[str] = "awaiting_majority"
+    epoch: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ClaimDoubted(PeerEvent):
     """Nobody served the state of ``epoch`` that ``peers`` keys vouched for (an epoch ahead of ours, or the majority's
     checksum of ours): they are left out of this peer's view for ``rounds`` rounds past it (``swarm.state.doubts``)."""

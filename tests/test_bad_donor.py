@@ -12,12 +12,13 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from test_groups import view_of
 from test_swarm_view import record
 
 from swarm.dht.view import consensus, trusted_consensus
-from swarm.events import DonorDistrusted, DownloadFailed, StateLoaded
+from swarm.events import AwaitingMajority, ClaimDoubted, DonorDistrusted, DownloadFailed, StateLoaded
 from swarm.manifest import OuterOptimizerSpec
 from swarm.state import file as state_file
 from swarm.state import sync as sync_module
@@ -228,3 +229,35 @@ def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_joi
     loaded = [(e.donor, e.epoch) for e in events if isinstance(e, StateLoaded)]
     assert loaded == [("b", EPOCH - 1)] and ctx.outer.checksum() == before.checksum()
     assert "0liar0" not in ctx.averager.asked and "0liar1" not in ctx.averager.asked
+
+
+def test_a_joiner_waits_for_half_of_the_keys_while_a_round_ended_apart_and_doubts_nobody(tmp_path, monkeypatch):
+    """Six honest peers at epoch 7 in three groups of two that ended apart (nobody still at 6 to serve the state the
+    whole swarm held): the joiner waits instead of taking one group's state or doubting anyone; once the running
+    peers re-synced to the plurality (four of six), it loads that."""
+    monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
+    before, states = state(1, epoch=EPOCH - 1), [state(2), state(3), state(4)]
+    files = {f"p{i}": write(tmp_path / f"p{i}.st", states[i // 2]) for i in range(6)}
+    old = (EPOCH - 1, before.checksum())
+    apart = view_of(*(record(f"p{i}", EPOCH, checksums=[old, (EPOCH, states[i // 2].checksum())]) for i in range(6)))
+    mended = view_of(*(record(f"p{i}", EPOCH, checksums=[old, (EPOCH, states[min(i // 2, 1)].checksum())])
+                       for i in range(6)))  # fmt: skip
+    sync, ctx, events = make_sync(tmp_path, files, before.checksum())
+    reads = iter([apart] * 5)
+    ctx.reader = SimpleNamespace(view=lambda: next(reads, mended))
+    files.update({f"p{i}": write(tmp_path / f"mended{i}.st", states[1]) for i in range(4, 6)})
+    assert trust.wanted(apart).epoch == EPOCH - 1 and not trust.servable(apart, trust.wanted(apart), "joiner")
+    sync.catch_up(resumed=False, expect_others=False)
+    assert [e.epoch for e in events if isinstance(e, AwaitingMajority)] == [EPOCH]
+    assert [e.epoch for e in events if isinstance(e, StateLoaded)] == [EPOCH]
+    assert ctx.outer.checksum() == states[1].checksum()
+    assert not [e for e in events if isinstance(e, ClaimDoubted)]
+
+    # a swarm that stays apart: the joiner gives up after its wait, with the usual message, and doubts nobody
+    from swarm.errors import StateDownloadError
+
+    sync, ctx, events = make_sync(tmp_path / "again", files, before.checksum())
+    ctx.reader = SimpleNamespace(view=lambda: apart)
+    with pytest.raises(StateDownloadError):
+        sync.catch_up(resumed=False, expect_others=False)
+    assert not [e for e in events if isinstance(e, (ClaimDoubted, StateLoaded))]

@@ -101,5 +101,5 @@ def test_lines_name_what_the_volunteer_needs():
 def test_every_event_type_keeps_its_recorded_name():
     """--log-json and older listeners see the same names as before, one per type."""
     names = [kind.kind for kind in EVENT_TYPES]
-    assert len(EVENT_TYPES) == 19 and len(set(names)) == len(names) and all(names)
+    assert len(EVENT_TYPES) == 20 and len(set(names)) == len(names) and all(names)
     assert {"download_started", "replayed", "state", "round", "banned", "averaging_error"} <= set(names)

@@ -22,6 +22,7 @@ from swarm.dht.records import PeerState
 from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
+    AwaitingMajority,
     CheckpointUnusable,
     ClaimDoubted,
     DonorDistrusted,
@@ -49,6 +50,7 @@ MAX_DISTRUSTED = 1024  # donors remembered for serving a bad state (a stranger c
 MIN_DEFERRED_DOWNLOAD = 2.0  # seconds: a download this quick never waits for the swarm's round to end
 VIEW_WAIT = 3.0  # records of other peers can take this long to reach a node that just joined
 UNSERVED_PASSES = 2  # download passes that found nobody serving an epoch ahead of ours before its claimants are doubted
+MAJORITY_WAIT = 120  # seconds a joiner waits for a state half of the keys hold, while a round's groups ended apart
 
 
 class Resynced(enum.Enum):
@@ -198,6 +200,8 @@ class StateSync:
                 return False
             if self.doubted_claim and not joining and self.resync_needed(ctx.outer.epoch, False, view) is None:
                 return False  # without the keys that claimed another state, ours is the swarm's
+            if joining:
+                view = self._until_half_agree(view)
             # a joiner: the latest epoch half of the keys hold (``trust.wanted``); a running peer: the plurality
             agreed = trust.wanted(view) if joining else consensus(view.peers, view.global_epoch)
             if self._holds(agreed):
@@ -209,10 +213,28 @@ class StateSync:
                 if self._download_from(donor, agreed, joining, avg.chunk_timeout, avg.allreduce_timeout):
                     return True
             unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
-            if unserved >= UNSERVED_PASSES and self._doubt(view, joining):
+            unsettled = joining and not trust.servable(view, agreed, ctx.me)  # nobody claimed what we could not get
+            if unserved >= UNSERVED_PASSES and not unsettled and self._doubt(view, joining):
                 continue  # the next pass reads the view without them
             time.sleep(min(5.0, 1.0 * (attempt + 1)))
         return False
+
+    def _until_half_agree(self, view: SwarmView) -> SwarmView:
+        """A joiner's wait, at most ``MAJORITY_WAIT`` seconds, while no state it could fetch is held by half of the
+        keys (``trust.servable``): a round ended with its groups apart, and the running peers' re-syncs to the
+        plurality mend that within a round. A joiner never takes a plurality: a fifth of the keys can buy one."""
+        ctx = self.ctx
+        if view.global_epoch is None or trust.servable(view, trust.wanted(view), ctx.me):
+            return view
+        ctx.emit(AwaitingMajority(view.global_epoch, MAJORITY_WAIT))
+        for _ in range(MAJORITY_WAIT):
+            if ctx.stop_requested():
+                break
+            time.sleep(1.0)
+            view = ctx.reader.view()
+            if view.global_epoch is None or trust.servable(view, trust.wanted(view), ctx.me):
+                break
+        return view
 
     def _donors(self, view: SwarmView, agreed: Consensus | None) -> list[str]:
         """The holders of the consensus that can serve it and did not serve us a bad state, in a random order (to

@@ -38,6 +38,16 @@ def wanted(view: SwarmView) -> Consensus | None:
     return None
 
 
+def servable(view: SwarmView, agreed: Consensus | None, me: str) -> bool:
+    """Whether a joiner can fetch ``agreed`` (``wanted``) now: it is of the global epoch, or a holder other than us
+    is still at its epoch (the others serve a later state, which half of the keys do not hold yet)."""
+    if agreed is None:
+        return False
+    holders = set(agreed.holders) - {me}
+    at_its_epoch = any(p.peer_id in holders and p.epoch == agreed.epoch for p in view.peers)
+    return agreed.epoch == view.global_epoch or at_its_epoch
+
+
 def refusal(
     view: SwarmView, epoch: int, checksum: str, wanted: Consensus, me: str, joining: bool = False
 ) -> str | None:
