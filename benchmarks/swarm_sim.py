@@ -99,7 +99,8 @@ from swarm.round.early_end import CHECK_EVERY
 from swarm.round.merge import FETCH_EVERY, READ_EVERY, STAGE2_TRIES
 from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
-from swarm.state.sync import DOWNLOAD_ATTEMPTS
+from swarm.state.sync import DOWNLOAD_ATTEMPTS, MAJORITY_WAIT
+from swarm.state.trust import servable
 from swarm.state.trust import wanted as trust_wanted
 
 NAME = "swarm_sim"
@@ -722,6 +723,14 @@ class Simulation:
             view = self.view(p)
             if view.global_epoch is None:
                 return False
+            if joining:  # ``StateSync._until_half_agree``
+                for _ in range(MAJORITY_WAIT):
+                    if view.global_epoch is None or servable(view, trust_wanted(view), p.pid):
+                        break
+                    yield 1.0
+                    view = self.view(p)
+                if view.global_epoch is None:
+                    return False
             agreed = trust_wanted(view) if joining else consensus(view.peers, view.global_epoch)
             if agreed is None:
                 yield 1.0

@@ -100,4 +100,6 @@ def test_the_finishers_of_a_round_are_half_of_the_swarm_when_their_epoch_is_the_
         # stragglers two epochs behind and joiners still downloading have no say in epoch 7's checksum
         peers += [record(f"s{i}", 2, checksums=[(2, H2)]) for i in range(n)]
         peers += [record(f"d{i}", 0, state=PeerState.downloading_state) for i in range(n)]
+        # nor keys that say they are at the epoch, or past it, without a checksum of it (extra keys that only count)
+        peers += [record(f"g{i}", 7) for i in range(n)] + [record(f"h{i}", 9, checksums=[(9, H2)]) for i in range(n)]
         assert trusted_consensus(view_of(*peers).peers, 7).checksum == H1

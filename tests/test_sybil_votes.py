@@ -7,21 +7,23 @@ import json
 from benchmarks.sybil_votes import honest_swarm, least_keys, main, moved
 
 
-def test_a_minority_of_keys_cannot_move_the_global_epoch_even_while_honest_peers_straddle_two(tmp_path):
+def test_a_minority_of_keys_cannot_move_the_global_epoch_nor_a_joiners_state(tmp_path):
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sybil_votes.json").read_text())["results"]
-    by = {(r["swarm"], r["attack"]): r for r in rows}
-    assert {r["honest"] for r in rows} == {10} and len(rows) == 6
-    assert by[("agrees", "epoch")]["fraction"] == by[("split", "epoch")]["fraction"] == 0.5
+    by = {(r["swarm"], r["attack"], r["rule"]): r for r in rows}
+    assert {r["honest"] for r in rows} == {10} and len(rows) == 8
+    assert by[("agrees", "epoch", "median")]["fraction"] == by[("split", "epoch", "median")]["fraction"] == 0.5
     # while honest peers agree, their checksum and their state take half of all keys to outvote
-    assert by[("agrees", "checksum")]["keys"] == by[("agrees", "donor")]["keys"] == 10
-    # split four ways, the plurality is cheaper: more keys than the largest honest faction (the open row)
-    assert by[("split", "checksum")]["keys"] == 3
+    assert by[("agrees", "checksum", "plurality")]["keys"] == by[("agrees", "donor", "trusted")]["keys"] == 10
+    # split four ways, the plurality is cheaper: more keys than the largest honest faction (a running peer's, the
+    # open row); a joiner's state still takes half
+    assert by[("split", "checksum", "plurality")]["keys"] == by[("split", "donor", "plurality")]["keys"] == 3
+    assert by[("split", "donor", "trusted")]["keys"] == 10
 
 
 def test_the_least_keys_are_least():
     honest = honest_swarm(12, split=3, straddle=True)
-    for attack in ("epoch", "checksum", "donor"):
-        k = least_keys(attack, honest)
+    for attack, rule in (("epoch", "median"), ("checksum", "plurality"), ("donor", "plurality"), ("donor", "trusted")):
+        k = least_keys(attack, rule, honest)
         assert k > 0
-        assert moved(attack, honest, k) and not moved(attack, honest, k - 1)
+        assert moved(attack, rule, honest, k) and not moved(attack, rule, honest, k - 1)

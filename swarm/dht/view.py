@@ -122,11 +122,16 @@ def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
 
 
 def electorate(peers: Sequence[ProgressRecord], epoch: int) -> list[ProgressRecord]:
-    """The keys whose votes count for ``epoch``, a checksum needing half of them: every live key that holds a state
-    (not starting, not downloading one) and is at most one epoch behind it (the peers still in its round count
-    against the first finishers' checksum; stragglers further behind have no say). Those ``global_epoch`` counts
-    include them, so the finishers of a round, agreeing, are half of them once their epoch is the global one."""
-    return [p for p in peers if p.state not in _UNVOTING and p.epoch >= epoch - 1]
+    """The keys whose votes count for ``epoch``, a checksum needing half of them: those that voted for it, and those
+    one epoch behind it (still in its round: they count against its first finishers' checksum), past starting and
+    downloading. A key at the epoch or later that holds no checksum of it is no honest peer (a peer publishes its
+    checksum as it reaches an epoch) and has no say, nor have stragglers further behind. ``global_epoch`` counts
+    them all, so the finishers of a round, agreeing, are half of them once their epoch is the global one."""
+    return [
+        p
+        for p in peers
+        if p.state not in _UNVOTING and (p.epoch == epoch - 1 or p.epoch >= epoch and p.checksum_at(epoch) is not None)
+    ]
 
 
 def trusted_consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
