@@ -9,8 +9,9 @@ header names an epoch and a checksum; the donor chose those, so neither is belie
 - the checksum must be the consensus of that epoch in the view read after the download: for a joiner, the
   trusted consensus (``swarm.dht.view.trusted_consensus``: held by at least half of the keys that voted for the
   epoch or are one epoch behind it); keys are free, a majority of them is not, so an attacker needs half of all
-  keys to make a joiner take its state. A running peer that re-syncs takes the plurality, so that groups whose round ended apart converge
-  on one state: there a fifth of the keys can still win while the honest peers are split (``docs/security.md``);
+  keys to make a joiner take its state. A running peer that re-syncs takes the plurality, so that groups whose
+  round ended apart converge on one state: there a fifth of the keys can still win while the honest peers are
+  split (``docs/security.md``);
 - and held by at least ``MIN_HOLDERS`` peers other than us when that many have voted for the epoch. Two: one key
   is any donor's own vote for its own file, while a second holder means a peer that computed the same outer step
   on its own. A swarm with only one other voter has nobody to compare with, and its one holder is taken (the
