@@ -50,8 +50,8 @@ it claims, is replaced:
   its own part alone would agree with an average of its choosing);
 - ``accuse``: honest in every value it sends and returns, but as an auditor it accuses every reducer it audits of
   a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned;
-- ``baddonor``, ``undying``, ``sybil``, ``outvote``, ``poisonvote``: lies in the state it serves and the records
-  its keys publish (``benchmarks.liar_records``).
+- ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
+  (``benchmarks.liar_records``).
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -89,7 +89,6 @@ ATTACKS = {
     "undying": 2.0,
     "sybil": 1.0,
     "outvote": 2.0,
-    "poisonvote": 1.0,
 }
 
 
@@ -101,9 +100,6 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         return
     if attack == "undying":
         liar_records.install_undying(int(factor))
-        return
-    if attack == "poisonvote":
-        liar_records.install_poison_vote(int(factor), client_argv or [])
         return
     if attack in ("sybil", "outvote"):
         ahead = 0 if attack == "outvote" else liar_records.AHEAD

@@ -23,9 +23,7 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   of its own slice (it signs its receipt, so it is alive), hoping the slice goes unchecked;
 - ``baddonor / centered-clip``: the liar averages honestly but serves joiners a poisoned state that passes every
   check of its own; honest peers join late (after rounds ``LATE_JOINS``) and must load the honest swarm's state;
-  its baseline is ``honest / centered-clip+late``, the same late joiners without a liar; ``poisonvote /
-  centered-clip``: the same liar, which also votes its poisoned state's checksum, as does an extra key (``--peers
-  4``: two keys of five), with the same late joiners;
+  its baseline is ``honest / centered-clip+late``, the same late joiners without a liar;
 - ``undying / centered-clip``: the liar leaves, after two rounds, a record voting two epochs ahead, set to live a
   year; ``sybil / centered-clip``: the liar's record and those of extra keys (``--peers 4``: two keys of five)
   vote two epochs ahead with a made-up checksum; ``outvote / centered-clip``: the liar's record and those of two
@@ -135,7 +133,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     workdir = root / scenario.replace("/", "-").replace("#", "-").replace("+", "-")
     workdir = workdir.with_name(f"{workdir.name}-attempt{attempt}") if attempt > 1 else workdir
     workdir.mkdir(parents=True)
-    late_joins = LATE_JOINS if attack in ("baddonor", "poisonvote") or variant == "late" else ()
+    late_joins = LATE_JOINS if attack == "baddonor" or variant == "late" else ()
     audit_parts = int(variant.removeprefix("sampled") or SAMPLED_PARTS) if variant.startswith("sampled") else 0
     sets = [
         f"averaging.aggregation={aggregation}",

@@ -1,7 +1,7 @@
 """Lies that are not in a pseudo-gradient: in the state a peer serves and in the records its keys publish.
 
-Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``, ``outvote``, ``poisonvote``); nothing here
-is part of the product.
+Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``, ``outvote``); nothing here is part of the
+product.
 
 - ``baddonor``: honest in every value it averages and every vote, but every state file it serves joiners is
   poisoned: its parameters multiplied by ``factor`` (default -4), under a header with the epoch it voted for and a
@@ -14,10 +14,7 @@ is part of the product.
   process of its own (a DHT node, a fresh libp2p identity, a progress record refreshed like a peer's), as a
   stranger running many cheap keys would have. The liar itself trains and averages honestly;
 - ``outvote``: the same keys (``factor`` extra, default 2: with two honest peers, three keys of five) vote the
-  swarm's own epoch with a made-up checksum: the majority's checksum of every epoch, which nobody serves;
-- ``poisonvote``: the liar trains and averages honestly, serves a poisoned state as ``baddonor`` does (its
-  parameters multiplied by -4), and votes that state's checksum for every epoch it reaches, as do ``factor``
-  extra keys (default 1: with three honest peers, two keys of five): keys that serve the state they vote for.
+  swarm's own epoch with a made-up checksum: the majority's checksum of every epoch, which nobody serves.
 
 A ghost whose ``ahead`` file says ``inflate`` votes nothing: its record follows the epoch file in the state
 "training", so it is counted in the swarm's size and looks like an epoch-mate on its way to the round
@@ -39,8 +36,6 @@ BAD = "f" * 64
 AHEAD = 2  # epochs ahead of the swarm that the lying records vote for
 YEAR = 365 * 24 * 3600.0
 INFLATE = "inflate"  # in the ``ahead`` file: a ghost that votes nothing, only counts and looks like an epoch-mate
-POISON = "poison"  # in the ``ahead`` file: a ghost that votes the checksums in the ``votes`` file (``poisonvote``)
-POISON_FACTOR = -4.0
 
 
 def _say(text: str) -> None:  # to the log's file descriptor: the client routes a child's stderr to its debug log
@@ -148,40 +143,6 @@ def install_sybil(ghosts: int, client_argv: list[str], ahead: int = AHEAD) -> No
     _say(f"{_name(ahead)}: its record and {ghosts} extra key(s) vote epoch +{ahead} and a made-up checksum")
 
 
-def install_poison_vote(ghosts: int, client_argv: list[str]) -> None:
-    """Serve a poisoned state (``install_bad_donor``) and vote its checksum; ``ghosts`` extra keys vote it too."""
-    import json
-
-    from swarm.state.checkpoints import Checkpoints
-    from swarm.state.outer import checksum
-
-    install_bad_donor(POISON_FACTOR)
-    folder = Path(tempfile.mkdtemp(prefix="swarm-poisonvote-"))
-    epoch_file, votes_file = folder / "epoch", folder / "votes"
-    (folder / "ahead").write_text(POISON)
-    announce = Checkpoints.announce
-    votes: dict[int, str] = {}
-    started: list[subprocess.Popen] = []
-
-    def voting_poison(self, inner_step: int) -> None:
-        announce(self, inner_step)
-        outer = self.ctx.outer
-        with torch.no_grad():  # the very file ``install_bad_donor`` serves for this epoch
-            votes[outer.epoch] = checksum([p * POISON_FACTOR for p in outer.params] + list(outer.momentum))
-        for old in sorted(votes)[:-8]:
-            del votes[old]
-        self._presence.add_checksum(outer.epoch, votes[outer.epoch])
-        self._presence.update(publish_now=True)
-        votes_file.write_text(json.dumps({str(e): c for e, c in votes.items()}))
-        epoch_file.write_text(str(outer.epoch))
-        if not started and ghosts:
-            started.extend(_spawn_ghosts(ghosts, self._presence.run_id, _initial_peers(client_argv), epoch_file))
-
-    Checkpoints.announce = voting_poison
-    _keep_own_view_honest()
-    _say(f"poisonvote: serves a poisoned state and votes its checksum, with {ghosts} extra key(s)")
-
-
 def _keep_own_view_honest() -> None:
     """The liar's view leaves out its own (lying) record, as a stranger would patch it: reading itself ahead of the
     swarm, it would re-sync every round instead of training with the honest peers."""
@@ -232,7 +193,7 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
         said = epoch_file.with_name("ahead").read_text().strip()
     except OSError:
         said = str(AHEAD)
-    inflate, poison = said == INFLATE, said == POISON
+    inflate = said == INFLATE
     ahead = int(said) if said.isdigit() else AHEAD
     dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
     peer_id = dht.peer_id.to_base58()
@@ -249,24 +210,12 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
             epoch = 0
         if inflate:  # no vote: an epoch-mate still training, as far as its record says
             presence.update(epoch=epoch, publish_now=True)
-        elif poison:  # the liar's votes for its poisoned state
-            presence.update(epoch=epoch, checksums=_poison_votes(epoch_file.with_name("votes")), publish_now=True)
         else:
             lie = _lie_in(fields, epoch, ahead)
             presence.update(epoch=lie["epoch"], checksums=lie["checksums"], publish_now=True)
         time.sleep(1.0)
     presence.stop()
     dht.shutdown()
-
-
-def _poison_votes(path: Path) -> list[dict]:
-    import json
-
-    try:
-        votes = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return [dict(epoch=int(e), checksum=c) for e, c in sorted(votes.items(), key=lambda v: int(v[0]))]
 
 
 if __name__ == "__main__":
