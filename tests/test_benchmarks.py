@@ -196,9 +196,12 @@ def test_slowpeer_smoke(tmp_path: Path):
     assert 0 <= record["slow_peer_share_of_rounds_averaged"] <= 1
 
 
-@pytest.mark.timeout(560)
+# five fresh swarms of three peers, one after the other: 185 s alone on an idle machine, 250 s in the suite here, and
+# over 540 s in one CI run whose whole suite took twice its usual time (the machine, not the code: the same commit
+# took 1215 s here the next day). A scenario whose liar missed its group runs again, which load makes likelier
+@pytest.mark.timeout(920)
 def test_byzantine_smoke(tmp_path: Path):
-    record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=540))
+    record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=900))
     baseline, attacked, hiding, nonfinite, cut = record["scenarios"]
     assert [s["scenario"] for s in record["scenarios"]] == [
         "honest/mean",

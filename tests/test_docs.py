@@ -14,7 +14,7 @@ import pytest
 from client.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "results" / "README.md"]
 SKIPPED_FENCES = {"json", "toml", "mermaid", "python", "yaml"}
 DOCKER_RUN_VALUE_FLAGS = {
     *("-p", "-v", "-e", "-w", "--gpus", "--name", "--restart", "--shm-size", "--env-file", "--ipc"),
@@ -155,6 +155,18 @@ def test_relative_links_resolve(path):
         if not (path.parent / target.split("#")[0]).exists():
             broken.append(target)
     assert not broken, f"{path.name} links to missing files: {broken}"
+
+
+def test_the_benchmark_report_reads_in_ten_minutes_and_each_section_names_its_result_files():
+    """docs/benchmarks.md is the current figures, not a lab notebook: under 400 lines, each numbered section linking
+    the result files its figures come from; the history lives in benchmarks/results/README.md, linked from it."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) < 400
+    sections = re.split(r"^## \d+\. ", text, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 12
+    unlinked = [s.splitlines()[0] for s in sections if "](../benchmarks/results/" not in s]
+    assert not unlinked, f"sections without a result file: {unlinked}"
+    assert "](../benchmarks/results/README.md)" in text
 
 
 def test_the_docs_exist():
