@@ -38,9 +38,11 @@ from swarm.dht.config import DEFAULT_PORT, NetworkConfig
 from swarm.dht.identity import adopt_identity, temporary_identity
 from swarm.dht.records import global_validators
 from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
+from swarm.hivemind_fixes.beam import narrow_searches
 from swarm.hivemind_fixes.helpers import start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
+from swarm.hivemind_fixes.verdicts import remember_verdicts
 from swarm.inputs import check_initial_peer, check_ip
 
 PORT_SEARCH = 64  # with the default port, look this far for a free one
@@ -198,6 +200,8 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
         kwargs["check_if_identity_free"] = False
     install_orphan_reaper()  # the DHT process and its p2pd must not outlive a killed peer
     free_stuck_locks()  # one a dead helper kept would hang this DHT at its first future
+    remember_verdicts()  # the DHT process judges each record's bytes once, not once per copy and per read
+    narrow_searches()  # and asks the nodes that hold a value, not every node of a 20-wide beam
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")
