@@ -7,7 +7,8 @@ process (``--workers`` processes hold the swarm; one more holds the measured pee
 own): a ``hivemind.DHT`` per node would be a forked process per node on top of its ``p2pd``. A process has one
 process-wide RSA key, so each node is given a ``RSASignatureValidator(private_key=...)`` of its own and the same
 key as its libp2p identity: its records' subkeys carry its own key and their ``peer_id`` is the signer's, as
-``swarm.dht.peers.parse_peers`` demands.
+``swarm.dht.peers.parse_peers`` demands. The nodes search and judge records as the client's DHT does
+(``swarm.hivemind_fixes.beam`` and ``verdicts``), or, with ``--as-hivemind``, as hivemind does: the baseline.
 
 Every peer writes a signed ``ProgressRecord`` (eight checksums: the size a training peer's record has), then the
 measured peer (node 0, one of the N) does, each ``--reads`` times, with one other peer's record refreshed before
@@ -81,6 +82,8 @@ from swarm.dht.records import (
     run_prefix,
     run_validator,
 )
+from swarm.hivemind_fixes.beam import narrow_searches
+from swarm.hivemind_fixes.verdicts import remember_verdicts
 
 try:  # the bounded design, as the client lays it out
     from swarm.dht.records import BUCKET_SIZE, bucket_of, progress_key, read_level
@@ -116,6 +119,7 @@ TTL = 1800.0  # records and declarations outlive the measurement (the client: 15
 SETTLE = 0.5  # s after an op before its counters are read: background cache stores and refreshes land in them
 EPOCH = 1234
 MARK = "@@"  # a worker's replies on stdout start with this
+AS_HIVEMIND = "SWARM_BENCH_DHT_AS_HIVEMIND"  # set for the workers of ``--as-hivemind``
 OPS = ("full_read", "bucket_read", "store_one", "store_levels", "store_near", "match_one", "match_split")
 READ_EVERY, WRITE_EVERY = 1.0, 2.0  # the client's schedule: PeerFeed.max_age, Presence's PUBLISH_INTERVAL
 
@@ -362,6 +366,9 @@ def _reap_and_exit(*_: Any) -> None:
 
 async def worker_main() -> None:
     signal.signal(signal.SIGTERM, _reap_and_exit)
+    if not os.environ.get(AS_HIVEMIND):  # the client's DHT (``start_dht`` installs these in the DHT process)
+        remember_verdicts()
+        narrow_searches()
     count_inbound()
     state = WorkerState()
     loop = asyncio.get_running_loop()
@@ -390,9 +397,11 @@ class Worker:
         self.proc, self.log = proc, log
 
     @classmethod
-    async def spawn(cls, log: Path) -> Worker:
+    async def spawn(cls, log: Path, as_hivemind: bool = False) -> Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if as_hivemind:
+            env[AS_HIVEMIND] = "1"
         with log.open("w") as handle:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "benchmarks.dht_scale", "--worker", stdin=asyncio.subprocess.PIPE,
@@ -541,8 +550,8 @@ async def measure_size(n: int, args: argparse.Namespace, logs: Path) -> dict:
     clock = time.monotonic()
     run_id = secrets.token_hex(8)
     count = max(1, min(args.workers, n - 1))
-    workers = [await Worker.spawn(logs / f"n{n}-worker{k}.log") for k in range(count)]
-    reader = await Worker.spawn(logs / f"n{n}-reader.log")
+    workers = [await Worker.spawn(logs / f"n{n}-worker{k}.log", args.as_hivemind) for k in range(count)]
+    reader = await Worker.spawn(logs / f"n{n}-reader.log", args.as_hivemind)
     swarm = Swarm(n, run_id, workers, reader)
     rng = random.Random(n)
     try:
@@ -719,6 +728,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="processes holding the swarm's nodes (default 2)")
     parser.add_argument("--group", type=int, default=None, help=f"averagers per split matchmaking key ({GROUP})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--as-hivemind", action="store_true",
+        help="nodes as hivemind runs them (searches 20 wide, every record judged anew): the baseline of the fixes",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         asyncio.run(worker_main())
@@ -733,7 +746,8 @@ def main() -> None:
     rates = [per_second(r) for r in results]
     print(json.dumps(rates, indent=1))
     fields = dict(
-        layout=LAYOUT, bucket_size=BUCKET_SIZE, group=args.group, reads=args.reads, sizes=list(args.sizes),
+        layout=LAYOUT, as_hivemind=args.as_hivemind, bucket_size=BUCKET_SIZE, group=args.group, reads=args.reads,
+        sizes=list(args.sizes),
         schedule=dict(read_every_s=READ_EVERY, write_every_s=WRITE_EVERY), per_peer_per_second=rates,
         results=results,
     )  # fmt: skip

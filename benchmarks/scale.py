@@ -6,7 +6,8 @@ The swarm runs until its epoch reaches ``--rounds``. Reported per N, from the pe
 
 - the share of peer-rounds whose work reached the model the swarm went on from (``counted``: the peer's
   pseudo-gradient is in the round's swarm average and the peer ended the round on it);
-- distinct checksums among the live peers at the last epoch they all reached (one model: 1);
+- distinct checksums among the live peers at the last epoch they all reached (one model: 1), of those that finished
+  a round (``live_without_rounds``: joiners still on their way in at the end);
 - round time (a peer's wall time between rounds), matchmaking time, groups merged per round;
 - bytes per peer per round (all-reduce payload sent + received, both stages and the fetch of the swarm's average);
 - DHT records read and written per peer per second (their counters, over the swarm phase);
@@ -205,8 +206,10 @@ def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, sol
     every = [r for p in phase.peers for r in p.rounds()]
     rounds = [r for r in every if r.get("outcome") != "resynced"]  # rounds of work (a re-sync's report is not one)
     counted = [r for r in rounds if r.get("counted") and r.get("checksum") == went_on_from(rounds).get(r["epoch"])]
+    # the live peers that finished a round (a joiner may still be downloading when the swarm reaches the end)
     last = {p.index: {r["epoch"]: r["checksum"] for r in p.rounds()} for p in live}
-    common = min((max(epochs, default=0) for epochs in last.values()), default=0)
+    last = {index: epochs for index, epochs in last.items() if epochs}
+    common = min((max(epochs) for epochs in last.values()), default=0)
     at_end = {epochs.get(common) for epochs in last.values() if common in epochs}
     walls = [r["wall_seconds"] for r in rounds if r.get("wall_seconds")]
     traffic = [r["bytes_sent"] + r["bytes_received"] for r in rounds]
@@ -224,6 +227,7 @@ def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, sol
         peer_rounds=len(rounds),
         counted_share=round(len(counted) / max(1, len(rounds)), 4),
         distinct_checksums_at_end=len(at_end),
+        live_without_rounds=len(live) - len(last),
         final_epoch=common,
         round_seconds_median=round(statistics.median(walls), 2) if walls else None,
         matchmaking_seconds_median=round(statistics.median(r["seconds"].get("matchmaking", 0.0) for r in rounds), 2)

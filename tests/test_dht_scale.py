@@ -2,8 +2,8 @@
 p2pd and RSA key, the client's validators, signed progress records and matchmaking declarations.
 
 Checked: the one progress key gives back every peer's record and a bucket key exactly its bucket's (the buckets
-partition the peers), each matchmaking key exactly the averagers declared under it, the records are really
-verified (signature checks at the reader), a bucket read moves fewer bytes than a read of the one key, and the
+partition the peers), each matchmaking key exactly the averagers declared under it, a record is not verified again
+for each copy of it a read brings back, a bucket read moves fewer bytes than a read of the one key, and the
 benchmark leaves no node folders behind.
 """
 
@@ -40,7 +40,9 @@ def test_dht_scale_smoke(tmp_path: Path):
     first_of_each_bucket = samples["bucket_read"][: result["buckets"]]
     assert sum(s["returned"] for s in first_of_each_bucket) == n  # the level's buckets partition the peers
 
-    assert ops["full_read"]["signature_checks"] >= n  # every record verified, from each holder
+    # each record is judged once per node (``hivemind_fixes.verdicts``), here mostly when it was stored on the reader
+    # as a replica; hivemind judged every copy from every holder again on every read (32 in a smoke --as-hivemind)
+    assert ops["full_read"]["signature_checks"] <= n
     assert ops["match_one"]["signature_checks"] == 0  # declarations are not signed
     assert ops["full_read"]["find_rpcs"] >= 1 and ops["full_read"]["holders"] >= 1
     assert ops["bucket_read"]["value_bytes"] < ops["full_read"]["value_bytes"]
