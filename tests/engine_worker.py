@@ -100,6 +100,9 @@ def main() -> int:
     deadline = time.monotonic() + 180  # a test whose every round needs the whole group: on a loaded machine a
     while len(peer.view().peers) < args.start_with and time.monotonic() < deadline:  # peer can take longer to
         time.sleep(0.2)  # start than a round takes, and the first round would go alone
+    if len(peer.view().peers) < args.start_with:  # what a stalled test needs to know first
+        seen = sorted(f"{p.peer_id[-6:]}@{p.epoch}" for p in peer.view().peers)
+        print(f"start-with: after 180 s the view holds {len(seen)} of {args.start_with} peers: {seen}", file=sys.stderr)
     reports = []
     while peer.epoch < args.max_epochs:
         if 0 <= args.hold_at_epoch <= peer.epoch:

@@ -147,8 +147,10 @@ def run_swarm(make_swarm, manifest: RunManifest, extra_args: tuple[str, ...] = (
     group had formed (its matchmaking did not return, its parts never left, the other two dropped its third);
     it then took the round's average from them, as a peer that missed a round does. And about once in 15 CI runs
     such a peer was left behind instead: the other two finished, and it went on matching alone (every match
-    bounded, but 3 rounds of them outlast the wait below). Neither is what these tests check, so the run is made
-    again, once: after checking that peers which finished agree, or after killing the one left alone."""
+    bounded, but 3 rounds of them outlast the wait below). Once in CI and once in local CI, all three stalled, with no
+    cause in their logs (two failed matchmakings in the last minute); each peer's story (its last events, every
+    thread's frames, the machine's load) is now printed. Neither is what these tests check, so the run is made
+    again, once: after checking that peers which finished agree, or after killing the ones left behind."""
     for attempt in range(attempts):
         swarm = make_swarm(manifest)
         finals = run_swarm_once(swarm, (*extra_args, "--start-with", str(len(RANKS))))
@@ -171,8 +173,12 @@ def run_swarm_once(swarm, extra_args: tuple[str, ...], timeout: float = 240) -> 
         swarm.start(rank, ROUNDS, wait_ready=False, extra_args=extra_args)
     deadline = time.monotonic() + timeout
     stuck = [rank for rank in RANKS if swarm.wait_exit_or_none(rank, max(deadline - time.monotonic(), 1)) is None]
+    if len(stuck) == len(RANKS):  # local CI and CI each saw this once in many runs, with no cause in the log: each
+        story = "\n".join(f"peer {r}:\n{swarm.log(r)[-1500:]}\n{swarm.diagnose(r)}" for r in RANKS)  # peer's tale
+        for rank in RANKS:
+            swarm.kill(rank)
+        return f"no peer finished in {timeout:.0f} s:\n{story}"
     if stuck:
-        assert len(stuck) < len(RANKS), f"no peer finished in {timeout:.0f} s:\n{swarm.log(stuck[0])}"
         finished = {rank: swarm.reports(rank) for rank in RANKS if rank not in stuck}
         for rank in stuck:
             swarm.kill(rank)
