@@ -464,8 +464,8 @@ class Simulation:
         if not p.alive:
             return
         cache = p.reader.cache
-        level = cache.level
-        cache.add(level, self.read_bucket(level, cache.next_bucket()))
+        level, bucket = cache.next_read()
+        cache.add(level, self.read_bucket(level, bucket))
         p.feed_reads += 1
         self.call_at(self.now + TICK, self._feed, p)
 
@@ -1227,6 +1227,8 @@ def figures(sim: Simulation) -> dict[str, Any]:
         peer_rounds=len(rounds),
         contribution_share=_share(sum(r["counted"] for r in rounds), len(rounds)),
         contribution_share_second_half=_share(sum(r["counted"] for r in late), len(late)),
+        # the share of the samples trained (each round's) that reached the swarm's model
+        sample_share=_share(sum(r["samples"] for r in rounds if r["counted"]), sum(r["samples"] for r in rounds)),
         reported_counted_share=_share(sum(r["reported_counted"] for r in rounds), len(rounds)),
         outcomes=dict(sorted(kinds.items())),
         no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)

@@ -30,7 +30,7 @@ from swarm.dht.groups import (
     unaccounted,
     writer_rank,
 )
-from swarm.dht.peers import RecordCache
+from swarm.dht.peers import PROBE_EVERY, PROBE_UP, RecordCache
 from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, PeerState, bucket_of, read_level, write_levels
 from swarm.dht.view import build_view, nobody_to_group_with, round_started_without
 
@@ -250,6 +250,46 @@ def test_the_cache_moves_up_a_level_when_its_buckets_are_full_and_down_when_they
     assert cache.level == 0 and reads >= 2  # empty buckets, read after read: one level down, not at the first
     assert [cache.next_bucket() for _ in range(2)] == [0, 0]
     assert len(cache.live(now)) == len(crowd) and cache.live(now + 120) == []  # records expire with their TTL
+
+
+def split_run(late: int, rest: int, low: int, high: int) -> dict[tuple[int, int], list]:
+    """Buckets of a run split in two: ``late`` peers settled at level ``low``, ``rest`` at ``high``, each writing to
+    its level and its neighbours (``write_levels``)."""
+    now, buckets = time.time(), {}
+    for count, level, name in ((late, low, "late"), (rest, high, "rest")):
+        for i in range(count):
+            peer = f"{name}{i:03d}"
+            for written in write_levels(level):
+                buckets.setdefault((written, bucket_of(peer, written)), []).append(PeerEntry(record(peer), now + 60))
+    return buckets
+
+
+def read_like_a_peer(cache: RecordCache, buckets: dict, reads: int) -> None:
+    for _ in range(reads):
+        level, bucket = cache.next_read()
+        cache.add(level, buckets.get((level, bucket), []))
+
+
+def test_a_reader_settled_at_a_low_level_finds_the_rest_of_the_run_two_levels_up_and_joins_it():
+    """Late arrivals that settled at level 2 (20 of them, 5 a bucket: no reason to move) and 87 peers at level 5
+    (2.7 a bucket) write to levels 1-3 and 4-6: neither part reads the other's (swarm-sim saw the late ones lose every
+    round's work). The probe two levels up finds the rest within a few probes; a run at one level never moves."""
+    import random
+
+    random.seed(0)
+    buckets = split_run(late=20, rest=87, low=2, high=5)
+    cache = RecordCache()
+    cache.settle(2, buckets.get((2, 0), []))
+    read_like_a_peer(cache, buckets, PROBE_EVERY - 2)
+    assert cache.level == 2 and not any(p.startswith("rest") for p in cache.records)  # the split, as it was
+    read_like_a_peer(cache, buckets, 6 * PROBE_EVERY)
+    assert cache.level >= 4 and cache.peers_estimate > 50  # it reads where the rest writes now
+    assert sum(p.startswith("rest") for p in cache.records) >= BUCKET_SIZE
+    whole = split_run(late=0, rest=100, low=0, high=5)  # one run at one level: level 7 holds nobody, nothing moves
+    steady = RecordCache()
+    steady.settle(5, whole.get((5, 0), []))
+    read_like_a_peer(steady, whole, 10 * PROBE_EVERY)
+    assert steady.level in (4, 5) and PROBE_UP == 2
 
 
 def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgrows_one():
