@@ -61,13 +61,18 @@ def read_bucket(dht: hivemind.DHT, run_id: str, level: int, bucket: int) -> list
 def find_level(dht: hivemind.DHT, run_id: str) -> tuple[int, list[PeerEntry]]:
     """The level most of the run's peers write to, and what a bucket there holds: level 0 for a run of a few peers;
     a large run's peers write only the levels next to theirs (``records.write_levels``: three in a row, so one of the
-    even levels probed here holds them). Every probed level is read, and the one whose bucket stands for the most
-    peers (records times buckets) wins: the first level holding anyone was taken before, and a joiner's own record
-    (or a few other joiners') at level 0 kept it there, alone, while the run wrote to levels 4-6; it then trained
-    from the seed as the run's first peer (swarm-sim, N = 100). (0, []) for a run nobody writes to."""
+    even levels probed here holds them). Every probed level is read, and the lowest one whose bucket stands for at
+    least half as many peers (records times buckets) as the most any did wins: the first level holding anyone was
+    taken before, and a joiner's own record (or a few other joiners') at level 0 kept it there, alone, while the run
+    wrote to levels 4-6; it then trained from the seed as the run's first peer (swarm-sim, N = 100). The lowest of
+    the close ones, because its bucket holds the most records: one record more or less two levels up is a factor
+    of 4 in the count of the run, and a joiner that counted twice the peers looked for its group in other keys.
+    (0, []) for a run nobody writes to."""
     found = [(level, read_bucket(dht, run_id, level, random.randrange(1 << level))) for level in (0, *PROBE_LEVELS)]
-    level, entries = max(found, key=lambda item: (len(item[1]) << item[0], -item[0]))
-    return (level, entries) if entries else (0, [])
+    most = max(len(entries) << level for level, entries in found)
+    if not most:
+        return 0, []
+    return next((level, entries) for level, entries in found if 2 * (len(entries) << level) >= most)
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
