@@ -292,24 +292,6 @@ def test_a_reader_settled_at_a_low_level_finds_the_rest_of_the_run_two_levels_up
     assert steady.level in (4, 5) and PROBE_UP == 2
 
 
-def test_a_joiner_looks_for_the_level_most_of_the_run_writes_to_not_the_first_that_holds_anyone(monkeypatch):
-    """A joiner's own record (and two other joiners') at level 0, the run's 87 peers at levels 4-6: the first level
-    holding anyone was level 0, where the joiner then stayed alone and started from the seed (swarm-sim)."""
-    import random
-
-    from swarm.dht import peers as dht_peers
-
-    buckets = split_run(late=3, rest=87, low=0, high=5)
-    monkeypatch.setattr(dht_peers, "read_bucket", lambda dht, run_id, level, bucket: buckets.get((level, bucket), []))
-    random.seed(1)
-    for _ in range(20):
-        level, entries = dht_peers.find_level(None, "run")
-        assert level >= 4 and all(e.record.peer_id.startswith("rest") for e in entries)
-    assert dht_peers.find_level(None, "run")[0] >= 4
-    monkeypatch.setattr(dht_peers, "read_bucket", lambda dht, run_id, level, bucket: [])
-    assert dht_peers.find_level(None, "run") == (0, [])  # nobody writes: level 0, as a run's first peer reads it
-
-
 def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgrows_one():
     assert matchmaking_bucket("QmA", peers=12, group_size=64) == ""  # one key, as before
     keys = {matchmaking_bucket(f"Qm{i}", peers=1000, group_size=64) for i in range(400)}

@@ -48,9 +48,8 @@ OCCUPANCY_DECAY = 0.7  # how much of the running count of records per bucket one
 
 
 PROBE_LEVELS = (2, 4, 6, MAX_LEVEL)  # where a reader that found nobody at level 0 looks next
-# every PROBE_EVERY-th read is of a random bucket PROBE_UP levels above ours (then twice and three times that, in
-# turn): where the rest of a run that counts more peers than we do writes, when neither part reads the other's levels
-# (write_levels: ours and its neighbours)
+# every PROBE_EVERY-th read is of a random bucket PROBE_UP levels above ours: where the rest of a run that counts more
+# peers than we do writes, when neither part reads the other's levels (write_levels: ours and its neighbours)
 PROBE_EVERY, PROBE_UP = 10, 2
 
 
@@ -59,20 +58,14 @@ def read_bucket(dht: hivemind.DHT, run_id: str, level: int, bucket: int) -> list
 
 
 def find_level(dht: hivemind.DHT, run_id: str) -> tuple[int, list[PeerEntry]]:
-    """The level most of the run's peers write to, and what a bucket there holds: level 0 for a run of a few peers;
-    a large run's peers write only the levels next to theirs (``records.write_levels``: three in a row, so one of the
-    even levels probed here holds them). Every probed level is read, and the lowest one whose bucket stands for at
-    least half as many peers (records times buckets) as the most any did wins: the first level holding anyone was
-    taken before, and a joiner's own record (or a few other joiners') at level 0 kept it there, alone, while the run
-    wrote to levels 4-6; it then trained from the seed as the run's first peer (swarm-sim, N = 100). The lowest of
-    the close ones, because its bucket holds the most records: one record more or less two levels up is a factor
-    of 4 in the count of the run, and a joiner that counted twice the peers looked for its group in other keys.
-    (0, []) for a run nobody writes to."""
-    found = [(level, read_bucket(dht, run_id, level, random.randrange(1 << level))) for level in (0, *PROBE_LEVELS)]
-    most = max(len(entries) << level for level, entries in found)
-    if not most:
-        return 0, []
-    return next((level, entries) for level, entries in found if 2 * (len(entries) << level) >= most)
+    """The level the run's peers write to, and what a bucket there holds: level 0 for a run of a few peers; a large
+    run's peers write only the levels next to theirs (``records.write_levels``: three in a row, so one of the even
+    levels probed here holds them). (0, []) for a run nobody writes to."""
+    for level in (0, *PROBE_LEVELS):
+        entries = read_bucket(dht, run_id, level, random.randrange(1 << level))
+        if entries:
+            return level, entries
+    return 0, []
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
@@ -117,17 +110,15 @@ class RecordCache:
 
     def next_read(self) -> tuple[int, int]:
         """The level and bucket of the next read: this level's buckets in turn, and every ``PROBE_EVERY``-th read a
-        random bucket ``PROBE_UP`` levels up (or twice or three times that, in turn). Peers that arrived while the
-        run was small can settle at a low level and the rest at a high one, each part's buckets holding about
-        ``BUCKET_SIZE`` of its own: then neither reads the levels the other writes to, and the view splits for good
-        (swarm-sim, N = 100: 8-13 late arrivals formed their own groups every round, registered minutes after the
-        others' roster and lost their work). In one run at one level, nobody writes two or more levels up, so the
-        probe finds nothing and changes nothing."""
+        random bucket ``PROBE_UP`` levels up. Peers that arrived while the run was small can settle at a low level
+        and the rest at a high one, each part's buckets holding about ``BUCKET_SIZE`` of its own: then neither reads
+        the levels the other writes to, and the view splits for good (swarm-sim, N = 100: 8-13 late arrivals formed
+        their own groups every round, registered minutes after the others' roster and lost their work). In one run
+        at one level, nobody writes two levels up, so the probe finds nothing and changes nothing."""
         self._planned += 1
-        if self._planned % PROBE_EVERY == 0:
-            up = min(MAX_LEVEL, self.level + PROBE_UP * (1 + (self._planned // PROBE_EVERY) % 3))
-            if up >= self.level + PROBE_UP:
-                return up, random.randrange(1 << up)
+        up = self.level + PROBE_UP
+        if self._planned % PROBE_EVERY == 0 and up <= MAX_LEVEL:
+            return up, random.randrange(1 << up)
         return self.level, self.next_bucket()
 
     def add(self, level: int, entries: list[PeerEntry]) -> None:
