@@ -149,7 +149,7 @@ def run_swarm(make_swarm, manifest: RunManifest, extra_args: tuple[str, ...] = (
     such a peer was left behind instead: the other two finished, and it went on matching alone (every match
     bounded, but 3 rounds of them outlast the wait below). Once in CI and once in local CI, all three stalled, with no
     cause in their logs (two failed matchmakings in the last minute); each peer's story (its last events, every
-    thread's frames, the machine's load) is now printed. Neither is what these tests check, so the run is made
+    thread's frames, the machine's load) is now printed. None of these is what these tests check, so the run is made
     again, once: after checking that peers which finished agree, or after killing the ones left behind."""
     for attempt in range(attempts):
         swarm = make_swarm(manifest)
