@@ -3,7 +3,7 @@ p2pd and RSA key, the client's validators, signed progress records and matchmaki
 
 Checked: the one progress key gives back every peer's record and a bucket key exactly its bucket's (the buckets
 partition the peers), each matchmaking key exactly the averagers declared under it, a record is not verified again
-for each copy of it a read brings back, a bucket read moves fewer bytes than a read of the one key, and the
+for each copy of it a read brings back, a holder of a bucket key sends fewer bytes than one of the one key, and the
 benchmark leaves no node folders behind.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,11 @@ def test_dht_scale_smoke(tmp_path: Path):
     assert ops["full_read"]["signature_checks"] <= n
     assert ops["match_one"]["signature_checks"] == 0  # declarations are not signed
     assert ops["full_read"]["find_rpcs"] >= 1 and ops["full_read"]["holders"] >= 1
-    assert ops["bucket_read"]["value_bytes"] < ops["full_read"]["value_bytes"]
+    # a holder of a bucket key sends that bucket's records only (a read may get them from one holder or two, so the
+    # bytes of a whole read are not always fewer: CI saw 2 holders x 4 records against 1 x 8, both 56,096 bytes)
+    per_holder = {op: statistics.median(s["value_bytes"] / max(1, s["holders"]) for s in samples[op])
+                  for op in ("full_read", "bucket_read")}  # fmt: skip
+    assert per_holder["bucket_read"] < per_holder["full_read"], per_holder
     for op in ("store_one", "store_levels", "store_near"):
         assert ops[op]["all_ok"] and ops[op]["store_rpcs"] >= 1, op
     assert ops["store_levels"]["store_rpcs"] > ops["store_one"]["store_rpcs"]  # one key per level

@@ -12,7 +12,13 @@ import json, multiprocessing, os, threading, time
 from client.priority import lower_priority
 
 def niceness(tid): return os.getpriority(os.PRIO_PROCESS, tid)
+def alive(tid):
+    try:
+        return niceness(tid)
+    except ProcessLookupError:  # a thread that ended after it was listed (CI saw one)
+        return None
 def threads(): return [int(t) for t in os.listdir("/proc/self/task")]
+def nicenesses(): return [n for n in map(alive, threads()) if n is not None]
 
 base = niceness(0)
 before = threading.Thread(target=time.sleep, args=(30,), daemon=True)
@@ -28,13 +34,13 @@ child.start()  # forked after, as a data loader's workers would be
 result = dict(
     base=base,
     changed=changed,
-    threads=[niceness(t) for t in threads()],
+    threads=nicenesses(),
     later=later_nice[0],
     helper=niceness(helper.pid),
     child=niceness(child.pid),
     again=lower_priority(base + 5),  # already lower: not raised
     zero=lower_priority(0),
-    after=[niceness(t) for t in threads()],
+    after=nicenesses(),
 )
 print("RESULT " + json.dumps(result), flush=True)
 os._exit(0)
