@@ -308,6 +308,7 @@ class Simulation:
     def __init__(self, setup: Setup):
         self.setup, self.m = setup, setup.manifest
         self.avg = setup.manifest.averaging
+        self.merge_limit = self.avg.merge_limit(setup.params)  # ``Merger._limit``
         self.rng = random.Random(setup.seed)
         self.now = 0.0
         self._queue: list = []
@@ -927,7 +928,7 @@ class Simulation:
             epoch=f.epoch, tag=group_tag(group.gid), delegate=delegate_of(members, group.gid), members=members,
             size=len(members), weight=max(1.0, weight),
             digest=digest("group", group_tag(group.gid), *sorted(group.lost)),
-            deadline=self.now + self.avg.merge_limit,
+            deadline=self.now + self.merge_limit,
         )  # fmt: skip
         self._start_merge(p, f, m)
         return m
@@ -935,7 +936,7 @@ class Simulation:
     def merge_alone(self, p: SimPeer, f: Flight) -> MergeState:
         m = MergeState(
             epoch=f.epoch, tag=group_tag(f"{p.pid}/{f.epoch}".encode()), delegate=p.pid, members=(p.pid,), size=1,
-            weight=float(max(1, f.samples)), digest=None, deadline=self.now + self.avg.merge_limit,
+            weight=float(max(1, f.samples)), digest=None, deadline=self.now + self.merge_limit,
         )  # fmt: skip
         self._start_merge(p, f, m)
         return m
@@ -1012,7 +1013,8 @@ class Simulation:
                         self.start_stage2(p, m, plan)
                         continue
             if self.now > m.deadline:
-                self.land(p, f, "group" if m.digest is not None else "local", m.digest)
+                why = "stage2_failed" if m.stage2_tries else "no_result" if m.delegate != p.pid else "undecided"
+                self.land(p, f, "group" if m.digest is not None else "local", m.digest, why=why)
                 return
             training = self.avg.overlap and not f.blocking
             yield max(READ_EVERY, p.step_seconds) if training else READ_EVERY
@@ -1084,7 +1086,7 @@ class Simulation:
             self.land(p, f, "merged", result.digest, tag=m.tag, groups=max(1, len(result.included)))
             return True
         if self.now > m.deadline:
-            self.land(p, f, "group" if m.digest is not None else "local", m.digest)
+            self.land(p, f, "group" if m.digest is not None else "local", m.digest, why="unfetched")
             return True
         return False
 
@@ -1094,8 +1096,9 @@ class Simulation:
     # ---- landing ---------------------------------------------------------------------------------------------
 
     def land(self, p: SimPeer, f: Flight, kind: str, update: str | None, tag: str | None = None, groups: int = 1,
-             moved: bool = True) -> None:  # fmt: skip
-        """``OuterRound.finish``: the outer step with the update, the new checksum announced, training again."""
+             moved: bool = True, why: str | None = None) -> None:  # fmt: skip
+        """``OuterRound.finish``: the outer step with the update, the new checksum announced, training again.
+        ``why``: what a merge that ran out of time was doing (``figures``' ``merge_fallbacks``)."""
         if not p.alive:
             return
         if moved:
@@ -1111,7 +1114,11 @@ class Simulation:
             p.unchecked = (p.epoch, f.merge.members if f.merge else (p.pid,))
         tag = tag if tag is not None else (f.merge.tag if f.merge is not None else None)
         self.note_no_shows(p, f)
-        self.note_round(p, f, kind, f.samples, tag=tag, groups=groups, update=update if kind == "merged" else None)
+        merge = f.merge
+        merge_seconds = self.now - (merge.deadline - self.merge_limit) if merge is not None else None
+        seen = merge.seen_at - (merge.deadline - self.merge_limit) if merge and merge.seen_at else None
+        self.note_round(p, f, kind, f.samples, tag=tag, groups=groups, update=update if kind == "merged" else None,
+                        why=why, merge_seconds=merge_seconds, seen_seconds=seen)  # fmt: skip
         p.flight = None
         self.set_state(p, PeerState.training)
         self.fire(f.landed)
@@ -1214,6 +1221,8 @@ def figures(sim: Simulation) -> dict[str, Any]:
     gaps = [b - a for ends in landings.values() for a, b in zip(ends, ends[1:])]
     joins = [j for j in sim.joins if j["downloaded"]]
     kinds = Counter(r["kind"] for r in rounds)
+    merges = sorted(r["merge_seconds"] for r in rounds if r["kind"] == "merged" and r.get("merge_seconds") is not None)
+    seen = sorted(r["seen_seconds"] for r in rounds if r.get("seen_seconds") is not None)
     late = [r for r in rounds if r["begun"] >= end / 2]
     return dict(
         label=s.label,
@@ -1231,6 +1240,13 @@ def figures(sim: Simulation) -> dict[str, Any]:
         sample_share=_share(sum(r["samples"] for r in rounds if r["counted"]), sum(r["samples"] for r in rounds)),
         reported_counted_share=_share(sum(r["reported_counted"] for r in rounds), len(rounds)),
         outcomes=dict(sorted(kinds.items())),
+        # what a merge that ran out of ``merge_limit`` was doing: no swarm's average registered for a member
+        # (no_result), its delegate never deciding or its second stage failing, or the average not fetched in time
+        merge_fallbacks=dict(sorted(Counter(r["why"] for r in rounds if r.get("why")).items())),
+        # seconds from a group's end to stepping with the swarm's average (merged rounds): median, p90, max
+        merge_seconds=[_round(statistics.median(merges), 1), _round(merges[int(0.9 * (len(merges) - 1))], 1),
+                       _round(merges[-1], 1)] if merges else None,  # fmt: skip
+        seen_seconds_p90=_round(seen[int(0.9 * (len(seen) - 1))], 1) if seen else None,
         no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)
         rounds_per_hour=_round(rate, 2),
         final_epoch=sim.epochs[-1][1] if sim.epochs else None,

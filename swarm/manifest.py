@@ -134,18 +134,21 @@ class Compression(enum.StrEnum):
 
     error_feedback: bool  # it keeps what it did not send (fp32, per peer) and sends it with the next round
     on_grid: bool  # values already on its grid come back exactly from encoding (a local round's step as is)
+    wire_bytes: float  # bytes per value of an average on the wire, at most (what a transfer's bound is sized by)
 
-    def __new__(cls, value: str, error_feedback: bool, on_grid: bool) -> Compression:
+    def __new__(cls, value: str, error_feedback: bool, on_grid: bool, wire_bytes: float) -> Compression:
         member = str.__new__(cls, value)
         member._value_ = value
-        member.error_feedback, member.on_grid = error_feedback, on_grid
+        member.error_feedback, member.on_grid, member.wire_bytes = error_feedback, on_grid, wire_bytes
         return member
 
-    none = "none", False, True
-    fp16 = "fp16", False, False
-    scaled_fp16 = "scaled-fp16", False, False
-    fp4 = "fp4", True, True  # FP4 E3M0 in blocks of 1024, deflated: about 0.44 B/value
-    sparse = "sparse", True, True  # top-k of each chunk of 4096 with two levels: about 0.04 B/value
+    none = "none", False, True, 4.0
+    fp16 = "fp16", False, False, 2.0
+    scaled_fp16 = "scaled-fp16", False, False, 2.0
+    fp4 = "fp4", True, True, 0.5  # FP4 E3M0 in blocks of 1024, deflated: about 0.44 B/value
+    # top-k of each chunk of 4096 with two levels: about 0.04 B/value a sender; an average of many senders is
+    # denser, at most the 1/8 of fp32 its codec tells hivemind (``SparseCodec.estimate_compression_ratio``)
+    sparse = "sparse", True, True, 0.5
 
 
 class Aggregation(enum.StrEnum):
@@ -215,8 +218,12 @@ class AveragingSpec(_Frozen):
     # averages, and every peer steps with that one swarm's average; false: each group steps with its own, and the
     # peers outside the group with the most checksum votes re-sync (their round's work is lost)
     merge_groups: bool = True
-    # the most a group waits for the swarm's average, beyond the other groups' first stage (``merge_limit``)
+    # the most a group waits for the swarm's average, beyond the other groups' first stage and one hop of the
+    # average down its group's tree (``merge_limit``)
     merge_timeout: PositiveFloat = 60.0
+    # the slowest link, each way, that the round's bounds leave time for (``fetch_seconds``); a run of fast links
+    # only may raise it, so that a round that will not merge gives up sooner
+    slowest_link_mbit: PositiveFloat = 10.0
     consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
     # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
@@ -228,12 +235,18 @@ class AveragingSpec(_Frozen):
         may take as long again."""
         return self.allreduce_timeout * (2 if self.checked_reducers else 1)
 
-    @property
-    def merge_limit(self) -> float:
-        """The longest a group waits for the swarm's average (two-stage rounds): the groups still in their first
-        stage when ours ended register within ``allreduce_limit``, then ``merge_timeout`` for the second stage and
-        fetching its average."""
-        return self.allreduce_limit + self.merge_timeout
+    def fetch_seconds(self, numel: int) -> float:
+        """One hop of a group's tree at the slowest link: a parent sends an average of ``numel`` values to its two
+        children. For ``150m``'s fp4 average (215M values, at most 107 MB), 172 s at 10 Mbit/s; ``tiny``'s, 1 s."""
+        return 2 * numel * self.compression.wire_bytes / (self.slowest_link_mbit * 125_000)
+
+    def merge_limit(self, numel: int) -> float:
+        """The longest a group waits for the swarm's average of a model of ``numel`` parameters (two-stage rounds):
+        the groups still in their first stage when ours ended register within ``allreduce_limit``, then
+        ``merge_timeout`` for the second stage, and one hop of its average down the group's tree at the slowest
+        link. Without that hop, swarm-sim's ``150m`` groups fell back in 5-7% of peer-rounds at N = 100, nearly all
+        with the average registered and their fetch still under way (``benchmarks/results/swarm-sim-fetch``)."""
+        return self.allreduce_limit + self.merge_timeout + self.fetch_seconds(numel)
 
     @property
     def attempt_limit(self) -> float:

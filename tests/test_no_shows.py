@@ -102,7 +102,7 @@ def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(
     monkeypatch.setattr(groups, "register", lambda dht, run_id, record: records.append(record) or True)
     live = [record(me, epoch, PeerState.merging), record(mate, epoch, PeerState.merging), record(G1, epoch)]
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, recent_view=lambda: view_of(*live))
-    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=0.0, merge_limit=60.0)
+    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=0.0)
     ctx = SimpleNamespace(
         me=me,
         reader=reader,

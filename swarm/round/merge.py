@@ -6,7 +6,7 @@ robustly, audited: the same all-reduce as the first stage, under the epoch's sec
 the digest of the result. Every member then takes that swarm's average: its delegate's (or any holder's) file,
 checked against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's
 update for replay. A round that formed one group registers its own average as the swarm's at once. A peer that
-found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit``:
+found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit()``:
 a group that hears of no swarm's average by then steps with its own.
 """
 
@@ -88,7 +88,7 @@ class Merger:
         state = MergeState(
             epoch=epoch, tag=group_tag(outcome.group_id), delegate=groups.delegate_of(members, outcome.group_id),
             members=members, size=len(members), weight=float(sum(samples.values())), digest=outcome.digest,
-            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_limit,
+            deadline=time.monotonic() + self._limit,
         )  # fmt: skip
         self._start(state)
         return state
@@ -99,10 +99,14 @@ class Merger:
         state = MergeState(
             epoch=epoch, tag=group_tag(f"{me}/{epoch}".encode()), delegate=me, members=(me,), size=1,
             weight=float(max(1, samples)), digest=None,
-            deadline=time.monotonic() + self.ctx.manifest.averaging.merge_limit,
+            deadline=time.monotonic() + self._limit,
         )  # fmt: skip
         self._start(state)
         return state
+
+    @property
+    def _limit(self) -> float:
+        return self.ctx.manifest.averaging.merge_limit(self.ctx.outer.numel)
 
     def others_at(self, epoch: int) -> bool:
         """Other groups registered this epoch (for a peer without a group: a second stage to join)."""
