@@ -571,7 +571,7 @@ class Simulation:
             pid=pid,
             step_seconds=s.step_seconds * s.spread ** rng.random(),
             rate=math.exp(rng.uniform(math.log(lo), math.log(hi))) * 1e6 / 8,
-            reader=SwarmReader(self, "sim", self.m.inner_steps, self.m.samples_per_step),
+            reader=SwarmReader(self, "sim", self.m.inner_steps, self.m.samples_per_step, me=pid),
             joined=self.now,
         )
         p.no_shows = NoShows(lambda p=p: p.epoch)
@@ -1244,8 +1244,13 @@ def figures(sim: Simulation) -> dict[str, Any]:
         # (no_result), its delegate never deciding or its second stage failing, or the average not fetched in time
         merge_fallbacks=dict(sorted(Counter(r["why"] for r in rounds if r.get("why")).items())),
         # seconds from a group's end to stepping with the swarm's average (merged rounds): median, p90, max
-        merge_seconds=[_round(statistics.median(merges), 1), _round(merges[int(0.9 * (len(merges) - 1))], 1),
-                       _round(merges[-1], 1)] if merges else None,  # fmt: skip
+        merge_seconds=[
+            _round(statistics.median(merges), 1),
+            _round(merges[int(0.9 * (len(merges) - 1))], 1),
+            _round(merges[-1], 1),
+        ]
+        if merges
+        else None,  # fmt: skip
         seen_seconds_p90=_round(seen[int(0.9 * (len(seen) - 1))], 1) if seen else None,
         no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)
         rounds_per_hour=_round(rate, 2),

@@ -9,6 +9,7 @@ from collections import Counter
 from test_swarm_view import A, B, C, record
 
 from swarm.averager.process import epoch_group_bits, matchmaking_bucket
+from swarm.dht import peers as dht_peers
 from swarm.dht.groups import (
     ROSTER_WAIT,
     SETTLE,
@@ -30,7 +31,7 @@ from swarm.dht.groups import (
     unaccounted,
     writer_rank,
 )
-from swarm.dht.peers import PROBE_EVERY, RecordCache
+from swarm.dht.peers import PROBE_EVERY, REFIND_EVERY, RecordCache, SwarmReader
 from swarm.dht.records import BUCKET_SIZE, MAX_LEVEL, PeerEntry, PeerState, bucket_of, read_level, write_levels
 from swarm.dht.view import build_view, nobody_to_group_with, round_started_without
 
@@ -290,6 +291,56 @@ def test_a_reader_settled_at_a_low_level_finds_the_rest_of_the_run_two_levels_up
     steady.settle(5, whole.get((5, 0), []))
     read_like_a_peer(steady, whole, 10 * PROBE_EVERY)
     assert steady.level in (4, 5)
+
+
+def test_a_joiner_that_finds_only_its_own_record_at_level_0_looks_again_and_joins_the_run_where_it_writes(
+    monkeypatch,
+):
+    """A joiner writes its record at level 0 before it knows the run's level. Its first read found that record and
+    nothing else, so it stayed at level 0, saw nobody, and trained from the seed as the run's first peer (swarm-sim).
+    Its own record does not count as finding the run: it probes on (at most every ``REFIND_EVERY`` while it sees only
+    itself) and settles where the 100 peers write."""
+    import random
+
+    random.seed(1)
+    clock = [1000.0]
+    buckets = split_run(late=0, rest=100, low=0, high=5)
+    joiner = "joiner"
+    buckets[(0, 0)] = [PeerEntry(record(joiner), clock[0] + 60)]  # its own record, written before its first read
+    reads = []
+
+    def read_bucket(dht, run_id, level, bucket):
+        reads.append(level)
+        return [e for e in buckets.get((level, bucket), []) if e.expiration >= clock[0]]
+
+    monkeypatch.setattr(dht_peers, "read_bucket", read_bucket)
+    monkeypatch.setattr(dht_peers, "get_dht_time", lambda: clock[0])
+    reader = SwarmReader(None, "run", inner_steps=20, samples_per_step=8, me=joiner)
+    entries = reader.entries()
+    assert reader.cache.level in (4, 5, 6) and len({e.record.peer_id for e in entries} - {joiner}) >= BUCKET_SIZE
+    assert reads[:2] == [0, 2]  # level 0 held only itself: not the run
+
+    # the run's first peer, alone: it looks again at most every REFIND_EVERY, not on every read
+    alone = SwarmReader(None, "run", inner_steps=20, samples_per_step=8, me=joiner)
+    buckets.clear()
+    buckets[(0, 0)] = [PeerEntry(record(joiner), clock[0] + 60)]
+    reads.clear()
+    alone.entries()
+    looks = reads.count(2)
+    for _ in range(5):
+        clock[0] += 1.0
+        alone.entries()
+    assert alone.cache.level == 0 and reads.count(2) == looks == 1  # 5 s later: not yet
+    clock[0] += REFIND_EVERY
+    buckets.update(split_run(late=0, rest=100, low=0, high=5))  # the run it was meant to join shows up
+    alone.entries()
+    assert alone.cache.level in (4, 5, 6) and reads.count(2) == 2  # where the run writes
+    # a reader without ``me`` (status, tests) keeps what it had: a record at level 0 is the run
+    plain = SwarmReader(None, "run", inner_steps=20, samples_per_step=8)
+    buckets.clear()
+    buckets[(0, 0)] = [PeerEntry(record(joiner), clock[0] + 60)]
+    plain.entries()
+    assert plain.cache.level == 0 and [e.record.peer_id for e in plain.entries()] == [joiner]
 
 
 def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgrows_one():

@@ -48,6 +48,7 @@ OCCUPANCY_DECAY = 0.7  # how much of the running count of records per bucket one
 
 
 PROBE_LEVELS = (2, 4, 6, MAX_LEVEL)  # where a reader that found nobody at level 0 looks next
+REFIND_EVERY = 10.0  # seconds between two looks for the run's level while a reader sees only its own record
 # every PROBE_EVERY-th read is of a random bucket PROBE_UP levels above ours: where the rest of a run that counts more
 # peers than we do writes, when neither part reads the other's levels (write_levels: ours and its neighbours)
 PROBE_EVERY, PROBE_UP = 10, 2
@@ -57,13 +58,15 @@ def read_bucket(dht: hivemind.DHT, run_id: str, level: int, bucket: int) -> list
     return parse_peers(calls.get(dht, progress_key(run_id, level, bucket)))
 
 
-def find_level(dht: hivemind.DHT, run_id: str) -> tuple[int, list[PeerEntry]]:
+def find_level(dht: hivemind.DHT, run_id: str, me: str | None = None) -> tuple[int, list[PeerEntry]]:
     """The level the run's peers write to, and what a bucket there holds: level 0 for a run of a few peers; a large
     run's peers write only the levels next to theirs (``records.write_levels``: three in a row, so one of the even
-    levels probed here holds them). (0, []) for a run nobody writes to."""
+    levels probed here holds them). (0, []) for a run nobody else writes to. Our own record (``me``), written at
+    level 0 before we knew the run's level, does not count: a joiner that found only itself there stayed at level 0
+    alone, saw nobody, and trained from the seed as the run's first peer (swarm-sim, N = 100)."""
     for level in (0, *PROBE_LEVELS):
         entries = read_bucket(dht, run_id, level, random.randrange(1 << level))
-        if entries:
+        if any(entry.record.peer_id != me for entry in entries):
             return level, entries
     return 0, []
 
@@ -229,8 +232,10 @@ class SwarmReader:
         samples_per_step: int,
         keep: Callable[[list[PeerEntry]], list[PeerEntry]] = lambda entries: entries,
         banned: Callable[[str], bool] = lambda peer: False,
+        me: str | None = None,
     ):
-        self.dht, self.run_id, self._keep, self.banned = dht, run_id, keep, banned
+        self.dht, self.run_id, self._keep, self.banned, self.me = dht, run_id, keep, banned, me
+        self._found_at = -float("inf")  # when we last looked for the run's level (``find_level``)
         self._inner_steps, self._samples_per_step = inner_steps, samples_per_step
         self.cache = RecordCache()
         self.feed = PeerFeed(dht, run_id, cache=self.cache)
@@ -247,11 +252,14 @@ class SwarmReader:
 
     def entries(self, including: Iterable[str] = ()) -> list[PeerEntry]:
         """After reading the cache's next bucket, and the buckets of the peers ``including``, at this level (a cache
-        that holds nobody looks for the run's level first: ``find_level``)."""
+        that holds nobody but us looks for the run's level first, at most every ``REFIND_EVERY``: ``find_level``)."""
         now = get_dht_time()
-        if not self.cache.live(now):
-            level, found = find_level(self.dht, self.run_id)
-            self.cache.settle(level, found)
+        alone = not any(entry.record.peer_id != self.me for entry in self.cache.live(now))
+        if alone and now - self._found_at >= (REFIND_EVERY if self.cache.live(now) else 0.0):
+            self._found_at = now
+            level, found = find_level(self.dht, self.run_id, self.me)
+            if found or not self.cache.live(now):
+                self.cache.settle(level, found)
         level, bucket = self.cache.next_read()
         if level != self.cache.level:  # a probe up: read on its own, before this level's buckets
             self.cache.add(level, read_bucket(self.dht, self.run_id, level, bucket))
