@@ -127,6 +127,11 @@ class OuterOptimizerSpec(_Frozen):
         return self
 
 
+# the slowest link, each way, that a round's bounds leave time for (``AveragingSpec.fetch_seconds``): a home
+# connection's upload. A constant, not a manifest field: a new field changes every preset's run id
+SLOWEST_LINK_MBIT = 10.0
+
+
 class Compression(enum.StrEnum):
     """What pseudo-gradients look like on the wire; each member says what else it means. The values are the
     manifest's words, so a run's id does not depend on this type. The codec objects themselves are
@@ -221,9 +226,6 @@ class AveragingSpec(_Frozen):
     # the most a group waits for the swarm's average, beyond the other groups' first stage and one hop of the
     # average down its group's tree (``merge_limit``)
     merge_timeout: PositiveFloat = 60.0
-    # the slowest link, each way, that the round's bounds leave time for (``fetch_seconds``); a run of fast links
-    # only may raise it, so that a round that will not merge gives up sooner
-    slowest_link_mbit: PositiveFloat = 10.0
     consistency_timeout: PositiveFloat = 10.0  # wait for groupmates' checksums this long
     # a peer short of H steps joins a round its epoch-mates already started, weighted by the samples it did,
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
@@ -238,7 +240,7 @@ class AveragingSpec(_Frozen):
     def fetch_seconds(self, numel: int) -> float:
         """One hop of a group's tree at the slowest link: a parent sends an average of ``numel`` values to its two
         children. For ``150m``'s fp4 average (215M values, at most 107 MB), 172 s at 10 Mbit/s; ``tiny``'s, 1 s."""
-        return 2 * numel * self.compression.wire_bytes / (self.slowest_link_mbit * 125_000)
+        return 2 * numel * self.compression.wire_bytes / (SLOWEST_LINK_MBIT * 125_000)
 
     def merge_limit(self, numel: int) -> float:
         """The longest a group waits for the swarm's average of a model of ``numel`` parameters (two-stage rounds):

@@ -205,11 +205,9 @@ class Peer:
         self.dht.add_validators([run_validator(self.run_id)])
         self._shapes = [tuple(shape) for shape in shapes]
         self.averager = start_averager(self.dht, self._shapes, self.manifest, self.state_dir)
-        m = self.manifest
-        keep, banned = (lambda e: self._doubts.filter(self._guard.filter(e))), (lambda p: p in self._guard.bans)
-        self._reader = SwarmReader(
-            self.dht, self.run_id, m.inner_steps, m.samples_per_step, keep=keep, banned=banned, me=self.peer_id
-        )
+        m, keep = self.manifest, (lambda e: self._doubts.filter(self._guard.filter(e)))
+        args = (self.dht, self.run_id, m.inner_steps, m.samples_per_step)
+        self._reader = SwarmReader(*args, keep=keep, banned=lambda p: p in self._guard.bans, me=self.peer_id)
         # only now the record's thread: a fork while another thread is inside a DHT call can leave the child
         # with a half-written pipe message or a lock held by a thread it does not have
         self._presence = Presence.of_peer(
