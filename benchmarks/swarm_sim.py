@@ -1244,14 +1244,8 @@ def figures(sim: Simulation) -> dict[str, Any]:
         # (no_result), its delegate never deciding or its second stage failing, or the average not fetched in time
         merge_fallbacks=dict(sorted(Counter(r["why"] for r in rounds if r.get("why")).items())),
         # seconds from a group's end to stepping with the swarm's average (merged rounds): median, p90, max
-        merge_seconds=[
-            _round(statistics.median(merges), 1),
-            _round(merges[int(0.9 * (len(merges) - 1))], 1),
-            _round(merges[-1], 1),
-        ]
-        if merges
-        else None,  # fmt: skip
-        seen_seconds_p90=_round(seen[int(0.9 * (len(seen) - 1))], 1) if seen else None,
+        merge_seconds=[_round(statistics.median(merges), 1), _p90(merges), _round(merges[-1], 1)] if merges else None,
+        seen_seconds_p90=_p90(seen) if seen else None,
         no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)
         rounds_per_hour=_round(rate, 2),
         final_epoch=sim.epochs[-1][1] if sim.epochs else None,
@@ -1303,6 +1297,10 @@ def figures(sim: Simulation) -> dict[str, Any]:
 
 def _share(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
+
+
+def _p90(ordered: list[float]) -> float:
+    return round(ordered[int(0.9 * (len(ordered) - 1))], 1)
 
 
 def _round(value: float | None, digits: int) -> float | None:

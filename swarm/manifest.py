@@ -246,7 +246,7 @@ class AveragingSpec(_Frozen):
         """The longest a group waits for the swarm's average of a model of ``numel`` parameters (two-stage rounds):
         the groups still in their first stage when ours ended register within ``allreduce_limit``, then
         ``merge_timeout`` for the second stage, and one hop of its average down the group's tree at the slowest
-        link. Without that hop, swarm-sim's ``150m`` groups fell back in 5-7% of peer-rounds at N = 100, nearly all
+        link. Without that hop, swarm-sim's ``150m`` groups fell back in 5-7% of peer-rounds at N = 100, every one
         with the average registered and their fetch still under way (``benchmarks/results/swarm-sim-fetch``)."""
         return self.allreduce_limit + self.merge_timeout + self.fetch_seconds(numel)
 

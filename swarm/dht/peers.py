@@ -66,9 +66,14 @@ def find_level(dht: hivemind.DHT, run_id: str, me: str | None = None) -> tuple[i
     alone, saw nobody, and trained from the seed as the run's first peer (swarm-sim, N = 100)."""
     for level in (0, *PROBE_LEVELS):
         entries = read_bucket(dht, run_id, level, random.randrange(1 << level))
-        if any(entry.record.peer_id != me for entry in entries):
+        if holds_others(entries, me):
             return level, entries
     return 0, []
+
+
+def holds_others(entries: list[PeerEntry], me: str | None) -> bool:
+    """Some record that is not our own (``me``; None: any record at all)."""
+    return any(entry.record.peer_id != me for entry in entries)
 
 
 def read_peers(dht: hivemind.DHT, run_id: str) -> list[PeerEntry]:
@@ -254,11 +259,11 @@ class SwarmReader:
         """After reading the cache's next bucket, and the buckets of the peers ``including``, at this level (a cache
         that holds nobody but us looks for the run's level first, at most every ``REFIND_EVERY``: ``find_level``)."""
         now = get_dht_time()
-        alone = not any(entry.record.peer_id != self.me for entry in self.cache.live(now))
-        if alone and now - self._found_at >= (REFIND_EVERY if self.cache.live(now) else 0.0):
+        live = self.cache.live(now)
+        if not holds_others(live, self.me) and now - self._found_at >= (REFIND_EVERY if live else 0.0):
             self._found_at = now
             level, found = find_level(self.dht, self.run_id, self.me)
-            if found or not self.cache.live(now):
+            if found or not live:
                 self.cache.settle(level, found)
         level, bucket = self.cache.next_read()
         if level != self.cache.level:  # a probe up: read on its own, before this level's buckets
