@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 from swarm import NetworkConfig, start_dht
 from swarm.defence.bans import BanReason, accused, quorum_bans
+from swarm.dht import peers as dht_peers
 from swarm.dht.groups import parse_groups
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.peers import parse_peers, read_peers
+from swarm.dht.peers import parse_peers, read_bucket, read_peers
 from swarm.dht.presence import Presence, within_bounds
 from swarm.dht.records import (
     CHECKSUM_HISTORY,
@@ -48,6 +49,7 @@ from swarm.dht.records import (
     GlobalSchema,
     PeerState,
     ProgressRecord,
+    bucket_of,
     fresh,
     groups_key,
     parse_record,
@@ -422,6 +424,22 @@ def test_a_progress_record_an_honest_node_accepts_is_bounded_and_kept_by_readers
         parsed = ProgressRecord.parse_obj(value)
         assert_progress_bounded(parsed)
         assert len(parse_peers(one(SUBKEYS[0], value))) == int(parsed.peer_id == IDS[0])  # its signer's id, or not
+
+
+def test_a_bucket_read_keeps_only_the_records_of_peers_whose_bucket_it_is(monkeypatch):
+    """A key that writes its record into every bucket of a level (the probe up moves readers to a level whose
+    buckets hold 2 records, and each record counts in the estimate of the swarm's size) counts in its own alone."""
+    level = next(lv for lv in range(1, 9) if bucket_of(IDS[0], lv) != bucket_of(IDS[1], lv))
+    both = ValueWithExpiration(
+        {s: ValueWithExpiration(progress_value(i), get_dht_time() + 5) for s, i in zip(SUBKEYS, IDS)},
+        get_dht_time() + 5,
+    )
+    monkeypatch.setattr(dht_peers.calls, "get", lambda dht, key, timeout=None: both)
+    assert len(parse_peers(both)) == 2  # both well formed and signed by their peers
+    for me in IDS:
+        kept = read_bucket(None, RUN_ID, level, bucket_of(me, level))
+        assert [e.record.peer_id for e in kept] == [me]
+    assert len(read_bucket(None, RUN_ID, 0, 0)) == 2  # level 0: one key for everyone
 
 
 @FUZZ

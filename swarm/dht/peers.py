@@ -55,7 +55,11 @@ PROBE_EVERY, PROBE_UP = 10, 2
 
 
 def read_bucket(dht: hivemind.DHT, run_id: str, level: int, bucket: int) -> list[PeerEntry]:
-    return parse_peers(calls.get(dht, progress_key(run_id, level, bucket)))
+    """The records of one bucket, only those of peers whose bucket it is (``bucket_of``): a key that wrote its record
+    into every bucket of a level would fill the buckets a probe finds (``RecordCache.add`` moves up to a level
+    whose buckets hold 2 records) and count in every reader's estimate of the swarm's size."""
+    entries = parse_peers(calls.get(dht, progress_key(run_id, level, bucket)))
+    return [e for e in entries if bucket_of(e.record.peer_id, level) == bucket]
 
 
 def find_level(dht: hivemind.DHT, run_id: str, me: str | None = None) -> tuple[int, list[PeerEntry]]:
