@@ -13,7 +13,7 @@ What is modelled, and how simply:
 - **Peers**: a step time drawn log-uniformly over a ``--spread`` (4x) range, a symmetric link drawn log-uniformly
   between 10 and 1000 Mbit/s; the initial peers arrive over the first minutes, then 10% of N leave (killed: their
   record expires) and as many join per hour (Poisson). A joiner reads the records, downloads the state held by most
-  (8 B/param) from a donor among its holders, then trains; a download not done within ``averaging.allreduce_timeout``
+  (8 B/param) from a donor among its holders, then trains; a download not done within ``averaging.transfer_timeout``
   is retried with the next donor, ``DOWNLOAD_ATTEMPTS`` times, then the joiner gives up, as the client does.
 - **Rounds**: overlapped or blocking as the manifest says. The first stage's matchmaking is hivemind's, simply: peers in
   the same key (``epoch_group_bits`` + ``matchmaking_bucket`` from their own estimate of N) that look within a window of
@@ -309,6 +309,9 @@ class Simulation:
         self.setup, self.m = setup, setup.manifest
         self.avg = setup.manifest.averaging
         self.merge_limit = self.avg.merge_limit(setup.params)  # ``Merger._limit``
+        self.allreduce_limit = self.avg.allreduce_limit(setup.params)  # the averager's bound on a group
+        self.update_timeout = self.avg.update_timeout(setup.params)  # a fetch or a replay of one update
+        self.state_timeout = self.avg.transfer_timeout(STATE_BYTES * setup.params)  # ``StateSync``
         self.rng = random.Random(setup.seed)
         self.now = 0.0
         self._queue: list = []
@@ -742,7 +745,7 @@ class Simulation:
             self.rng.shuffle(donors)
             donors.sort(key=lambda d: self.peers[d].epoch != agreed.epoch)  # ``StateSync._donors``
             for donor in donors:
-                ok = yield Transfer(donor, STATE_BYTES * self.setup.params, self.avg.allreduce_timeout, "state")
+                ok = yield Transfer(donor, STATE_BYTES * self.setup.params, self.state_timeout, "state")
                 held = self.peers[donor]
                 if not ok or not held.alive:
                     continue
@@ -775,7 +778,7 @@ class Simulation:
                 update = held.applied.get(epoch)
                 if update is None:
                     continue
-                ok = yield Transfer(donor, self.setup.update_bytes, self.avg.allreduce_timeout, "replay")
+                ok = yield Transfer(donor, self.setup.update_bytes, self.update_timeout, "replay")
                 if not ok:
                     continue
                 p.model, p.epoch = digest(p.model, update), epoch + 1
@@ -902,8 +905,8 @@ class Simulation:
             self.call_at(self.now + self.avg.matchmaking_time, self._window, key, lobby["token"])
         group = Group(members, self.rng.randbytes(20), members[0].flight.epoch, self.now)
         seconds = self.allreduce_seconds(members)
-        if seconds > self.avg.allreduce_limit:  # the averager gives the all-reduce up
-            self.call_at(self.now + self.avg.allreduce_limit, self.fire, group.done, False)
+        if seconds > self.allreduce_limit:  # the averager gives the all-reduce up
+            self.call_at(self.now + self.allreduce_limit, self.fire, group.done, False)
         else:
             group.end = self.now + seconds
             self.call_at(group.end, self._group_done, group, group.token)
@@ -996,7 +999,7 @@ class Simulation:
                 view = p.no_shows.waiting_view(self.view(p, m.members) if f.blocking else self.recent_view(p))
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
                 decision = Decision.wait if view is None else delegate_decision(
-                    view, m.records, m.epoch, m.members, m.tag, waited, patience, self.avg.allreduce_limit
+                    view, m.records, m.epoch, m.members, m.tag, waited, patience, self.allreduce_limit
                 )  # fmt: skip
                 if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``
                     missed = given_up_on(view, m.records, p.pid, m.epoch, m.members, m.tag)
@@ -1055,8 +1058,8 @@ class Simulation:
         seconds = self.allreduce_seconds(peers) if len(peers) > 1 else self.setup.allreduce_overhead
         if len(fixed.present) < len(fixed.members):  # the absent ones' sender slots time out first
             seconds = max(seconds, self.avg.chunk_timeout)
-        if seconds > self.avg.allreduce_limit + 10:  # hard_timeout
-            self.call_at(self.now + self.avg.allreduce_limit + 10, self.fire, fixed.done, None)
+        if seconds > self.allreduce_limit + 10:  # hard_timeout
+            self.call_at(self.now + self.allreduce_limit + 10, self.fire, fixed.done, None)
             return
         fixed.end = self.now + seconds
         self.call_at(fixed.end, self._fixed_done, fixed, fixed.token)
@@ -1078,7 +1081,7 @@ class Simulation:
                 source = self.peers.get(holder)
                 if holder not in result.holders and (source is None or source.applied.get(m.epoch) != result.digest):
                     continue  # a groupmate that does not hold it yet answers at once with nothing
-                ok = yield Transfer(holder, self.setup.update_bytes, self.avg.allreduce_timeout, "fetch")
+                ok = yield Transfer(holder, self.setup.update_bytes, self.update_timeout, "fetch")
                 if ok:
                     held = True
                     break

@@ -35,11 +35,12 @@ class PeerStatus(BaseModel):
     stuck_after: float  # seconds without progress that mean "stuck"
 
 
-def stuck_after(manifest: RunManifest) -> float:
-    """The longest a healthy peer can go without progress: waiting for slower peers, then a whole
-    round's timeouts, twice, plus slack."""
+def stuck_after(manifest: RunManifest, numel: int = 0) -> float:
+    """The longest a healthy peer of a model of ``numel`` parameters can go without progress: waiting for slower
+    peers, then a whole round's timeouts (its all-reduce as long as its payload needs at the slowest link), twice,
+    plus slack."""
     avg = manifest.averaging
-    round_timeouts = avg.matchmaking_timeout + avg.allreduce_timeout + avg.consistency_timeout
+    round_timeouts = avg.matchmaking_timeout + avg.allreduce_seconds(numel) + avg.consistency_timeout
     return max(MIN_STUCK_AFTER, avg.wait_for_peers + 2 * round_timeouts + 60)
 
 

@@ -71,7 +71,7 @@ class TrainingTick:
     ):
         self.trainer, self.workdir, self.has_initial_peers = trainer, workdir, has_initial_peers
         self.print_line = print_line
-        self._stuck_after = stuck_after(trainer.manifest)
+        self._stuck_after = stuck_after(trainer.manifest, trainer.parameters)
         self._last_fraction = 0.0
         self._last_print: float | None = None  # the first swarm line goes out as soon as the swarm is seen
 

@@ -215,7 +215,9 @@ class AveragingSpec(_Frozen):
     # while epoch-mates are still training towards step H, keep looking for a group up to this long in all,
     # rather than step alone and run ahead of the swarm
     wait_for_peers: NonNegativeFloat = 600.0
-    allreduce_timeout: PositiveFloat = 120.0  # give up a formed group's all-reduce after this long
+    # give up a formed group's all-reduce after this long, or after what its payload takes at the slowest link
+    # where that is longer (``allreduce_seconds``); a download (a state, an update) likewise (``transfer_timeout``)
+    allreduce_timeout: PositiveFloat = 120.0
     chunk_timeout: PositiveFloat = 20.0  # a peer silent this long in all-reduce is dropped
     target_group_size: PositiveInt = 64
     min_group_size: int = Field(2, ge=2)
@@ -231,16 +233,32 @@ class AveragingSpec(_Frozen):
     # so slow or freshly re-synced peers are not left chasing the swarm (dynamic local steps, Async DiLoCo)
     join_rounds_early: bool = True
 
-    @property
-    def allreduce_limit(self) -> float:
-        """The longest a formed group's all-reduce may last in the averager: with checked reducers, the audits
-        may take as long again."""
-        return self.allreduce_timeout * (2 if self.checked_reducers else 1)
+    def transfer_timeout(self, nbytes: float) -> float:
+        """The longest one download of ``nbytes`` (a state file, a round's update) may take: ``allreduce_timeout``,
+        or what those bytes take at the slowest link where that is longer. A ``150m`` state (1.7 GB) takes 23
+        minutes at 10 Mbit/s; with 120 s, a joiner needed 115 Mbit/s."""
+        return max(self.allreduce_timeout, nbytes / (SLOWEST_LINK_MBIT * 125_000))
+
+    def update_timeout(self, numel: int) -> float:
+        """One download of a round's update (the swarm's average, a replayed round) of ``numel`` values."""
+        return self.transfer_timeout(numel * self.compression.wire_bytes)
 
     def fetch_seconds(self, numel: int) -> float:
         """One hop of a group's tree at the slowest link: a parent sends an average of ``numel`` values to its two
         children. For ``150m``'s fp4 average (215M values, at most 107 MB), 172 s at 10 Mbit/s; ``tiny``'s, 1 s."""
         return 2 * numel * self.compression.wire_bytes / (SLOWEST_LINK_MBIT * 125_000)
+
+    def allreduce_seconds(self, numel: int) -> float:
+        """A formed group's all-reduce of ``numel`` values: ``allreduce_timeout``, or what its payload takes at the
+        slowest link where that is longer. Each peer sends its parts and the averages of its slice, and receives as
+        much: under 2 x numel x the codec's bytes each way (``fetch_seconds``): 172 s for ``150m``'s fp4 and 880 s
+        for ``1b``'s at 10 Mbit/s, where 120 s never let a ``1b`` group on a home link finish."""
+        return max(self.allreduce_timeout, self.fetch_seconds(numel))
+
+    def allreduce_limit(self, numel: int) -> float:
+        """The longest a formed group's all-reduce of ``numel`` values may last in the averager: with checked
+        reducers, the audits may take as long again."""
+        return self.allreduce_seconds(numel) * (2 if self.checked_reducers else 1)
 
     def merge_limit(self, numel: int) -> float:
         """The longest a group waits for the swarm's average of a model of ``numel`` parameters (two-stage rounds):
@@ -248,13 +266,12 @@ class AveragingSpec(_Frozen):
         ``merge_timeout`` for the second stage, and one hop of its average down the group's tree at the slowest
         link. Without that hop, swarm-sim's ``150m`` groups fell back in 5-7% of peer-rounds at N = 100, every one
         with the average registered and their fetch still under way (``benchmarks/results/swarm-sim-fetch``)."""
-        return self.allreduce_limit + self.merge_timeout + self.fetch_seconds(numel)
+        return self.allreduce_limit(numel) + self.merge_timeout + self.fetch_seconds(numel)
 
-    @property
-    def attempt_limit(self) -> float:
-        """The longest one averaging attempt may last: matchmaking, the all-reduce with its audits, and 10 s for
-        the averager's own bookkeeping; after it the attempt is abandoned."""
-        return self.matchmaking_timeout + self.allreduce_limit + 10
+    def attempt_limit(self, numel: int) -> float:
+        """The longest one averaging attempt of ``numel`` values may last: matchmaking, the all-reduce with its
+        audits, and 10 s for the averager's own bookkeeping; after it the attempt is abandoned."""
+        return self.matchmaking_timeout + self.allreduce_limit(numel) + 10
 
     @model_validator(mode="after")
     def _times_fit(self) -> AveragingSpec:

@@ -7,6 +7,7 @@ from pprint import pformat
 from diloco_helpers import tiny_manifest
 from swarm_harness import wait_for
 
+from client.model import manifest_parameters
 from swarm.dht.view import ResyncReason
 
 SLACK = 10.0  # seconds of the training thread's own work allowed on top of the attempt's limit
@@ -17,7 +18,7 @@ def assert_rounds_bounded(reports: list[dict], manifest) -> None:
 
     With checked reducers the audits may take up to one more all-reduce timeout: a round whose groupmate
     was killed mid-round can fail only after it (seen in CI: 44 s against 15 + 15 + 10)."""
-    limit = manifest.averaging.attempt_limit + SLACK
+    limit = manifest.averaging.attempt_limit(manifest_parameters(manifest)) + SLACK
     for report in reports:
         waited = report["seconds"].get("matchmaking", 0.0) + report["seconds"].get("allreduce", 0.0)
         assert waited <= limit, report

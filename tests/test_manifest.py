@@ -6,7 +6,7 @@ from diloco_helpers import tiny_manifest
 from pydantic import ValidationError
 
 from swarm import DatasetSpec, ManifestError, RunManifest, TokenizerSpec
-from swarm.manifest import RUN_ID_LENGTH, AveragingSpec, DatasetSource, TokenizerKind
+from swarm.manifest import RUN_ID_LENGTH, SLOWEST_LINK_MBIT, AveragingSpec, DatasetSource, TokenizerKind
 
 
 def test_run_id_is_a_stable_hash_of_the_canonical_manifest():
@@ -57,24 +57,57 @@ def test_invalid_manifest_gives_a_clear_error(mutate, message):
 
 def test_an_averaging_attempt_is_bounded_by_its_timeouts_and_the_audits_double_the_all_reduce():
     spec = AveragingSpec(matchmaking_timeout=15.0, allreduce_timeout=20.0)
-    assert spec.checked_reducers and spec.attempt_limit == 15.0 + 2 * 20.0 + 10
+    assert spec.checked_reducers and spec.attempt_limit(1000) == 15.0 + 2 * 20.0 + 10
     unchecked = AveragingSpec(matchmaking_timeout=15.0, allreduce_timeout=20.0, checked_reducers=False)
-    assert unchecked.attempt_limit == 15.0 + 20.0 + 10
+    assert unchecked.attempt_limit(1000) == 15.0 + 20.0 + 10
+
+
+def test_bounds_on_transfers_leave_time_for_their_payload_at_the_slowest_link():
+    """120 s never let a ``1b`` group on a home link finish its all-reduce (about 880 s of fp4 payload each way at
+    10 Mbit/s), nor a joiner on less than 115 Mbit/s download a ``150m`` state."""
+    from client.model import manifest_parameters
+    from client.presets import build_manifest
+
+    sizes = {name: manifest_parameters(build_manifest(name)) for name in ("tiny", "150m", "1b")}
+    avg = {name: build_manifest(name).averaging for name in sizes}
+    link = SLOWEST_LINK_MBIT * 125_000  # bytes a second
+    # tiny: the manifest's timeouts bound everything, as before
+    assert avg["tiny"].allreduce_seconds(sizes["tiny"]) == avg["tiny"].allreduce_timeout == 30.0
+    assert avg["tiny"].attempt_limit(sizes["tiny"]) == 30.0 + 2 * 30.0 + 10
+    assert avg["tiny"].transfer_timeout(8 * sizes["tiny"]) == 30.0
+    for name in ("150m", "1b"):
+        spec, numel = avg[name], sizes[name]
+        payload = 2 * numel * spec.compression.wire_bytes / link  # each way, at most, in a butterfly all-reduce
+        assert spec.allreduce_seconds(numel) == payload > spec.allreduce_timeout, name
+        assert spec.allreduce_limit(numel) == 2 * payload and spec.attempt_limit(numel) == 60 + 2 * payload + 10
+        assert spec.merge_limit(numel) == 2 * payload + spec.merge_timeout + payload
+        assert spec.transfer_timeout(8 * numel) == 8 * numel / link  # the state a joiner downloads
+        assert spec.update_timeout(numel) == max(spec.allreduce_timeout, numel * spec.compression.wire_bytes / link)
+    assert 800 < avg["1b"].allreduce_seconds(sizes["1b"]) < 1000 and 150 < avg["150m"].allreduce_seconds(sizes["150m"])
+    assert avg["1b"].update_timeout(sizes["1b"]) > 400  # 550 MB at 10 Mbit/s
+    # the averager gets the same bounds as the host
+    from swarm.averager.process import averager_options
+
+    options = averager_options(avg["1b"], sizes["1b"])
+    assert options["allreduce_timeout"] == avg["1b"].allreduce_limit(sizes["1b"])
+    assert options["audit_timeout"] == avg["1b"].allreduce_seconds(sizes["1b"]) / 2
 
 
 def test_the_averagers_options_follow_the_manifest():
     from swarm.averager.codecs import CODECS
     from swarm.averager.process import averager_options
 
-    checked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=10.0, compression="fp4"))
+    checked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=10.0, compression="fp4"), 1000)
     # the audits get half the all-reduce's time, and re-checking accusations the other half: on top of it
     assert checked["allreduce_timeout"] == 80.0 and checked["audit_timeout"] == 20.0 and checked["audit"] is True
     # the same bound the host's attempt_limit adds up, so the host never gives up before the averager does
-    assert checked["allreduce_timeout"] == AveragingSpec(allreduce_timeout=40.0).allreduce_limit
+    assert checked["allreduce_timeout"] == AveragingSpec(allreduce_timeout=40.0).allreduce_limit(1000)
     assert checked["request_timeout"] == 3.0  # a join request never waits longer, however long the window
     assert checked["compression"] is CODECS["fp4"]
     assert checked["allow_state_sharing"] is False  # nothing to offer before the first state is announced
-    unchecked = averager_options(AveragingSpec(allreduce_timeout=40.0, matchmaking_time=2.0, checked_reducers=False))
+    unchecked = averager_options(
+        AveragingSpec(allreduce_timeout=40.0, matchmaking_time=2.0, checked_reducers=False), 1000
+    )
     assert unchecked["allreduce_timeout"] == 40.0 and unchecked["audit"] is False
     assert unchecked["request_timeout"] == 1.0
 

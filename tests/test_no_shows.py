@@ -102,12 +102,13 @@ def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(
     monkeypatch.setattr(groups, "register", lambda dht, run_id, record: records.append(record) or True)
     live = [record(me, epoch, PeerState.merging), record(mate, epoch, PeerState.merging), record(G1, epoch)]
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, recent_view=lambda: view_of(*live))
-    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=0.0)
+    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=lambda numel: 0.0)
     ctx = SimpleNamespace(
         me=me,
         reader=reader,
         manifest=SimpleNamespace(run_id="0" * 16, averaging=averaging),
         averager=SimpleNamespace(client_mode=False, finalize_update=lambda e: True),
+        outer=SimpleNamespace(numel=1000),
         set_state=lambda *a: None,
     )
     held = NoShows(lambda: epoch)

@@ -48,19 +48,20 @@ from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 logger = logging.getLogger(__name__)
 
 
-def averager_options(avg: AveragingSpec) -> dict[str, Any]:
-    """What the manifest's averaging section asks of ``PseudoGradientAverager`` (and hivemind's averager under it)."""
+def averager_options(avg: AveragingSpec, numel: int) -> dict[str, Any]:
+    """What the manifest's averaging section asks of ``PseudoGradientAverager`` (and hivemind's averager under it),
+    for buffers of ``numel`` values."""
     return dict(
         keep_updates=avg.replay_rounds,
         aggregation=avg.aggregation,
         audit=avg.checked_reducers,
-        audit_timeout=avg.allreduce_timeout / 2,  # the other half re-checks accusations
+        audit_timeout=avg.allreduce_seconds(numel) / 2,  # the other half re-checks accusations
         audit_parts=avg.audit_parts,
         target_group_size=avg.target_group_size,
         min_group_size=avg.min_group_size,
         min_matchmaking_time=avg.matchmaking_time,
         request_timeout=min(3.0, avg.matchmaking_time / 2),
-        allreduce_timeout=avg.allreduce_limit,  # the host's attempt_limit is built on the same bound
+        allreduce_timeout=avg.allreduce_limit(numel),  # the host's attempt_limit is built on the same bound
         next_chunk_timeout=avg.chunk_timeout,
         compression=codec(avg.compression),
         allow_state_sharing=False,  # until the peer has a state to offer (``Checkpoints.announce``)
@@ -307,7 +308,7 @@ def start_averager(dht, shapes: Sequence[Sequence[int]], manifest: RunManifest, 
         prefix=run_prefix(run_id),
         client_mode=dht.client_mode,
         max_weight=float(manifest.inner_steps * manifest.samples_per_step),  # a round's samples, at most
-        **averager_options(spec),
+        **averager_options(spec, sum(math.prod(shape) for shape in shapes)),
     )
     signal.signal(signal.SIGINT, handler)  # hivemind leaves SIGINT ignored in the process that starts it
     return averager

@@ -155,7 +155,7 @@ class Merger:
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
             decision = Decision.wait if view is None else delegate_decision(
                 view, state.records, state.epoch, state.members, state.tag, waited, patience,
-                ctx.manifest.averaging.allreduce_limit,
+                ctx.manifest.averaging.allreduce_limit(ctx.outer.numel),
             )  # fmt: skip
             if decision != Decision.wait:
                 seen = [
@@ -272,7 +272,7 @@ class Merger:
             group_id=fixed_group_id(label, [m[0] for m in members]),
             members=members,
             weight=state.weight,
-            hard_timeout=avg.allreduce_limit + 10,
+            hard_timeout=avg.allreduce_limit(ctx.outer.numel) + 10,
             leaving=ctx.stop_requested,
         )
 
@@ -328,7 +328,7 @@ class Merger:
                 destination,
                 max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
                 chunk_timeout=avg.chunk_timeout,
-                timeout=avg.allreduce_timeout,
+                timeout=avg.update_timeout(ctx.outer.numel),
                 should_stop=ctx.stop_requested,
             )
             held = read_update(destination, ctx.manifest.run_id, state.epoch, len(ctx.outer.params))

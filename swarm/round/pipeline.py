@@ -166,7 +166,7 @@ class OuterRound(RoundRecovery):
             gather=dict(epoch=flight.epoch, samples=flight.samples),
             group_bits=epoch_group_bits(flight.epoch, bucket=self._matchmaking_bucket(flight.retries)),
             timeout=avg.matchmaking_timeout,
-            hard_timeout=avg.attempt_limit,
+            hard_timeout=avg.attempt_limit(ctx.outer.numel),
             on_stage=on_stage,
             abort_if=lambda: self._why_give_up(flight),
             leaving=ctx.stop_requested,

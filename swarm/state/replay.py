@@ -101,7 +101,7 @@ class Replay:
                     destination,
                     max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
                     chunk_timeout=avg.chunk_timeout,
-                    timeout=avg.allreduce_timeout,
+                    timeout=avg.update_timeout(ctx.outer.numel),
                     should_stop=ctx.stop_requested,
                 )
                 held = read_update(destination, ctx.manifest.run_id, epoch, len(ctx.outer.params))

@@ -210,7 +210,9 @@ class StateSync:
             for donor in donors:
                 if ctx.stop_requested():
                     return False
-                if self._download_from(donor, agreed, joining, avg.chunk_timeout, avg.allreduce_timeout):
+                if self._download_from(
+                    donor, agreed, joining, avg.chunk_timeout, avg.transfer_timeout(ctx.outer.nbytes)
+                ):
                     return True
             unserved += 1 if donors else UNSERVED_PASSES  # nobody to ask: no use asking again
             unsettled = joining and not trust.servable(view, agreed, ctx.me)  # nobody claimed what we could not get
