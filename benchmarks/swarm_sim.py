@@ -65,8 +65,8 @@ from swarm.dht.groups import (
     group_record,
     group_tag,
     groups_at,
+    own_result,
     result_of,
-    result_to_take,
     stage2_plan,
 )
 from swarm.dht.peers import SwarmReader
@@ -978,11 +978,9 @@ class Simulation:
             now = self.now
             if now - m.read_at >= READ_EVERY:
                 m.read_at, m.records = now, self.read_groups(p)
-            result = result_to_take(
-                m.records, m.epoch, m.tag, delegate=m.delegate == p.pid,
-                late=now > m.deadline - self.avg.merge_timeout / 4, tries_left=m.stage2_tries < STAGE2_TRIES,
-                absent=m.absent,
-            )  # fmt: skip
+            result = own_result(m.records, m.epoch, m.tag)
+            if result is None and (m.delegate == p.pid or now > m.deadline - self.avg.merge_timeout / 4):
+                result = result_of(m.records, m.epoch)
             if result is not None:
                 done = yield from self.take(p, f, m, result)
                 if done:

@@ -25,9 +25,7 @@ from swarm.dht.groups import (
     group_tag,
     in_groups,
     own_result,
-    reachable_weight,
     result_of,
-    result_to_take,
     stage2_plan,
     stands_in,
     unaccounted,
@@ -67,35 +65,6 @@ def test_the_swarms_average_is_the_one_holding_the_most_samples_and_a_member_pre
     assert best.digest == DIGEST["7"] and best.weight == 24.0 and set(best.holders) == {A, B}
     assert own_result(records, 5, g3).digest == DIGEST["8"]  # its delegate's: it holds its work
     assert own_result(records, 5, "4" * 16) is None and result_of(records, 6) is None
-
-
-def test_a_delegate_with_a_try_left_in_a_heavier_roster_does_not_give_way_to_a_lighter_second_stages_average():
-    """swarm-sim at N = 1000: a roster of 89 groups whose first try ran without one delegate gave way to the average
-    of a 2-group roster that had finished, and the 89 groups' work was lost. Its delegates try again instead."""
-    g = {d: str(i) * 16 for i, d in enumerate((A, B, C, D, E), start=1)}
-    writer = min((A, B, C), key=lambda d: writer_rank(3, d))
-    light = dict(merged=DIGEST["7"], included=[g[D], g[E]])  # D and E wrote their own roster later, and finished
-    records = [
-        *(group(3, g[d], d, weight=16.0, roster=[g[A], g[B], g[C]] if d == writer else ()) for d in (A, B, C)),
-        group(3, g[D], D, weight=16.0, **light),
-        group(3, g[E], E, weight=16.0, **light),
-    ]
-    assert result_of(records, 3).digest == DIGEST["7"] and result_of(records, 3).weight == 32.0
-    assert reachable_weight(records, 3, g[A]) == 48.0 and reachable_weight(records, 3, g[A], frozenset({C})) == 32.0
-    for d in (A, B, C):  # 48 samples in reach: the try without the absent delegate comes first
-        assert result_to_take(records, 3, g[d], delegate=True, late=False, tries_left=True) is None, d
-    taken = result_to_take(records, 3, g[A], delegate=True, late=False, tries_left=False)
-    assert taken.digest == DIGEST["7"]  # its tries spent, it goes on from the one there is
-    assert result_to_take(records, 3, g[A], True, False, True, frozenset({B, C})).digest == DIGEST["7"]  # no partner
-    assert result_to_take(records, 3, g[A], True, False, True, frozenset({C})).digest == DIGEST["7"]  # 32, not more
-    # a member waits for its delegate's until late in its bound, then takes the heaviest registered
-    assert result_to_take(records, 3, g[B], delegate=False, late=False) is None
-    assert result_to_take(records, 3, g[B], delegate=False, late=True).digest == DIGEST["7"]
-    assert result_to_take(records, 3, g[D], delegate=False, late=False).digest == DIGEST["7"]  # its own delegate's
-    # a group in no roster (registered after it was written) goes on from the swarm's average there is
-    free = [group(3, g[d], d, weight=40.0) for d in (A, B)] + records[3:]
-    assert reachable_weight(free, 3, g[A]) == 0.0
-    assert result_to_take(free, 3, g[A], delegate=True, late=False, tries_left=True).digest == DIGEST["7"]
 
 
 def test_a_delegate_waits_for_the_epochs_unaccounted_peers_then_merges_or_finds_itself_alone():

@@ -97,48 +97,6 @@ def own_result(records: Sequence[GroupRecord], epoch: int, tag: str) -> Merged |
     return None if mine is None else results_of(records, epoch).get(mine)
 
 
-def reachable_weight(
-    records: Sequence[GroupRecord], epoch: int, tag: str, absent: frozenset[str] = frozenset()
-) -> float:
-    """The samples the second stage that our group is in would hold: the roster we follow (``stage2_plan``'s
-    choice), without the groups of the delegates ``absent`` from its last try; 0 with no roster holding us, or none
-    left to merge with. A group in no roster goes on from the swarm's average there is: in swarm-sim (N = 1000,
-    three seeds) groups that waited to write a roster of their own instead made second stages that lost to the
-    heavier one, and their members, which had stepped with their own, re-synced (share 0.36-0.55)."""
-    registered = groups_at(records, epoch)
-    by_tag = {g.group: g for g in registered}
-    ours = [r for r in registered if r.roster and tag in r.roster and all(t in by_tag for t in r.roster)]
-    if not ours:
-        return 0.0
-    chosen = min(ours, key=lambda r: writer_rank(epoch, r.delegate))
-    members = [by_tag[t] for t in chosen.roster if by_tag[t].delegate not in absent]
-    return sum(g.weight for g in members) if len(members) >= 2 and tag in {g.group for g in members} else 0.0
-
-
-def result_to_take(
-    records: Sequence[GroupRecord],
-    epoch: int,
-    tag: str,
-    delegate: bool,
-    late: bool,
-    tries_left: bool = False,
-    absent: frozenset[str] = frozenset(),
-) -> Merged | None:
-    """The swarm's average a peer of group ``tag`` goes on from now, or None while it waits for one: its delegate's
-    (``own_result``: it holds our group's work); else, for a delegate or a member near its deadline (``late``), the
-    one holding the most samples (``result_of``), except while the delegate, with tries left, may still run a second
-    stage holding more samples than that one (``reachable_weight``). In swarm-sim (N = 1000) a roster of 89 groups
-    whose first try ran without one delegate gave way to a roster of 2 groups that had finished: 89 groups' work lost.
-    The members of the smaller one, which stepped with it, re-sync as for any two second stages."""
-    own = own_result(records, epoch, tag)
-    if own is not None or not (delegate or late):
-        return own
-    result = result_of(records, epoch)
-    if result is None or not (delegate and tries_left) or tag in result.included:
-        return result
-    return result if result.weight >= reachable_weight(records, epoch, tag, absent) else None
-
-
 def unaccounted(view: SwarmView, records: Sequence[GroupRecord], epoch: int, group: Sequence[str], tag: str) -> int:
     """How many peers of ``epoch`` (outside ``group``) the swarm's average would leave out if it were made now:
     those still training towards the round or averaging in a group, and those merging in a group that is not

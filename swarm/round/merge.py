@@ -136,11 +136,9 @@ class Merger:
         ):
             state.fallback = "our delegate registered another average of our group: our own was applied"
             return self._finish(state, counted=False)
-        result = groups.result_to_take(  # our delegate's, or another's that ours will not outweigh
-            state.records, state.epoch, state.tag, delegate=state.delegate == ctx.me,
-            late=now > state.deadline - self._patience, tries_left=state.stage2_tries < STAGE2_TRIES,
-            absent=state.absent,
-        )  # fmt: skip
+        result = groups.own_result(state.records, state.epoch, state.tag)  # our delegate's: it holds our work
+        if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
+            result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
         if result is not None:
             return self._take(state, result)
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
