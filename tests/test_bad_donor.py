@@ -19,7 +19,7 @@ from test_swarm_view import record
 
 from swarm.dht.view import consensus, trusted_consensus
 from swarm.events import AwaitingMajority, ClaimDoubted, DonorDistrusted, DownloadFailed, StateLoaded
-from swarm.manifest import OuterOptimizerSpec
+from swarm.manifest import AveragingSpec, OuterOptimizerSpec
 from swarm.state import file as state_file
 from swarm.state import sync as sync_module
 from swarm.state import trust
@@ -69,7 +69,7 @@ def make_sync(tmp_path: Path, files: dict[str, Path], good: str, extra_votes: in
     records = [record(p, EPOCH, checksums=[(EPOCH, good)]) for p in voters]
     # voters that serve nothing (client mode): never donors
     view = view_of(*(r.copy(update=dict(client_mode=r.peer_id.startswith("voter"))) for r in records))
-    averaging = SimpleNamespace(chunk_timeout=5.0, allreduce_timeout=30.0)
+    averaging = AveragingSpec(chunk_timeout=5.0, allreduce_timeout=30.0)  # a download bounded by its size too
     ctx = SimpleNamespace(
         manifest=SimpleNamespace(run_id=RUN, averaging=averaging),
         me="joiner",

@@ -22,6 +22,7 @@ from test_swarm_view import record
 from swarm.dht.records import PeerEntry, PeerState
 from swarm.dht.view import ResyncReason, build_view
 from swarm.events import ClaimDoubted, DownloadFailed, StateLoaded
+from swarm.manifest import AveragingSpec
 from swarm.state import sync as sync_module
 from swarm.state.doubts import DOUBT_ROUNDS, MAX_DOUBT_ROUNDS, MAX_DOUBTED, Doubts, unserved_claimants
 from swarm.state.store import StateStore
@@ -63,7 +64,7 @@ def sybil_swarm(tmp_path: Path, me: str, honest_peers: list[str], epoch: int = 0
     files = {p: served for p in [*honest_peers, "liar"] if p != me}
     events: list = []
     ours = state(1, epoch=epoch) if me in honest_peers else state(99, epoch=0)
-    averaging = SimpleNamespace(chunk_timeout=5.0, allreduce_timeout=30.0)
+    averaging = AveragingSpec(chunk_timeout=5.0, allreduce_timeout=30.0)  # a download bounded by its size too
     ctx = SimpleNamespace(
         manifest=SimpleNamespace(run_id=RUN, averaging=averaging),
         me=me,
