@@ -132,6 +132,11 @@ class OuterOptimizerSpec(_Frozen):
 SLOWEST_LINK_MBIT = 10.0
 
 
+def at_slowest_link(nbytes: float) -> float:
+    """Seconds ``nbytes`` take at ``SLOWEST_LINK_MBIT``."""
+    return nbytes / (SLOWEST_LINK_MBIT * 125_000)
+
+
 class Compression(enum.StrEnum):
     """What pseudo-gradients look like on the wire; each member says what else it means. The values are the
     manifest's words, so a run's id does not depend on this type. The codec objects themselves are
@@ -237,7 +242,7 @@ class AveragingSpec(_Frozen):
         """The longest one download of ``nbytes`` (a state file, a round's update) may take: ``allreduce_timeout``,
         or what those bytes take at the slowest link where that is longer. A ``150m`` state (1.7 GB) takes 23
         minutes at 10 Mbit/s; with 120 s, a joiner needed 115 Mbit/s."""
-        return max(self.allreduce_timeout, nbytes / (SLOWEST_LINK_MBIT * 125_000))
+        return max(self.allreduce_timeout, at_slowest_link(nbytes))
 
     def update_timeout(self, numel: int) -> float:
         """One download of a round's update (the swarm's average, a replayed round) of ``numel`` values."""
@@ -246,7 +251,7 @@ class AveragingSpec(_Frozen):
     def fetch_seconds(self, numel: int) -> float:
         """One hop of a group's tree at the slowest link: a parent sends an average of ``numel`` values to its two
         children. For ``150m``'s fp4 average (215M values, at most 107 MB), 172 s at 10 Mbit/s; ``tiny``'s, 1 s."""
-        return 2 * numel * self.compression.wire_bytes / (SLOWEST_LINK_MBIT * 125_000)
+        return at_slowest_link(2 * numel * self.compression.wire_bytes)
 
     def allreduce_seconds(self, numel: int) -> float:
         """A formed group's all-reduce of ``numel`` values: ``allreduce_timeout``, or what its payload takes at the
