@@ -244,6 +244,13 @@ class AveragingSpec(_Frozen):
         minutes at 10 Mbit/s; with 120 s, a joiner needed 115 Mbit/s."""
         return max(self.allreduce_timeout, at_slowest_link(nbytes))
 
+    @property
+    def min_rate(self) -> float:
+        """Bytes a second below which a state or replay download is given up, over a minute
+        (``swarm.averager.trickle``): a tenth of the slowest link, 1 Mbit/s, so a 10 Mbit/s donor serving ten
+        receivers at once stays above it."""
+        return SLOWEST_LINK_MBIT * 125_000 / 10
+
     def update_timeout(self, numel: int) -> float:
         """One download of a round's update (the swarm's average, a replayed round) of ``numel`` values."""
         return self.transfer_timeout(numel * self.compression.wire_bytes)

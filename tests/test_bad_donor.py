@@ -17,6 +17,7 @@ import torch
 from test_groups import view_of
 from test_swarm_view import record
 
+from swarm.averager.trickle import TooSlow
 from swarm.dht.view import consensus, trusted_consensus
 from swarm.events import AwaitingMajority, ClaimDoubted, DonorDistrusted, DownloadFailed, StateLoaded
 from swarm.manifest import AveragingSpec, OuterOptimizerSpec
@@ -119,6 +120,33 @@ def test_bad_donors_are_refused_reported_and_not_asked_again(tmp_path, monkeypat
     ctx.outer = state(99, epoch=0)
     assert sync.download_consensus_state()
     assert ctx.averager.asked == ["stale", "honest"]
+
+
+def test_a_donor_that_trickles_is_distrusted_and_not_asked_again(tmp_path, monkeypatch):
+    """The averager gave up on it below the rate floor (``swarm.averager.trickle``): it is not asked again, so a
+    trickler holds a joiner one window per join, not a download's whole bound at every try."""
+    honest = state(1)
+    files = {"trickler": write(tmp_path / "trickler.st", honest), "honest": write(tmp_path / "honest.st", honest)}
+    order = list(files)
+    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort(key=order.index))
+    sync, ctx, events = make_sync(tmp_path, files, honest.checksum())
+    serve = ctx.averager.download_state
+
+    def download_state(donor, destination, **kwargs):
+        assert kwargs["min_rate"] == ctx.manifest.averaging.min_rate  # the floor reaches the download
+        if donor == "trickler":
+            ctx.averager.asked.append(donor)
+            raise TooSlow("download from trickler: 0.01 Mbit/s over the last 60 s, below the floor of 1.00 Mbit/s")
+        return serve(donor, destination, **kwargs)
+
+    ctx.averager.download_state = download_state
+    assert sync.download_consensus_state()
+    assert ctx.averager.asked == ["trickler", "honest"]
+    assert [e.donor for e in events if isinstance(e, DonorDistrusted)] == ["trickler"]
+    ctx.averager.asked.clear()
+    ctx.outer = state(99, epoch=0)
+    assert sync.download_consensus_state()
+    assert ctx.averager.asked == ["honest"]
 
 
 def test_only_bad_donors_left_is_a_failed_download_not_a_poisoned_state(tmp_path, monkeypatch):

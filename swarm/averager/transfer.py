@@ -37,6 +37,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 
 from swarm.averager.allreduce import Dropped, HeldPart
 from swarm.averager.serving_limits import ServingLimits
+from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.dht.access import RunSecret
 
 logger = logging.getLogger(__name__)
@@ -311,12 +312,17 @@ class FileTransfer:
         max_bytes: int,
         chunk_timeout: float,
         timeout: float,
+        min_rate: float = 0.0,
+        rate_window: float = RATE_WINDOW,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> dict:
+        """``min_rate``: bytes a second below which, over ``rate_window`` seconds, the donor is given up on
+        (``swarm.averager.trickle``)."""
         self._download_progress.value = 0.0
         future = MPFuture()
         kwargs = dict(peer_id=peer_id, rpc=rpc, request=request, destination=str(destination))
         kwargs.update(max_bytes=max_bytes, chunk_timeout=chunk_timeout, future=future)
+        kwargs.update(min_rate=min_rate, rate_window=rate_window)
         self._outer_pipe.send(("_download_from", [], kwargs))
         deadline = time.monotonic() + timeout
         while True:
@@ -338,6 +344,8 @@ class FileTransfer:
         destination: str,
         max_bytes: int,
         chunk_timeout: float,
+        min_rate: float,
+        rate_window: float,
         future: MPFuture,
     ) -> None:
         try:
@@ -349,6 +357,7 @@ class FileTransfer:
             stream = await getattr(stub, rpc)(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
             loop = asyncio.get_event_loop()
             metadata, received = None, 0
+            floor = RateFloor(min_rate, time.monotonic(), rate_window)
             with open(destination, "wb") as out:
                 async for message in aiter_with_timeout(stream, timeout=chunk_timeout):
                     if future.done():  # the host gave up (and may have removed the file before it was opened)
@@ -360,6 +369,7 @@ class FileTransfer:
                             raise RuntimeError(f"peer {peer_id} announced a file of {nbytes!r} bytes")
                     chunk = message.tensor_part.buffer
                     received += len(chunk)
+                    floor.note(received, time.monotonic())
                     if received > metadata["nbytes"]:
                         raise RuntimeError(f"peer {peer_id} sent more than the {metadata['nbytes']} bytes it announced")
                     await loop.run_in_executor(None, out.write, chunk)
@@ -374,7 +384,9 @@ class FileTransfer:
                 future.set_result(metadata)
         except BaseException as e:
             Path(destination).unlink(missing_ok=True)
-            if not future.done():
+            if not future.done() and isinstance(e, TooSlow):
+                future.set_exception(TooSlow(f"download from {peer_id}: {e}"))
+            elif not future.done():
                 future.set_exception(RuntimeError(f"download from {peer_id} failed: {e!r}"))
             if not isinstance(e, Exception):
                 raise

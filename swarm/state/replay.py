@@ -101,6 +101,7 @@ class Replay:
                     destination,
                     max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
                     chunk_timeout=avg.chunk_timeout,
+                    min_rate=avg.min_rate,
                     timeout=avg.update_timeout(ctx.outer.numel),
                     should_stop=ctx.stop_requested,
                 )

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm.averager.transfer import DownloadStopped
+from swarm.averager.trickle import TooSlow
 from swarm.dht.records import PeerState
 from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
 from swarm.errors import LeaveRequested, StateDownloadError
@@ -326,10 +327,15 @@ class StateSync:
                 destination,
                 max_bytes=max_bytes,
                 chunk_timeout=chunk_timeout,
+                min_rate=ctx.manifest.averaging.min_rate,
                 timeout=timeout,
                 should_stop=ctx.stop_requested,
             )
         except DownloadStopped:
+            return False
+        except TooSlow as e:  # a trickle: not asked again, so it holds us a minute, not a download's whole bound
+            logger.debug("state download from %s was too slow", donor, exc_info=True)
+            self._distrust(donor, str(e))
             return False
         except Exception as e:
             logger.debug("state download from %s failed", donor, exc_info=True)
