@@ -66,6 +66,7 @@ from swarm.dht.groups import (
     group_tag,
     groups_at,
     own_result,
+    reads_wide,
     result_of,
     stage2_plan,
 )
@@ -79,6 +80,7 @@ from swarm.dht.records import (
     PeerState,
     ProgressRecord,
     bucket_of,
+    group_bucket_key,
     write_levels,
 )
 from swarm.dht.view import (
@@ -320,6 +322,7 @@ class Simulation:
         self.order: list[SimPeer] = []
         self.buckets: dict[tuple[int, int], dict[str, PeerEntry]] = {}
         self.groups_key: dict[str, tuple[GroupRecord, float]] = {}  # one record per delegate, as the DHT holds it
+        self.group_buckets: dict[str, dict[str, tuple[GroupRecord, float]]] = {}  # the same, by bucket key
         self.archive: dict[tuple[int, str], GroupRecord] = {}  # every (epoch, delegate)'s last record, for scoring
         self.lobbies: dict[str, dict] = {}
         self.fixed: dict[tuple, Fixed] = {}
@@ -483,10 +486,21 @@ class Simulation:
         return p.reader.view(including)
 
     def read_groups(self, p: SimPeer) -> list[GroupRecord]:
+        return self._live_records(p, self.groups_key)
+
+    def read_merge(self, p: SimPeer, m: MergeState) -> list[GroupRecord]:
+        """``Merger._read``: the groups key, or our group's bucket (``reads_wide``)."""
+        waited = None if m.seen_at is None else self.now - m.seen_at
+        patience = self.avg.merge_timeout / 4
+        if reads_wide(m.members, m.tag, m.delegate, p.pid, m.deadline - self.now, patience, waited):
+            return self.read_groups(p)
+        return self._live_records(p, self.group_buckets.setdefault(group_bucket_key("sim", m.tag), {}))
+
+    def _live_records(self, p: SimPeer, key: dict[str, tuple[GroupRecord, float]]) -> list[GroupRecord]:
         now = self.now
-        for delegate in [d for d, (_, expires) in self.groups_key.items() if expires < now]:
-            del self.groups_key[delegate]
-        records = [r for r, _ in self.groups_key.values()]
+        for delegate in [d for d, (_, expires) in key.items() if expires < now]:
+            del key[delegate]
+        records = [r for r, _ in key.values()]
         p.reader.other_records += len(records)
         return records
 
@@ -497,6 +511,7 @@ class Simulation:
             self.invalid_records += 1
             return
         self.groups_key[p.pid] = (record, self.now + GROUP_TTL)
+        self.group_buckets.setdefault(group_bucket_key("sim", m.tag), {})[p.pid] = (record, self.now + GROUP_TTL)
         self.archive[(m.epoch, p.pid)] = record
         p.group_writes += 1
         m.registered_at = m.registered_at or self.now
@@ -977,7 +992,7 @@ class Simulation:
                     m.read_at = -math.inf
             now = self.now
             if now - m.read_at >= READ_EVERY:
-                m.read_at, m.records = now, self.read_groups(p)
+                m.read_at, m.records = now, self.read_merge(p, m)
             result = own_result(m.records, m.epoch, m.tag)
             if result is None and (m.delegate == p.pid or now > m.deadline - self.avg.merge_timeout / 4):
                 result = result_of(m.records, m.epoch)
@@ -1273,6 +1288,7 @@ def figures(sim: Simulation) -> dict[str, Any]:
         records_read_per_second=_round(statistics.mean(read), 2) if read else None,
         records_read_per_second_max=_round(max(read), 2) if read else None,
         group_records_read_per_second=_round(statistics.mean(group_read), 2) if group_read else None,
+        group_records_read_per_second_max=_round(max(group_read), 2) if group_read else None,
         progress_records_read_per_second=_round(statistics.mean(a - b for a, b in zip(read, group_read)), 2)
         if read
         else None,

@@ -16,7 +16,15 @@ from hivemind.utils import get_dht_time
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from swarm.dht.records import GroupRecord, OwnerSubkey, ProgressRecord, groups_key, progress_key, run_prefix
+from swarm.dht.records import (
+    GroupRecord,
+    OwnerSubkey,
+    ProgressRecord,
+    group_bucket_key,
+    groups_key,
+    progress_key,
+    run_prefix,
+)
 from swarm.hivemind_fixes import verdicts
 from swarm.hivemind_fixes.beam import narrow_searches
 from tests.test_records_fuzz import (
@@ -27,6 +35,7 @@ from tests.test_records_fuzz import (
     RUN_ID,
     RUN_VALIDATOR,
     SUBKEYS,
+    TAG,
     dht_record,
     group_value,
     mutated,
@@ -107,16 +116,21 @@ def test_the_table_is_bounded(remembering, monkeypatch):
 # ---- the run's keys, each by its own schema, judged as hivemind's SchemaValidator would -----------------------------
 
 # hivemind's own validator over a schema of three of the run's keys, as the run's schema of all 512 keys was built
+BUCKET_FIELD = group_bucket_key(RUN_ID, TAG).removeprefix(run_prefix(RUN_ID) + "_")
 HIVEMIND = SchemaValidator(
     pv1.create_model(
         "AllKeysSchema",
         progress=(dict[OwnerSubkey, ProgressRecord | None], None),
         progress_L1_1=(dict[OwnerSubkey, ProgressRecord | None], None),
         groups=(dict[OwnerSubkey, GroupRecord | None], None),
+        **{BUCKET_FIELD: (dict[OwnerSubkey, GroupRecord | None], None)},
     ),
     prefix=run_prefix(RUN_ID),
 )
-KEYS = [progress_key(RUN_ID), progress_key(RUN_ID, 1, 1), groups_key(RUN_ID), f"{run_prefix(RUN_ID)}_other"]
+KEYS = [
+    progress_key(RUN_ID), progress_key(RUN_ID, 1, 1), groups_key(RUN_ID), group_bucket_key(RUN_ID, TAG),
+    f"{run_prefix(RUN_ID)}_other",
+]  # fmt: skip
 
 
 @FUZZ
@@ -135,6 +149,9 @@ def test_honest_records_pass_and_a_dictionary_without_subkeys_does_not():
     assert RUN_VALIDATOR.validate(dht_record(progress_key(RUN_ID, 2, 3), SUBKEYS[0], progress_value(IDS[0])))
     assert RUN_VALIDATOR.validate(dht_record(groups_key(RUN_ID), SUBKEYS[0], group_value(IDS[0])))
     assert not RUN_VALIDATOR.validate(dht_record(groups_key(RUN_ID), SUBKEYS[0], progress_value(IDS[0])))
+    for tag in ("00" + "0" * 14, TAG, "ff" + "f" * 14):  # every bucket of the groups key is judged by its schema
+        assert RUN_VALIDATOR.validate(dht_record(group_bucket_key(RUN_ID, tag), SUBKEYS[0], group_value(IDS[0])))
+        assert not RUN_VALIDATOR.validate(dht_record(group_bucket_key(RUN_ID, tag), SUBKEYS[0], progress_value(IDS[0])))
     whole = dht_record(progress_key(RUN_ID), None, {SUBKEYS[0]: progress_value(IDS[0])})
     assert not RUN_VALIDATOR.validate(whole) and not HIVEMIND.validate(whole)
     garbage = DHTRecord(whole.key, whole.subkey, b"\xc1\xc1", whole.expiration_time)  # bytes msgpack cannot read

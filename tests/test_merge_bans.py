@@ -23,7 +23,7 @@ def test_the_groups_of_banned_delegates_are_not_read_into_the_second_stage(monke
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: peer == LIAR)
     ctx = SimpleNamespace(reader=reader, manifest=SimpleNamespace(run_id="0" * 16))
     merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0))
-    assert [r.delegate for r in merger._read()] == [HONEST]
+    assert [r.delegate for r in merger._read_wide()] == [HONEST]
     assert reader.other_records == 2  # both were read: the DHT traffic is counted as it was
     reader.banned = lambda peer: False
-    assert [r.delegate for r in merger._read()] == [HONEST, LIAR]
+    assert [r.delegate for r in merger._read_wide()] == [HONEST, LIAR]

@@ -84,7 +84,7 @@ def progress_value(peer_id: str) -> dict:
 def group_value(delegate: str) -> dict:
     return dict(
         epoch=3, group=TAG, delegate=delegate, size=2, weight=64.0, digest=CHECKSUM, merged=None, included=[TAG],
-        client_mode=False, roster=[TAG], time=NOW,
+        peers=2, client_mode=False, roster=[TAG], time=NOW,
     )  # fmt: skip
 
 
@@ -158,7 +158,7 @@ digests = st.one_of(st.none(), st.just(CHECKSUM))
 GROUP = dict(
     epoch=counts, group=st.just(TAG), delegate=st.sampled_from(IDS[:1] * 4 + IDS[1:]), size=st.integers(1, 4096),
     weight=st.floats(0.0, MAX_TOKENS), digest=digests, merged=digests,
-    included=st.lists(st.just(TAG), max_size=256), client_mode=st.booleans(),
+    included=st.lists(st.just(TAG), max_size=256), peers=st.integers(0, 4096 * 256), client_mode=st.booleans(),
     roster=st.lists(st.just(TAG), max_size=256), time=st.floats(0.0, MAX_TIME),
 )  # fmt: skip
 MANIFEST_FIELDS = dict(
@@ -208,6 +208,7 @@ MISSES = {
         epoch=COUNT_MISSES, group=["0" * 17, TAG + "\n", TAG.upper(), None], delegate=["Q" * 65, "", "Qm-1", None],
         size=[0, 4097, 2.0, None], weight=REAL_MISSES + [-1.0, 2.0**63], digest=[CHECKSUM + "\n", "ab", 1],
         merged=[CHECKSUM.upper(), 1], included=[[TAG] * 257, [TAG + "\n"], TAG], client_mode=[1, None],
+        peers=[-1, 4096 * 256 + 1, 2.0, True, None],
         roster=[[TAG] * 257, [TAG + "\n"], TAG, None],
         time=REAL_MISSES + [-1.0, MAX_TIME * 2],
     ),

@@ -10,8 +10,11 @@ swarm's average, fetched from a delegate that holds it: one model per round, bit
 Delegates wait for the epoch's other peers first (``unaccounted``), so a slower peer's work is in the round too.
 
 The key holds one record per delegate (its latest group), so a read returns about as many records as a round has
-groups. ``result_of`` picks, among the swarm's averages registered for an epoch, the one every peer goes on from:
-the one holding the most samples (two second-stage groups may form; the smaller one's members adopt the larger's).
+groups: delegates read it whole (a roster names every group). Each record also goes to one of 2^``GROUP_BITS``
+buckets by its group's tag, and a member waiting for its delegate reads only that bucket (``reads_wide``), a few
+records at any swarm size. ``result_of`` picks, among the swarm's averages registered for an epoch, the one every
+peer goes on from: the one holding the most samples (two second-stage groups may form; the smaller one's members
+adopt the larger's).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import hivemind
@@ -30,7 +33,16 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import calls
 from swarm.dht.identity import peer_id_of_owner
-from swarm.dht.records import GROUP_TTL, GroupRecord, PeerState, groups_key, live_items, parse_record
+from swarm.dht.records import (
+    GROUP_TTL,
+    MAX_GROUP,
+    GroupRecord,
+    PeerState,
+    group_bucket_key,
+    groups_key,
+    live_items,
+    parse_record,
+)
 from swarm.dht.view import SwarmView
 
 logger = logging.getLogger(__name__)
@@ -62,6 +74,7 @@ class Merged:
     included: frozenset[str]  # group tags
     weight: float  # the samples of the groups it holds
     holders: tuple[str, ...]  # delegates that hold it (serve it as the epoch's update)
+    peers: int = 0  # the peers whose work it holds
 
 
 def groups_at(records: Sequence[GroupRecord], epoch: int) -> list[GroupRecord]:
@@ -72,15 +85,30 @@ def results_of(records: Sequence[GroupRecord], epoch: int) -> dict[str, Merged]:
     """The swarm's averages registered for ``epoch``, by digest (two second-stage groups give two)."""
     groups = groups_at(records, epoch)
     weights = {g.group: g.weight for g in groups}
+    sizes = {g.group: g.size for g in groups}
     found: dict[str, Merged] = {}
+    claims: dict[str, int] = {}
     for g in groups:
         if g.merged is None:
             continue
         held = found.get(g.merged)
         included = frozenset(g.included) | (held.included if held else frozenset())
         holders = (*(held.holders if held else ()), g.delegate)
+        claims[g.merged] = max(claims.get(g.merged, 0), g.peers)
         found[g.merged] = Merged(g.merged, included, sum(weights.get(t, 0.0) for t in included), holders)
+    for merged, m in found.items():
+        found[merged] = replace(m, peers=peers_in(m.included, sizes, claims[merged]))
     return found
+
+
+def peers_in(included: frozenset[str], sizes: dict[str, int], claimed: int) -> int:
+    """The peers whose work a swarm's average holds: the sizes of its groups, where their records were read (a
+    delegate reads them all); otherwise, for a member that read only its group's bucket, what its holders said,
+    at least one a group and at most a full group each."""
+    known = sum(sizes.get(tag, 1) for tag in included)
+    if all(tag in sizes for tag in included):
+        return max(1, known)
+    return max(1, known, min(claimed, MAX_GROUP * len(included)))
 
 
 def result_of(records: Sequence[GroupRecord], epoch: int) -> Merged | None:
@@ -261,30 +289,71 @@ def fetch_sources(
     against 0.65-0.91, mean 0.77). Every ``TREE_STEP`` the next ancestor up is asked too (one of them may be
     gone); after the delegate, the holders, in an order of their own for each member."""
     spread = sorted((h for h in holders if h != me), key=lambda h: delegate_rank(me, h))
+    above = ancestors_of(members, tag, delegate, me)
+    if above is None:
+        return spread
+    levels = tree_levels(waited)
+    if levels <= len(above):
+        return above[:levels]
+    return [*above, *(h for h in spread if h not in above)]
+
+
+def tree_levels(waited: float) -> int:
+    """How many ancestors up a member asks, ``waited`` seconds after it saw the swarm's average: one more each
+    ``TREE_STEP``."""
+    return 1 + int(max(0.0, waited) // TREE_STEP)
+
+
+def ancestors_of(members: Sequence[str], tag: str, delegate: str, me: str) -> list[str] | None:
+    """Our parent in our group's tree (``fetch_sources``), its parent, and so on up to the delegate; None when we
+    are not in the tree (its root, or not a member)."""
     tree = [delegate, *sorted((m for m in set(members) if m != delegate), key=lambda m: delegate_rank(tag, m))]
     if me not in tree[1:]:
-        return spread
-    index, ancestors = tree.index(me), []
+        return None
+    index, above = tree.index(me), []
     while index > 0:
         index = (index - 1) // 2
-        ancestors.append(tree[index])
-    levels = 1 + int(max(0.0, waited) // TREE_STEP)
-    if levels <= len(ancestors):
-        return ancestors[:levels]
-    return [*ancestors, *(h for h in spread if h not in ancestors)]
+        above.append(tree[index])
+    return above
+
+
+def reads_wide(
+    members: Sequence[str], tag: str, delegate: str, me: str, left: float, patience: float, waited: float | None
+) -> bool:
+    """Whether a merging peer reads the whole groups key now, rather than its group's bucket (``group_bucket_key``,
+    a few records whatever the swarm's size). A delegate does (a roster is made of every group). A member does in
+    the last ``patience`` of its merge (``left`` seconds are left), where it may take another group's swarm's
+    average (``result_of``), and once it asked its whole tree for the average it saw ``waited`` seconds ago (None:
+    none seen yet) and the other holders come next (``fetch_sources``). Otherwise its delegate's records are all
+    it needs: the swarm's average its group is in, or another average of its group (``delegate_disagrees``)."""
+    if me == delegate or left <= patience:
+        return True
+    if waited is None:
+        return False
+    above = ancestors_of(members, tag, delegate, me)
+    return above is None or tree_levels(waited) > len(above)
 
 
 # ---- the DHT ----------------------------------------------------------------------------------------------------
 
 
 def register(dht: hivemind.DHT, run_id: str, record: GroupRecord, timeout: float = calls.DHT_TIMEOUT) -> bool:
-    """Our group's record (we are its delegate), under our own signed subkey."""
-    subkey = RSASignatureValidator().local_public_key
-    return calls.store(dht, groups_key(run_id), subkey, record.dict(), get_dht_time() + GROUP_TTL, timeout)
+    """Our group's record (we are its delegate), under our own signed subkey: in the groups key, which delegates
+    read whole, and in the group's bucket, which its members read (``reads_wide``). True once both took it."""
+    subkey, expiration = RSASignatureValidator().local_public_key, get_dht_time() + GROUP_TTL
+    value = record.dict()
+    wide = calls.store(dht, groups_key(run_id), subkey, value, expiration, timeout)
+    return calls.store(dht, group_bucket_key(run_id, record.group), subkey, value, expiration, timeout) and wide
 
 
 def read_groups(dht: hivemind.DHT, run_id: str, timeout: float = calls.DHT_TIMEOUT) -> list[GroupRecord]:
     return parse_groups(calls.get(dht, groups_key(run_id), timeout))
+
+
+def read_bucket(dht: hivemind.DHT, run_id: str, tag: str, timeout: float = calls.DHT_TIMEOUT) -> list[GroupRecord]:
+    """The records in group ``tag``'s bucket: its delegate's (or the member speaking for it) and the few other
+    groups' that share the bucket."""
+    return parse_groups(calls.get(dht, group_bucket_key(run_id, tag), timeout))
 
 
 def parse_groups(found: Any) -> list[GroupRecord]:

@@ -44,6 +44,10 @@ MAX_ACCUSATIONS = 8  # in one progress record (``swarm.defence.bans`` keeps its 
 # swarm's size (``bucket_of``, ``read_level``); a run of a few peers keeps them all in the one level-0 key
 BUCKET_SIZE = 4
 MAX_LEVEL = 8  # 256 buckets: about a thousand peers at BUCKET_SIZE
+# group records go to the groups key (delegates read it whole, to make the roster) and to one of 2^GROUP_BITS bucket
+# keys by their tag (``group_bucket_key``), which the group's members read while they wait for the swarm's average
+GROUP_BITS = 8
+MAX_GROUP, MAX_GROUPS = 4096, 256  # members of a group; groups in a swarm's average or a roster
 HEX16 = r"^[0-9a-f]{16}\Z"  # \Z, not $: a regex's $ also matches before a final newline
 HEX64 = r"^[0-9a-f]{64}\Z"
 # a libp2p peer id in base58 is at most about 61 characters (sha2-256 multihash: 46, "Qm..."; identity multihash of
@@ -212,13 +216,14 @@ class GroupRecord(pv1.BaseModel):
     epoch: _Count
     group: Tag  # a tag of the group id
     delegate: PeerId  # the peer id of the member that speaks for the group
-    size: pv1.conint(ge=1, le=4096, strict=True)  # members
+    size: pv1.conint(ge=1, le=MAX_GROUP, strict=True)  # members
     weight: pv1.confloat(ge=0.0, le=MAX_TOKENS, strict=True, allow_inf_nan=False)  # their samples
     digest: Checksum | None = None  # of the group's average (None: a group of one)
     merged: Checksum | None = None  # of the swarm's average of the epoch, once made
-    included: pv1.conlist(Tag, max_items=256) = []  # the groups it holds
+    included: pv1.conlist(Tag, max_items=MAX_GROUPS) = []  # the groups it holds
+    peers: pv1.conint(ge=0, le=MAX_GROUP * MAX_GROUPS, strict=True) = 0  # the peers whose work it holds (0: not said)
     client_mode: pv1.StrictBool = False  # the delegate takes no incoming connections: it cannot lead the second stage
-    roster: pv1.conlist(Tag, max_items=256) = []  # written by one delegate: the groups whose delegates merge
+    roster: pv1.conlist(Tag, max_items=MAX_GROUPS) = []  # written by one delegate: the groups whose delegates merge
     time: _Time
 
 
@@ -250,6 +255,12 @@ def progress_key(run_id: str, level: int = 0, bucket: int = 0) -> str:
 
 def groups_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}_groups"
+
+
+def group_bucket_key(run_id: str, tag: str) -> str:
+    """The bucket key of a group's records: the first ``GROUP_BITS`` bits of its tag (a hash), so a bucket holds
+    about groups / 2^GROUP_BITS of a round's records."""
+    return f"{run_prefix(run_id)}_groups_B{int(tag[: GROUP_BITS // 4], 16)}"
 
 
 def bucket_of(peer_id: str, level: int) -> int:
@@ -291,7 +302,8 @@ def global_validators() -> list:
 
 class RunValidator(RecordValidatorBase):
     """The run's keys, each checked against its own one-field schema: the progress records' level-0 key and every
-    bucket key (``ProgressKeySchema``), and the groups key (``GroupsKeySchema``); other keys are other validators'.
+    bucket key (``ProgressKeySchema``), and the groups key and its buckets (``GroupsKeySchema``); other keys are other
+    validators'.
 
     hivemind's ``SchemaValidator`` with one model of all 512 keys as fields did the same check, but pydantic v1 walks
     every field of a model for each record it parses and dumps: 0.52 ms a record against 0.07 here, on every store
@@ -312,7 +324,8 @@ class RunValidator(RecordValidatorBase):
         self._schemas: dict[bytes, type[pv1.BaseModel]] = {
             DHTID.generate(source=f"{prefix}_{name}").to_bytes(): ProgressKeySchema for name in names
         }
-        self._schemas[DHTID.generate(source=f"{prefix}_groups").to_bytes()] = GroupsKeySchema
+        for name in ["groups", *(f"groups_B{b}" for b in range(1 << GROUP_BITS))]:
+            self._schemas[DHTID.generate(source=f"{prefix}_{name}").to_bytes()] = GroupsKeySchema
 
     def __reduce__(self):
         return RunValidator, (self.run_id,)

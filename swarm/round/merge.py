@@ -110,7 +110,7 @@ class Merger:
 
     def others_at(self, epoch: int) -> bool:
         """Other groups registered this epoch (for a peer without a group: a second stage to join)."""
-        return bool(groups.groups_at(self._read(), epoch))
+        return bool(groups.groups_at(self._read_wide(), epoch))
 
     def _start(self, state: MergeState) -> None:
         self.ctx.set_state(PeerState.merging, True)
@@ -130,7 +130,7 @@ class Merger:
         if state.unregistered is not None and now - state.register_tried_at >= READ_EVERY:
             self._register(state, **state.unregistered)  # a slow DHT (a neighbour vanishing): again
         if now - state.read_at >= READ_EVERY:
-            state.read_at, state.records = now, self._read()
+            state.read_at, state.records = now, self._read(state, now)
         if state.delegate != ctx.me and groups.delegate_disagrees(
             state.records, state.epoch, state.tag, state.delegate, state.digest
         ):
@@ -170,7 +170,7 @@ class Merger:
             if decision == Decision.alone:  # the round's only group
                 self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
                 state.decided = True
-                self._register(state, merged=state.digest, included=[state.tag])
+                self._register(state, merged=state.digest, included=[state.tag], peers=state.size)
                 state.read_at = -float("inf")
                 return False
             if decision == Decision.merge:
@@ -197,7 +197,7 @@ class Merger:
         args = (state.epoch, state.members, state.delegate, state.tag, self.ctx.me)
         if view is None or not groups.stands_in(view, state.records, *args):
             return
-        state.read_at, state.records = now, self._read()  # the groups as they are now: it may have just registered
+        state.read_at, state.records = now, self._read(state, now)  # as they are now: it may have just registered
         if not groups.stands_in(view, state.records, *args):
             return
         logger.debug("epoch %d: group %s's delegate is gone; we speak for the group", state.epoch, state.tag)
@@ -237,7 +237,9 @@ class Merger:
         included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
         if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
             logger.debug("the merged update of epoch %d was not kept", state.epoch)
-        self._register(state, merged=outcome.digest, included=included)
+        sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
+        peers = groups.peers_in(frozenset(included), sizes, 0)
+        self._register(state, merged=outcome.digest, included=included, peers=peers)
         state.read_at = -float("inf")
         return True
 
@@ -296,13 +298,12 @@ class Merger:
             if held:
                 state.source = MergeSource.holder if got in result.holders else MergeSource.groupmate
             if held and state.delegate == self.ctx.me:
-                self._register(state, merged=result.digest, included=sorted(result.included))
+                self._register(state, merged=result.digest, included=sorted(result.included), peers=result.peers)
         if held:
             logger.debug("epoch %d, group %s: the swarm's average %s of %d groups (ours: %s)", state.epoch, state.tag,
                          result.digest[:8], len(result.included), counted)  # fmt: skip
             state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
-            sizes = {r.group: r.size for r in groups.groups_at(state.records, state.epoch)}
-            state.contributors = max(1, sum(sizes.get(tag, 1) for tag in result.included))
+            state.contributors = max(1, result.peers)
             return self._finish(state, counted=counted)
         if now > state.deadline:
             state.fallback = "the swarm's average could not be fetched: our group's own was applied"
@@ -355,8 +356,19 @@ class Merger:
 
     # ---- the DHT ---------------------------------------------------------------------------------------------
 
-    def _read(self) -> list[GroupRecord]:
-        records = groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id)
+    def _read(self, state: MergeState, now: float) -> list[GroupRecord]:
+        """The groups key as a delegate, or when a member may take another group's average; else our group's bucket
+        (``groups.reads_wide``)."""
+        waited = None if state.seen_at is None else now - state.seen_at
+        args = (state.members, state.tag, state.delegate, self.ctx.me, state.deadline - now, self._patience, waited)
+        if groups.reads_wide(*args):
+            return self._read_wide()
+        return self._kept(groups.read_bucket(self.ctx.reader.dht, self.ctx.manifest.run_id, state.tag))
+
+    def _read_wide(self) -> list[GroupRecord]:
+        return self._kept(groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id))
+
+    def _kept(self, records: list[GroupRecord]) -> list[GroupRecord]:
         self.ctx.reader.other_records += len(records)
         # a group whose delegate we banned is refused in the second stage's all-reduce anyway: waiting for it, or
         # naming it in a roster, cost every round a failed try (30 s a round, seen in the byzantine benchmark)
