@@ -41,6 +41,7 @@ from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTa
 from swarm.hivemind_fixes.beam import narrow_searches
 from swarm.hivemind_fixes.helpers import start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
+from swarm.hivemind_fixes.neighbours import keep_neighbours
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.hivemind_fixes.verdicts import remember_verdicts
 from swarm.inputs import check_initial_peer, check_ip
@@ -202,6 +203,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     free_stuck_locks()  # one a dead helper kept would hang this DHT at its first future
     remember_verdicts()  # the DHT process judges each record's bytes once, not once per copy and per read
     narrow_searches()  # and asks the nodes that hold a value, not every node of a 20-wide beam
+    keep_neighbours()  # and finds its neighbours again if a stall made it drop them all
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")
