@@ -37,6 +37,29 @@ def as_json(report) -> dict:
     )
 
 
+MATCHMAKING_LOGGERS = (
+    *("hivemind.averaging.matchmaking", "hivemind.averaging.averager", "swarm.round"),
+    "swarm.hivemind_fixes.neighbours",  # a DHT node that lost its neighbours and pinged them again
+)
+
+
+def keep_matchmaking_story(path: Path, quiet: bool) -> None:
+    """hivemind's matchmaking and our round's debug lines in a file of their own (the averager's process inherits it
+    by fork): a round that found no group says why only there (a leader that refused, one that did not answer), and
+    the harness shows its tail when a test fails (``swarm_harness.matchmaking_tail``). ``quiet``: the worker's own
+    log (hivemind's stderr handler) keeps INFO and up, as before."""
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+    if quiet:
+        for stderr in logging.getLogger("hivemind").handlers:
+            stderr.setLevel(max(stderr.level, logging.INFO))
+    for name in MATCHMAKING_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--manifest", type=Path, required=True)
@@ -63,6 +86,7 @@ def main() -> int:
         logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
+    keep_matchmaking_story(args.out / "matchmaking.log", quiet=not os.environ.get("SWARM_TEST_DEBUG"))
     events = (args.out / "events.jsonl").open("a", buffering=1)
     manifest = RunManifest.from_json(args.manifest.read_text())
 

@@ -92,7 +92,7 @@ class WorkerSwarm:
             )
         except AssertionError as e:
             raise AssertionError(f"{e}\n{self.diagnose(rank)}") from None
-        assert self.procs[rank].poll() is None, f"peer {rank} exited early:\n{self.log(rank)}"
+        assert self.procs[rank].poll() is None, f"peer {rank} exited early:\n{self.story(rank)}"
 
     def maddrs(self, rank: int) -> list[str]:
         path = self.out(rank) / "maddrs.txt"
@@ -102,10 +102,15 @@ class WorkerSwarm:
     def log(self, rank: int) -> str:
         return (self.root / f"peer{rank}.log").read_text()[-4000:]
 
+    def story(self, rank: int, chars: int = 4000) -> str:
+        """What a failure shows: the last ``chars`` of the worker's log, then its matchmaking story's tail (why a
+        round found no group)."""
+        return self.log(rank)[-chars:] + matchmaking_tail(self.out(rank))
+
     def wait_exit(self, rank: int, timeout: float) -> int:
         code = self.wait_exit_or_none(rank, timeout)
         if code is None:
-            story = f"{self.log(rank)}\n{self.diagnose(rank)}"
+            story = f"{self.story(rank)}\n{self.diagnose(rank)}"
             raise AssertionError(f"peer {rank} did not finish in {timeout:.0f} s:\n{story}")
         return code
 
@@ -174,6 +179,16 @@ class WorkerSwarm:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def matchmaking_tail(out: Path, lines: int = 30) -> str:
+    """The last lines of a worker's ``matchmaking.log`` (``engine_worker.keep_matchmaking_story``), cut to 240
+    characters each."""
+    path = out / "matchmaking.log"
+    if not path.exists():
+        return ""
+    tail = [line[:240] for line in path.read_text(errors="replace").splitlines()[-lines:]]
+    return "\nmatchmaking.log:\n" + "\n".join(tail)
 
 
 def diagnose(pid: int, stacks: Path, events: list[dict]) -> str:

@@ -36,7 +36,7 @@ def assert_consistent(swarm, ranks, epoch: int) -> None:
     # on a mismatch, each peer's rounds and log tail: a rare CI failure here must be diagnosable from the log
     # (as one string: pytest cuts a message that is not one to a line)
     detail = "\n\n".join(
-        f"peer {r}: final {f['checksum'][:12]}\n{pformat(swarm.reports(r), width=160)}\n{swarm.log(r)[-3000:]}"
+        f"peer {r}: final {f['checksum'][:12]}\n{pformat(swarm.reports(r), width=160)}\n{swarm.story(r, 3000)}"
         for r, f in zip(ranks, finals)
     )
     assert len({f["checksum"] for f in finals}) == 1, detail
