@@ -34,6 +34,15 @@ from swarm.errors import LeaveRequested
 
 LEAVE_DEADLINE = 20.0  # seconds from the first stop signal to exit, whatever happens
 EXIT_MARGIN = 1.5  # the watchdog acts this long before the deadline
+GOODBYES = 4.0  # seconds of a stop's deadline kept from the inner state's save: the peer's leave, then the result
+RESULT_TIME = 0.5  # of them, for writing the result file once the peer has left, before the watchdog acts
+
+
+def leave_timeout(budget_left: float) -> float:
+    """How long the peer's leave may wait, with ``budget_left`` seconds of the save's budget left: the goodbyes'
+    time too, but ending before the watchdog with time to write the result (at budget + 3 s a leave could run 0.5 s
+    past the watchdog, whose exit writes no --result-file); at least a second."""
+    return max(1.0, budget_left + GOODBYES - EXIT_MARGIN - RESULT_TIME)
 
 
 def _reset_in_child() -> None:

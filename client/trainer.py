@@ -31,7 +31,7 @@ from client.moments import FlightMoments
 from client.peer_events import describe
 from client.priority import lower_priority
 from client.round_line import round_line
-from client.signals import STOP, Stopper
+from client.signals import GOODBYES, STOP, Stopper, leave_timeout
 from client.sources import DataSource, data_source
 from client.step import InnerStep, evaluate, evaluate_outer, lr_at
 from client.telemetry import Telemetry
@@ -345,9 +345,9 @@ class Trainer:
         peer = self.peer
         if peer is None:
             return
-        # after a stop signal everything must fit the deadline (4 s kept for goodbyes); otherwise take the time
+        # after a stop signal everything fits the deadline (GOODBYES kept from the save); otherwise take the time
         started = self.stop.signalled_at or time.monotonic()
-        limit = self.stop.deadline - 4.0 if self.stop.requested else UNHURRIED_LEAVE
+        limit = self.stop.deadline - GOODBYES if self.stop.requested else UNHURRIED_LEAVE
         budget = lambda: limit - (time.monotonic() - started)  # noqa: E731
         try:
             if peer.outer is not None and self.batches is not None:
@@ -362,7 +362,7 @@ class Trainer:
             if peer.outer is not None:
                 self.result.epoch = peer.epoch
                 self.result.checksum = peer.outer.checksum()
-            written = peer.leave(timeout=max(1.0, budget() + 3.0)) if peer.connected else True
+            written = peer.leave(timeout=leave_timeout(budget())) if peer.connected else True
             latest = peer.latest_checkpoint
             if latest is not None:
                 self.result.checkpoint = latest

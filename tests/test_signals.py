@@ -47,3 +47,13 @@ def test_a_stop_swallowed_in_a_finalizer_inside_a_shielded_section_waits_for_its
     done = run("with stop.shielded():\n            Finalized(); time.sleep(0.3); print('shield ended')")
     assert done.stdout.split("\n")[:2] == ["shield ended", "left: SIGTERM received"], done.stdout + done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_stopped_peers_leave_ends_before_the_watchdog_with_time_for_the_result():
+    from client.signals import EXIT_MARGIN, GOODBYES, LEAVE_DEADLINE, RESULT_TIME, leave_timeout
+
+    save_budget = LEAVE_DEADLINE - GOODBYES  # the whole budget, nothing spent on the inner state's save
+    assert save_budget + leave_timeout(0.0) <= LEAVE_DEADLINE - EXIT_MARGIN - RESULT_TIME
+    for spent in (0.0, 5.0, save_budget):  # the leave starts when the save is over, and ends at the same time
+        assert spent + leave_timeout(save_budget - spent) == save_budget + leave_timeout(0.0)
+    assert leave_timeout(-30.0) == 1.0  # a save that overran still leaves a second to say goodbye
