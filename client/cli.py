@@ -152,8 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             from client.preflight import check_peer_command
 
             inputs = check_peer_command(args, creating=args.command == "start")  # before torch and hivemind
-            with STOP.shielded():  # a stop raised inside torch's import once aborted the process (exit -6, CI):
-                from client.run import run_peer  # it is raised when the import is done, and we return 0
+            # a stop raised inside an import once aborted the process (torch's: exit -6, CI) and once left numpy
+            # half-imported (a RecursionError, exit 1, a suite run); so every heavy module a peer uses is imported
+            # here, the stop raised when they are done, and we return 0
+            with STOP.shielded():
+                import client.hardware  # noqa: F401
+                import client.trainer  # noqa: F401
+                import swarm.dht.network  # noqa: F401
+                from client.run import run_peer
 
             return run_peer(args, inputs)
         if args.command == "status":
