@@ -230,7 +230,11 @@ def test_plain_log_lines_and_log_json_hold_round_timings(swarm):
     assert len(rounds) == len(round_lines)
     for r in rounds:
         assert set(r["seconds"]) >= {"compute", "matchmaking", "allreduce", "outer"}
-        assert r["wall_seconds"] >= r["seconds"]["compute"] * 0.5
+        assert r["wall_seconds"] > 0
+    # wall_seconds is the time between round reports, from the first step on: an overlapped round lands some steps
+    # into the next, so one interval can be shorter than its round's compute (9.3 s against 19.3 in one suite run),
+    # but the inner steps run one after another, so all of them fit in the span the reports cover
+    assert sum(r["wall_seconds"] for r in rounds) >= 0.9 * sum(r["seconds"]["compute"] for r in rounds), rounds
     averaged = [r for r in rounds if r["averaged"]]
     assert averaged and all(r["bytes_sent"] > 0 and r["bytes_received"] > 0 for r in averaged)
     # --eval-every 1: the held-out loss of each round's outer state, once per round, after it
