@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 from diloco_helpers import tiny_manifest
 from test_engine_faults import assert_consistent
 
 
-def test_a_round_of_several_groups_ends_on_one_model_that_holds_every_groups_work(make_swarm):
+# replay_rounds=0: the swarm's average a member fetches from its delegate was kept only for replay, so with replay off
+# every member's fetch was told "no such file", waited out merge_limit and stepped with its group's own average
+@pytest.mark.parametrize("replay_rounds", [4, 0])
+def test_a_round_of_several_groups_ends_on_one_model_that_holds_every_groups_work(make_swarm, replay_rounds):
     """Five peers in groups of at most two: every round forms three groups or more. Their delegates average the
     groups' averages; every peer steps with that one average, so all end on one checksum with no re-sync, and
     (nearly) every peer's work is in it. Before two-stage rounds, every peer outside the winning group re-synced
     and its round's work was lost (the issue measured a third of the rounds thrown away at six peers)."""
-    manifest = tiny_manifest(compression="fp4", overlap=True, target_group_size=2, matchmaking_timeout=20.0)
+    manifest = tiny_manifest(
+        compression="fp4", overlap=True, target_group_size=2, matchmaking_timeout=20.0, replay_rounds=replay_rounds
+    )
     swarm = make_swarm(manifest)
     peers, epochs = 5, 4
     for rank in range(peers):

@@ -46,13 +46,23 @@ from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
 logger = logging.getLogger(__name__)
+# the swarm's averages a delegate serves its group's members (and each member its children in the group's tree), kept
+# whatever replay_rounds says: with replay_rounds=0 nothing was kept, every member's fetch was told "no such file",
+# and it waited out merge_limit (120 s for ``tiny``), then stepped with its group's own average, apart from the
+# delegates. Two: a member may still fetch round E's while its delegate has finished E + 1
+MERGED_KEPT = 2
+
+
+def kept_updates(avg: AveragingSpec) -> int:
+    """How many rounds' averages a peer keeps on disk to serve: for replay, and for two-stage rounds' fetches."""
+    return max(avg.replay_rounds, MERGED_KEPT if avg.merge_groups else 0)
 
 
 def averager_options(avg: AveragingSpec, numel: int) -> dict[str, Any]:
     """What the manifest's averaging section asks of ``PseudoGradientAverager`` (and hivemind's averager under it),
     for buffers of ``numel`` values."""
     return dict(
-        keep_updates=avg.replay_rounds,
+        keep_updates=kept_updates(avg),
         aggregation=avg.aggregation,
         audit=avg.checked_reducers,
         audit_timeout=avg.allreduce_seconds(numel) / 2,  # the other half re-checks accusations
