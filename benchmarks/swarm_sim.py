@@ -59,8 +59,10 @@ from swarm.dht.groups import (
     Merged,
     Plan,
     Stage2,
+    all_left,
     delegate_decision,
     delegate_of,
+    fetch_candidates,
     fetch_sources,
     group_record,
     group_tag,
@@ -98,7 +100,7 @@ from swarm.dht.view import (
 )
 from swarm.manifest import RunManifest
 from swarm.round.early_end import CHECK_EVERY
-from swarm.round.merge import FETCH_EVERY, READ_EVERY, STAGE2_TRIES
+from swarm.round.merge import FETCH_EVERY, LEFT_LOOK_MAX, READ_EVERY, STAGE2_TRIES, STAND_IN_EVERY
 from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS, MAJORITY_WAIT
@@ -230,6 +232,8 @@ class MergeState:
     read_at: float = -math.inf
     fetched_at: float = -math.inf
     seen_at: float | None = None
+    looked_at: float = -math.inf
+    left_looks: int = 0
     records: list[GroupRecord] = field(default_factory=list)
 
 
@@ -1103,10 +1107,21 @@ class Simulation:
         if held:
             self.land(p, f, "merged", result.digest, tag=m.tag, groups=max(1, len(result.included)))
             return True
-        if self.now > m.deadline:
-            self.land(p, f, "group" if m.digest is not None else "local", m.digest, why="unfetched")
+        if self.now > m.deadline or self.holders_left(p, m, result):
+            why = "unfetched" if self.now > m.deadline else "left"
+            self.land(p, f, "group" if m.digest is not None else "local", m.digest, why=why)
             return True
         return False
+
+    def holders_left(self, p: SimPeer, m: MergeState, result: Merged) -> bool:
+        """``Merger._holders_left``: every peer we could fetch it from gone, in two looks in a row."""
+        args = (m.members, m.tag, m.delegate, p.pid, result.holders)
+        sources, asked = fetch_candidates(*args), fetch_sources(*args, self.now - m.seen_at)
+        if self.now - m.looked_at < STAND_IN_EVERY or len(sources) > LEFT_LOOK_MAX or set(asked) != set(sources):
+            return False
+        m.looked_at = self.now
+        m.left_looks = m.left_looks + 1 if all_left(self.view(p, tuple(sources)), sources) else 0
+        return m.left_looks >= 2
 
     def holds(self, p: SimPeer, m: MergeState, result: Merged) -> bool:
         return any(r.delegate == p.pid and r.merged == result.digest for r in groups_at(m.records, m.epoch))

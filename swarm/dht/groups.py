@@ -317,6 +317,18 @@ def ancestors_of(members: Sequence[str], tag: str, delegate: str, me: str) -> li
     return above
 
 
+def fetch_candidates(members: Sequence[str], tag: str, delegate: str, me: str, holders: Sequence[str]) -> list[str]:
+    """Every peer a member may ever ask for the swarm's average: ``fetch_sources`` at its widest."""
+    above = ancestors_of(members, tag, delegate, me) or []
+    return [*above, *(h for h in holders if h != me and h not in above)]
+
+
+def all_left(view: SwarmView, peers: Sequence[str]) -> bool:
+    """Whether none of ``peers`` is in the view: each one's record expired or says it left."""
+    live = {p.peer_id for p in view.peers}
+    return not any(peer in live for peer in peers)
+
+
 def reads_wide(
     members: Sequence[str], tag: str, delegate: str, me: str, left: float, patience: float, waited: float | None
 ) -> bool:

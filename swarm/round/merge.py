@@ -7,7 +7,7 @@ the digest of the result. Every member then takes that swarm's average: its dele
 checked against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's
 update for replay. A round that formed one group registers its own average as the swarm's at once. A peer that
 found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit()``:
-a group that hears of no swarm's average by then steps with its own.
+a group that hears of no swarm's average by then, or sees all its holders leave, steps with its own.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 READ_EVERY = 0.5  # seconds between two reads of the groups key while a merge waits
 FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from its holders
 STAND_IN_EVERY = 2.0  # seconds between two looks at whether our group's delegate is gone (a view read)
+LEFT_LOOK_MAX = 8  # peers that could serve the swarm's average, at most, for a look at whether they all left
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
 
 
@@ -60,7 +61,8 @@ class MergeState:
     roster: tuple[str, ...] = ()  # the groups of the second stage, when we wrote its roster
     absent: frozenset[str] = frozenset()  # delegates that did not take part in a try of the second stage
     read_at: float = -float("inf")
-    looked_at: float = -float("inf")  # at whether our delegate is gone
+    looked_at: float = -float("inf")  # at whether our delegate, or every holder of the swarm's average, is gone
+    left_looks: int = 0  # looks in a row that found every peer we could fetch the swarm's average from gone
     fetched_at: float = -float("inf")
     seen_at: float | None = None  # when we first saw a swarm's average to take (our group's tree counts from it)
     source: MergeSource = MergeSource.held  # where the swarm's average we took came from
@@ -140,7 +142,7 @@ class Merger:
         if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
             result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
         if result is not None:
-            return self._take(state, result)
+            return self._take(state, result, blocking)
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
             self._stand_in_if_gone(state, now, blocking)
         deciding = state.delegate == ctx.me and not state.decided and state.stage2 is None
@@ -278,7 +280,7 @@ class Merger:
 
     # ---- the swarm's average -------------------------------------------------------------------------------------
 
-    def _take(self, state: MergeState, result: Merged) -> bool:
+    def _take(self, state: MergeState, result: Merged, blocking: bool = True) -> bool:
         """Go on from the swarm's average: ours as it is, or fetched (at most one try a second) from our parent in
         the group's tree, or later a holder (``groups.fetch_sources``), and checked. A delegate that takes another
         group's registers it as its group's, so its members take it too."""
@@ -305,17 +307,29 @@ class Merger:
             state.result, state.groups, state.fallback = result, max(1, len(result.included)), None
             state.contributors = max(1, result.peers)
             return self._finish(state, counted=counted)
-        if now > state.deadline:
-            state.fallback = "the swarm's average could not be fetched: our group's own was applied"
+        if now > state.deadline or self._holders_left(state, result, now, blocking):
+            state.fallback = f"the swarm's average {'could not be fetched' if now > state.deadline else 'left with it'}"
+            state.fallback += ": our group's own was applied"
             return self._finish(state, counted=False)
         return False
 
+    def _holders_left(self, state: MergeState, result: Merged, now: float, blocking: bool) -> bool:
+        """Whether every peer we could fetch the swarm's average from left, seen in two looks ``STAND_IN_EVERY`` apart
+        once we ask them all (our ancestors may still be fetching it): the rest of ``merge_limit`` (576 s for
+        ``150m``) would wait for nobody. A look reads each one's bucket: not past ``LEFT_LOOK_MAX`` of them."""
+        args = (state.members, state.tag, state.delegate, self.ctx.me, result.holders)
+        sources, asked = groups.fetch_candidates(*args), groups.fetch_sources(*args, now - state.seen_at)
+        if now - state.looked_at < STAND_IN_EVERY or len(sources) > LEFT_LOOK_MAX or set(asked) != set(sources):
+            return False
+        state.looked_at = now
+        view = self.ctx.reader.view(sources) if blocking else self.ctx.reader.recent_view()
+        state.left_looks = state.left_looks + 1 if view is not None and groups.all_left(view, sources) else 0
+        return state.left_looks >= 2
+
     def _holds(self, state: MergeState, result: Merged) -> bool:
         """As a second-stage delegate: our buffers hold that very average (we registered it)."""
-        return any(
-            r.delegate == self.ctx.me and r.merged == result.digest
-            for r in groups.groups_at(state.records, state.epoch)
-        )
+        ours = (r for r in groups.groups_at(state.records, state.epoch) if r.delegate == self.ctx.me)
+        return any(r.merged == result.digest for r in ours)
 
     def _fetch(self, state: MergeState, holder: str, digest: str) -> bool:
         ctx, avg = self.ctx, self.ctx.manifest.averaging
