@@ -73,7 +73,8 @@ async def keep_once(node: DHTNode, initial: list[PeerID]) -> int:
         return 0
     connected = [info.peer_id for info in await node.protocol.p2p.list_peers()]
     peers = neighbours_to_ping(in_table, connected, initial, node.peer_id)
-    if not peers:
+    if not peers:  # said too, so that a test's log shows this loop alive and what the table held (an isolated peer)
+        logger.debug("the routing table held %d nodes, %d connected: nobody to ping", len(in_table), len(connected))
         return 0
     answers = await asyncio.gather(*(node.protocol.call_ping(peer) for peer in peers))
     found = sum(answer is not None for answer in answers)
