@@ -43,6 +43,7 @@ from swarm.hivemind_fixes.helpers import start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.neighbours import keep_neighbours
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
+from swarm.hivemind_fixes.requests import tolerate_departed_senders
 from swarm.hivemind_fixes.verdicts import remember_verdicts
 from swarm.inputs import check_initial_peer, check_ip
 
@@ -204,6 +205,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     remember_verdicts()  # the DHT process judges each record's bytes once, not once per copy and per read
     narrow_searches()  # and asks the nodes that hold a value, not every node of a 20-wide beam
     keep_neighbours()  # and finds its neighbours again if a stall made it drop them all
+    tolerate_departed_senders()  # a request whose sender (the averager, leaving) is gone neither kills nor stalls it
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")
