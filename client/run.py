@@ -18,6 +18,8 @@ from client.preflight import PeerInputs
 from client.signals import STOP
 from client.sources import data_source
 
+WATCH_STOP = 15.0  # seconds the swarm watcher's thread may take to end its read, unhurried
+WATCH_STOP_HURRIED = 1.0  # after a stop signal: its thread is a daemon, the process ends without it
 FIND_RUN_WAIT = 30.0  # seconds a joiner reads the DHT again while it shows no run at all (swarm.choose_run)
 
 
@@ -50,17 +52,18 @@ def run_peer(args: argparse.Namespace, inputs: PeerInputs) -> int:
         trainer = _trainer(args, inputs.workdir, manifest, data, dht, hardware, telemetry, say, lambda: watch.start())
         watch, tick = _watch(trainer, dht, manifest, telemetry, args, dashboard, say)
         result = _train(trainer, watch, args, dashboard, hardware)
+        if args.result_file:  # before the teardown, which a stop's watchdog may cut short (it writes no result)
+            with STOP.shielded():
+                _write_result(args.result_file, manifest.run_id, result)
     finally:
         with STOP.shielded():
             if watch is not None:
-                watch.stop()
+                watch.stop(timeout=WATCH_STOP_HURRIED if STOP.requested else WATCH_STOP)
                 tick.write_status()  # the final state ("left" after a clean exit): the health check says so
             telemetry.close()
             dht.shutdown()
     if dashboard:
         print(f"Left after {result.rounds} rounds at epoch {result.epoch}; checkpoint: {result.checkpoint}", flush=True)
-    if args.result_file:
-        _write_result(args.result_file, manifest.run_id, result)
     return 0
 
 

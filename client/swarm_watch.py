@@ -156,10 +156,10 @@ class SwarmWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=15)
+            self._thread.join(timeout=timeout)
 
     def poll(self) -> SwarmSnapshot:
         """One read of the records; the thread calls this every ``interval`` seconds."""

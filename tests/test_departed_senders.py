@@ -73,3 +73,18 @@ def test_senders_that_exit_before_their_reads_are_served_leave_the_dht_alive_and
     assert _answers(dht)
     assert dht.is_alive()
 
+
+def test_a_call_to_a_dht_whose_process_ended_gives_up_at_once_not_at_its_timeout(caplog):
+    """What a leaving peer whose DHT process died met: each goodbye waited out its timeout, past the stop
+    deadline. The parent sees the process has ended and the call says so (a timeout of 600 s would hang here)."""
+    tolerate_departed_senders()
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    node.kill()
+    node.join(timeout=30)
+    assert calls.ended(node)
+    with caplog.at_level("DEBUG", logger=calls.__name__):
+        assert calls.get(node, "k", timeout=600) is None
+        assert not calls.store(node, "k", None, 1, get_dht_time() + 60, timeout=600)
+        assert not calls.store_many(node, ["a", "b"], None, 1, get_dht_time() + 60, timeout=600)
+    gone = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], calls.DHTGone)]
+    assert len(gone) >= 3, [r.getMessage() for r in caplog.records]
