@@ -90,7 +90,8 @@ def spawn(index: int, workdir: Path, overrides: list[str], join: JoinInfo | None
         sys.executable, "-m", "client.cli", *head, "--host-ip", "127.0.0.1", "--host-port", "0", "--device", "cpu",
         "--workdir", str(folder), "--name", f"{name}-{index}", "--no-dashboard", "--log-json", str(log_json),
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a lent machine's packages too
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=path)
     with stdout.open("w") as handle:
         proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO, **tied_to_us())
     return Peer(index, proc, stdout, log_json, time.time())
@@ -201,7 +202,7 @@ def went_on_from(rounds: list[dict]) -> dict[int, str]:
     return {epoch: max(tally, key=lambda c: (tally[c], c)) for epoch, tally in votes.items()}
 
 
-def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, solo_side: float) -> dict:
+def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, solo_side: float | None) -> dict:
     live = [p for p in phase.peers if not p.killed]
     every = [r for p in phase.peers for r in p.rounds()]
     rounds = [r for r in every if r.get("outcome") != "resynced"]  # rounds of work (a re-sync's report is not one)
@@ -243,7 +244,7 @@ def figures(n: int, phase: Phase, start: float, end: float, solo_one: float, sol
         else None,
         tokens_per_second=round(swarm_tps, 1),
         vs_n_alone=round(swarm_tps / max(1e-6, n * solo_one), 4),
-        vs_n_side_by_side=round(swarm_tps / max(1e-6, solo_side), 4),
+        vs_n_side_by_side=round(swarm_tps / max(1e-6, solo_side), 4) if solo_side is not None else None,
         killed=sum(p.killed for p in phase.peers),
         resyncs=sum(1 for r in every if r.get("resynced")),
         outcomes={o: sum(r.get("outcome") == o for r in every) for o in {r.get("outcome") for r in every}},
@@ -275,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="run until the swarm's epoch reaches this")
     p.add_argument("--churn-every", type=int, default=3, help="kill one peer and add one every this many rounds")
     p.add_argument("--solo-seconds", type=float, default=45.0, help="how long the alone baselines train")
+    p.add_argument(
+        "--side-by-side",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also N peers training alone side by side, each in a run of its own (a lent machine's short lease: off)",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="the most one N's swarm phase runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=None)
@@ -287,14 +294,16 @@ def main(argv: list[str] | None = None) -> int:
         solo_one = solo(workdir / "solo-1", 1, args.solo_seconds, overrides)
         print(f"one peer alone: {solo_one:,.0f} tokens/s", flush=True)
         for n in args.peers:
-            solo_side = solo(workdir / f"solo-{n}", n, args.solo_seconds, overrides)
-            print(f"{n} peers alone side by side: {solo_side:,.0f} tokens/s", flush=True)
+            solo_side = solo(workdir / f"solo-{n}", n, args.solo_seconds, overrides) if args.side_by_side else None
+            if solo_side is not None:
+                print(f"{n} peers alone side by side: {solo_side:,.0f} tokens/s", flush=True)
             phase, start, end = swarm_phase(args, n, workdir / f"swarm-{n}", overrides)
             rows.append(figures(n, phase, start, end, solo_one, solo_side))
             print(rows[-1], flush=True)
     columns = [
         *("peers", "counted_share", "distinct_checksums_at_end", "round_seconds_median", "bytes_per_peer_round"),
-        *("records_read_per_second", "records_written_per_second", "peak_pss_mib_max", "vs_n_side_by_side"),
+        *("records_read_per_second", "records_written_per_second", "peak_pss_mib_max"),
+        *("vs_n_alone", "vs_n_side_by_side"),
     ]
     print_table("scale", columns, [[row[c] for c in columns] for row in rows])
     fields = dict(
