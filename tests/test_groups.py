@@ -220,6 +220,21 @@ def test_a_member_speaks_for_its_group_only_once_the_delegate_is_gone_and_only_o
     assert not stands_in(dead, [], 3, members, A, tag, A)  # the delegate itself never "stands in"
 
 
+def test_a_member_does_not_wait_for_a_delegate_its_own_evidence_of_the_round_condemns():
+    """A liar that is its group's delegate (it sent malformed parts, withheld its slice) would hold its honest
+    groupmates' merge until it left or merge_limit ran out: the members that caught it speak for the group at once,
+    the first of them in the order only, and never for a distrusted groupmate."""
+    tag, members = "2" * 16, (A, B, C)
+    first, second = sorted((B, C), key=lambda m: delegate_rank(tag, m))
+    alive = view_of(record(A, 3, PeerState.merging), record(B, 3, PeerState.merging), record(C, 3, PeerState.merging))
+    assert not any(stands_in(alive, [], 3, members, A, tag, me) for me in (B, C))  # no evidence: it is waited for
+    assert [stands_in(alive, [], 3, members, A, tag, me, distrusted={A}) for me in (first, second)] == [True, False]
+    # the first in the order is distrusted too (it lied to us as well): the second speaks
+    assert stands_in(alive, [], 3, members, A, tag, second, distrusted={A, first})
+    # once someone registered the group, nobody else does, whatever it holds against the delegate
+    assert not stands_in(alive, [group(3, tag, first)], 3, members, A, tag, second, distrusted={A})
+
+
 def test_a_lone_peer_stops_looking_for_a_group_once_everyone_else_merges():
     merging = [record(B, 3, PeerState.merging), record(C, 3, PeerState.merging)]
     assert nobody_to_group_with(view_of(record(A, 3, PeerState.matchmaking), *merging), A, 3)

@@ -23,7 +23,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -256,17 +256,21 @@ def stands_in(
     delegate: str,
     tag: str,
     me: str,
+    distrusted: Collection[str] = (),
 ) -> bool:
     """Whether we speak for our group in the second stage in place of its delegate: only while the group is not
-    registered and the delegate is gone (its record expired or says it left: it died in the all-reduce) or has moved
-    past the epoch (its all-reduce failed and it stepped alone), never while it may still register. The first member
-    in ``delegate_rank`` order that is not gone speaks, so members that see the same view pick the same one."""
+    registered and the delegate is gone (its record expired or says it left: it died in the all-reduce), has moved
+    past the epoch (its all-reduce failed and it stepped alone), or is ``distrusted`` (our own evidence of this round
+    condemns it: it sent us malformed parts, withheld its slice, lied in its receipt; or we banned it), never while
+    it may still register. The first member in ``delegate_rank`` order that is not gone speaks, so members that see
+    the same view, and hold the same evidence, pick the same one. A lying delegate held its honest groupmates' merge
+    until it left or ``merge_limit`` ran out (60 s in the byzantine smoke's ``nonfinite`` scenario)."""
     if me == delegate or any(g.group == tag for g in groups_at(records, epoch)):
         return False
     live = {p.peer_id: p.epoch for p in view.peers}
 
     def gone(peer: str) -> bool:
-        return peer != me and (peer not in live or live[peer] > epoch)
+        return peer != me and (peer not in live or live[peer] > epoch or peer in distrusted)
 
     if not gone(delegate):
         return False

@@ -76,6 +76,7 @@ class MergeState:
     bytes_received: int = 0
     findings: tuple[dict, ...] = ()
     fallback: str | None = None  # why we step with our own group's average
+    distrusted: frozenset[str] = frozenset()  # groupmates our first stage's findings ban: not waited for as delegate
 
 
 class Merger:
@@ -91,6 +92,7 @@ class Merger:
             epoch=epoch, tag=group_tag(outcome.group_id), delegate=groups.delegate_of(members, outcome.group_id),
             members=members, size=len(members), weight=float(sum(samples.values())), digest=outcome.digest,
             deadline=time.monotonic() + self._limit,
+            distrusted=frozenset(f["peer"] for f in outcome.findings if f.get("banned")),
         )  # fmt: skip
         self._start(state)
         return state
@@ -186,31 +188,30 @@ class Merger:
 
     def _note_no_shows(self, view: SwarmView, state: MergeState) -> None:
         """The keys the merge waited for all its patience that still work towards the round: not waited for a while
-        (``swarm.round.no_shows``; noted here too because a key that follows the swarm's epoch is at the next one
-        by the time the round ends)."""
+        (``swarm.round.no_shows``; noted here: a key that follows the swarm's epoch is past it when the round ends)."""
         missed = given_up_on(view, state.records, self.ctx.me, state.epoch, state.members, state.tag)
         self.no_shows.note(missed, state.epoch, "never came to the merge")
 
     def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
-        """Our delegate died in the all-reduce or moved on without registering the group: one member speaks for
-        it (``groups.stands_in``), so that the group's average still reaches the swarm's in this round's bound."""
+        """Our delegate died in the all-reduce, moved on without registering the group, or lied to us in it: one
+        member speaks for the group (``groups.stands_in``), so that its average reaches the swarm's in time."""
         state.looked_at = now
         view = self.ctx.reader.view([state.delegate]) if blocking else self.ctx.reader.recent_view()
-        args = (state.epoch, state.members, state.delegate, state.tag, self.ctx.me)
+        distrusted = state.distrusted | {m for m in state.members if self.ctx.reader.banned(m)}
+        args = (state.epoch, state.members, state.delegate, state.tag, self.ctx.me, distrusted)
         if view is None or not groups.stands_in(view, state.records, *args):
             return
         state.read_at, state.records = now, self._read(state, now)  # as they are now: it may have just registered
         if not groups.stands_in(view, state.records, *args):
             return
-        logger.debug("epoch %d: group %s's delegate is gone; we speak for the group", state.epoch, state.tag)
+        why = "distrusted" if state.delegate in distrusted else "gone"
+        logger.debug("epoch %d: group %s's delegate is %s; we speak for the group", state.epoch, state.tag, why)
         state.delegate = self.ctx.me
         self._register(state)
         state.read_at = -float("inf")
 
     @property
-    def _patience(self) -> float:
-        """The last part of the merge's time, in which a member takes another group's swarm's average rather than
-        keep waiting for its delegate's (gone, say)."""
+    def _patience(self) -> float:  # the merge's last part, when a member takes another group's swarm's average
         return self.ctx.manifest.averaging.merge_timeout / 4
 
     def _poll_stage2(self, state: MergeState) -> bool:
@@ -371,8 +372,7 @@ class Merger:
     # ---- the DHT ---------------------------------------------------------------------------------------------
 
     def _read(self, state: MergeState, now: float) -> list[GroupRecord]:
-        """The groups key as a delegate, or when a member may take another group's average; else our group's bucket
-        (``groups.reads_wide``)."""
+        """The groups key as a delegate, or when a member may take another's average; else our group's bucket."""
         waited = None if state.seen_at is None else now - state.seen_at
         args = (state.members, state.tag, state.delegate, self.ctx.me, state.deadline - now, self._patience, waited)
         if groups.reads_wide(*args):
