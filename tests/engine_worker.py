@@ -39,6 +39,7 @@ def as_json(report) -> dict:
 
 MATCHMAKING_LOGGERS = (
     *("hivemind.averaging.matchmaking", "hivemind.averaging.averager", "swarm.round"),
+    *("hivemind.averaging.allreduce", "swarm.averager.allreduce"),  # a reducer or sender that stalls an all-reduce
     "swarm.hivemind_fixes.neighbours",  # a DHT node that lost its neighbours and pinged them again
 )
 
