@@ -140,6 +140,40 @@ def test_the_reducer_drops_a_refused_sender_and_finishes_without_it():
     assert torch.equal(out, robust_mean(parts[:2], [1.0, 1.0], Aggregation.centered_clip))
 
 
+def test_a_sender_whose_stream_ends_while_it_waits_for_a_part_holds_nobody_up():
+    """hivemind's p2p cancels a sender's handler task when its stream ends (the sender was killed), while the task
+    awaits the part's one future: that cancel must not cancel the future, which the other senders and the reducer's
+    own slice await. Before, the reducer's own slice never came back (a survivor waited out its hard timeout, 128 s)
+    and the next sender's part failed on the cancelled future, so every groupmate dropped the whole slice."""
+    parts = [honest(3, seed=s) for s in (1, 2)]  # two parts per sender
+
+    async def main():
+        reducer = RobustPartReducer([torch.Size([N])] * 2, 3, Aggregation.centered_clip)
+
+        async def send(i: int) -> list[torch.Tensor]:
+            out = []
+            try:
+                for k in range(2):
+                    out.append(await reducer.accumulate_part(i, k, parts[k][i], weight=1.0))
+                return out
+            finally:
+                if len(out) != 2:
+                    reducer.on_sender_failed(i)  # what the runner's ban does, from the handler's finally
+
+        own, victim = asyncio.create_task(send(0)), asyncio.create_task(send(2))
+        await asyncio.sleep(0.01)  # both wait for the first part's last sender
+        victim.cancel()  # its stream ended
+        await asyncio.sleep(0.01)
+        assert not own.done()  # still waiting for sender 1, not cancelled with the victim
+        return await asyncio.wait_for(asyncio.gather(own, send(1)), timeout=10)
+
+    (first0, second0), (first1, second1) = asyncio.run(main())
+    assert torch.equal(first0, first1) and torch.equal(second0, second1)  # every sender gets the same bits
+    # the victim's first part was in before it failed; its second never came and is not waited for
+    assert torch.equal(first0, robust_mean(parts[0], [1.0] * 3, Aggregation.centered_clip))
+    assert torch.equal(second0, robust_mean(parts[1][:2], [1.0] * 2, Aggregation.centered_clip))
+
+
 @pytest.mark.parametrize("group", [3, 4, 5])
 def test_one_liar_cannot_drag_any_coordinate_outside_what_the_honest_peers_sent(group):
     """Outside the honest values, or zero (norm clipping scales an honest part towards zero at most)."""

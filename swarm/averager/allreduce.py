@@ -254,23 +254,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         container = self.tensor_part_container
         if peer_id == self.peer_id:
-            sender_index = self.sender_peer_ids.index(peer_id)
-            loop = asyncio.get_event_loop()
-            ours = container.compression.compression_type
-            self.sent_parts.start(peer_index)
-            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-                # our own slice goes through the codec like everyone's, so what we add is bytes a groupmate can
-                # check (lossless for fp4 and sparse, whose values are already on the grid)
-                sent = await loop.run_in_executor(None, serialize_torch_tensor, tensor_part, ours)
-                self.sent_parts.append(peer_index, sent)
-                weight = min(self.weight, self.max_weight)  # as a groupmate's reducer would count it
-                self._received_from(sender_index, sent, weight)
-                values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
-                averaged = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, values, weight=weight
-                )
-                held = await loop.run_in_executor(None, encode_average, averaged, ours)
-                container.register_processed_part(peer_index, part_index, held)
+            try:
+                await self._reduce_own_slice(peer_index)
+            except BaseException:  # as for a groupmate's slice: ours reads as dropped, not awaited to the hard timeout
+                if not container.finished.is_set():  # (groupmates that do not get it drop it too: the same zeros)
+                    container.register_failed_reducer(peer_index)
+                raise
             return
         try:
             if peer_id in self.refused_senders:
@@ -278,7 +267,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._awaiting_reducer[peer_id] = asyncio.current_task()
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            # opening the stream is bounded too (a groupmate whose daemon hangs): it counts as a silent reducer
+            stream = await asyncio.wait_for(
+                self._get_peer_stub(peer_id).rpc_aggregate_part(inputs), self.reducer_timeout
+            )
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
             part_index = 0
@@ -302,6 +294,24 @@ class ExactAllReduceRunner(AllReduceRunner):
         except BaseException:
             container.register_failed_reducer(peer_index)
             raise
+
+    async def _reduce_own_slice(self, peer_index: int) -> None:
+        """Our own part of the slice we reduce, added as every groupmate's is, and the slice's average kept."""
+        container, loop = self.tensor_part_container, asyncio.get_event_loop()
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        ours = container.compression.compression_type
+        self.sent_parts.start(peer_index)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            # our own slice goes through the codec like everyone's, so what we add is bytes a groupmate can
+            # check (lossless for fp4 and sparse, whose values are already on the grid)
+            sent = await loop.run_in_executor(None, serialize_torch_tensor, tensor_part, ours)
+            self.sent_parts.append(peer_index, sent)
+            weight = min(self.weight, self.max_weight)  # as a groupmate's reducer would count it
+            self._received_from(sender_index, sent, weight)
+            values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, values, weight=weight)
+            held = await loop.run_in_executor(None, encode_average, averaged, ours)
+            container.register_processed_part(peer_index, part_index, held)
 
     async def _with_expected_numel(
         self, stream: AsyncIterator[averaging_pb2.AveragingData]

@@ -204,29 +204,31 @@ class RobustPartReducer(TensorPartReducer):
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
         assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
-        self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:
+        while part_index > self.current_part_index and not self.finished.is_set():
             await asyncio.wait(
                 {self.current_part_future, asyncio.create_task(self.finished.wait())},
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            if self.finished.is_set():
-                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.finished.is_set():
+            raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
         if part_index != self.current_part_index:
             raise RefusedPart(f"a sender sent part {part_index} twice")
         future = self.current_part_future
-        numel = math.prod(self.part_shapes[part_index])
-        try:
-            flat = check_part(tensor_part, numel, weight)
-        except RefusedPart:  # the caller drops this sender; the part is not counted, so nobody waits for it
-            self.num_parts_received[sender_index] -= 1
-            raise
+        # refused (the caller drops this sender): not counted, so nobody waits for it
+        flat = check_part(tensor_part, math.prod(self.part_shapes[part_index]), weight)
+        # counted only once it is in: a sender that fails while it waits for its turn above is not waited for
+        # (``on_sender_failed`` reads this count)
+        self.num_parts_received[sender_index] += 1
         self.received[sender_index] = (flat, float(weight))
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        return await future
+        # shielded: hivemind's p2p cancels a sender's handler task when its stream ends (the sender died), and
+        # cancelling a task cancels the future it awaits, here the one future every sender of this part and our
+        # own slice await: our slice never came back (a survivor waited out its hard timeout, 128 s) and the next
+        # sender's part failed on the cancelled future ("invalid state"), so its groupmates dropped our slice too
+        return await asyncio.shield(future)
 
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
