@@ -174,6 +174,31 @@ def test_a_sender_whose_stream_ends_while_it_waits_for_a_part_holds_nobody_up():
     assert torch.equal(second0, robust_mean(parts[1][:2], [1.0] * 2, Aggregation.centered_clip))
 
 
+def test_a_sender_that_goes_silent_without_failing_is_left_out_after_the_straggler_timeout():
+    """A sender whose handler was abandoned (cancelled at its yield while sending an average back: nothing calls
+    ``on_sender_failed`` until the generator is collected) sends no more parts: the others' parts go on without it
+    once they waited ``straggler_timeout``, all with the same result, and its late finally changes nothing."""
+    parts = [honest(3, seed=s) for s in (3, 4)]
+
+    async def main():
+        reducer = RobustPartReducer([torch.Size([N])] * 2, 3, Aggregation.centered_clip, straggler_timeout=0.2)
+
+        async def send(i: int, count: int) -> list[torch.Tensor]:
+            return [await reducer.accumulate_part(i, k, parts[k][i], weight=1.0) for k in range(count)]
+
+        silent = asyncio.create_task(send(2, 1))  # its first part, then nothing: no error, no failure
+        results = await asyncio.wait_for(asyncio.gather(send(0, 2), send(1, 2)), timeout=10)
+        await silent
+        reducer.on_sender_failed(2)  # its handler's finally, much later: once is enough
+        assert reducer.num_current_senders == 2
+        return results
+
+    (first0, second0), (first1, second1) = asyncio.run(main())
+    assert torch.equal(first0, first1) and torch.equal(second0, second1)
+    assert torch.equal(first0, robust_mean(parts[0], [1.0] * 3, Aggregation.centered_clip))
+    assert torch.equal(second0, robust_mean(parts[1][:2], [1.0] * 2, Aggregation.centered_clip))
+
+
 @pytest.mark.parametrize("group", [3, 4, 5])
 def test_one_liar_cannot_drag_any_coordinate_outside_what_the_honest_peers_sent(group):
     """Outside the honest values, or zero (norm clipping scales an honest part towards zero at most)."""

@@ -197,7 +197,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.max_weight = max_weight  # a sender's weight above it counts as it (its receipt says so)
         self.tensor_part_container.__class__ = HeldOutputContainer
         plain = self.tensor_part_reducer  # hivemind's running sum, replaced before any part arrives
-        self.tensor_part_reducer = RobustPartReducer(plain.part_shapes, plain.num_senders, aggregation)
+        self.tensor_part_reducer = RobustPartReducer(
+            plain.part_shapes, plain.num_senders, aggregation, straggler_timeout=self.sender_timeout
+        )
         plain.num_senders = 0  # so finalizing it unused does not log "Reducer: received 0.0% of input tensors"
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0

@@ -189,12 +189,38 @@ def _against_the_grain_left_out(
 
 
 class RobustPartReducer(TensorPartReducer):
-    """hivemind's TensorPartReducer, holding each sender's part and combining them with ``robust_mean``."""
+    """hivemind's TensorPartReducer, holding each sender's part and combining them with ``robust_mean``.
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Aggregation):
-        self.aggregation = aggregation
+    ``straggler_timeout`` (the all-reduce's ``sender_timeout``): a part whose senders have not all sent it that long
+    after a sender began waiting for it goes on without the ones missing. hivemind drops a silent sender when its
+    stream times out or fails, in the stream's handler; but a handler whose stream ended while it was sending an
+    average back is cancelled there, at its ``yield``, and what drops its sender then runs only when the abandoned
+    generator is collected (a survivor's own slice waited 128 s for a groupmate killed mid all-reduce)."""
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        aggregation: Aggregation,
+        straggler_timeout: float | None = None,
+    ):
+        self.aggregation, self.straggler_timeout = aggregation, straggler_timeout
         self.received: list[tuple[torch.Tensor, float] | None] = [None] * num_senders
         super().__init__(part_shapes, num_senders)
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        if self.sender_failed_after[sender_index] == float("inf"):  # once: a straggler's handler may end later
+            super().on_sender_failed(sender_index)
+
+    def _drop_stragglers(self, part_index: int) -> None:
+        """The senders that have not sent part ``part_index`` yet are failed from it on (it then completes)."""
+        for sender in range(self.num_senders):
+            if self.finished.is_set() or part_index != self.current_part_index:
+                return
+            if self.received[sender] is None and self.sender_failed_after[sender] == float("inf"):
+                logger.debug("part %d: sender %d sent nothing for %.0f s, left out", part_index, sender,
+                             self.straggler_timeout)  # fmt: skip
+                self.on_sender_failed(sender)
 
     def reset_accumulators(self) -> None:
         self.received = [None] * self.num_senders
@@ -224,11 +250,16 @@ class RobustPartReducer(TensorPartReducer):
         self.received[sender_index] = (flat, float(weight))
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        # shielded: hivemind's p2p cancels a sender's handler task when its stream ends (the sender died), and
-        # cancelling a task cancels the future it awaits, here the one future every sender of this part and our
-        # own slice await: our slice never came back (a survivor waited out its hard timeout, 128 s) and the next
-        # sender's part failed on the cancelled future ("invalid state"), so its groupmates dropped our slice too
-        return await asyncio.shield(future)
+        # not ``await future``: hivemind's p2p cancels a sender's handler task when its stream ends (the sender
+        # died), and cancelling a task cancels the future it awaits, here the one future every sender of this part
+        # and our own slice await: our slice never came back (a survivor waited out its hard timeout, 128 s) and the
+        # next sender's part failed on the cancelled future ("invalid state"), so its groupmates dropped our slice
+        # too. ``asyncio.wait`` never cancels what it waits for.
+        while not future.done():
+            await asyncio.wait({future}, timeout=self.straggler_timeout)
+            if not future.done():
+                self._drop_stragglers(part_index)
+        return future.result()
 
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
