@@ -51,7 +51,7 @@ from unittest import mock
 
 from benchmarks.common import Stopwatch, add_common_args, finish, print_table, pyplot, save_figure
 from swarm.averager.fixed_group import GROUP_WAIT
-from swarm.averager.process import epoch_group_bits, matchmaking_bucket
+from swarm.averager.process import attempt_timeout, epoch_group_bits, matchmaking_bucket
 from swarm.dht import peers as dht_peers
 from swarm.dht.groups import (
     GROUP_TTL,
@@ -861,7 +861,7 @@ class Simulation:
             group = yield Wait(f.matched, TICK)
             if group is not None:
                 break
-            if self.now - started >= self.avg.matchmaking_timeout:
+            if self.now - started >= attempt_timeout(bucket, self.avg.matchmaking_time, self.avg.matchmaking_timeout):
                 self.leave_lobby(key, p)
                 return "no group"
             view = p.no_shows.waiting_view(self.view(p) if f.blocking else self.recent_view(p))

@@ -8,7 +8,7 @@ from collections import Counter
 
 from test_swarm_view import A, B, C, record
 
-from swarm.averager.process import epoch_group_bits, matchmaking_bucket
+from swarm.averager.process import attempt_timeout, epoch_group_bits, matchmaking_bucket
 from swarm.dht import peers as dht_peers
 from swarm.dht.groups import (
     ROSTER_WAIT,
@@ -371,6 +371,16 @@ def test_matchmaking_splits_into_keys_of_about_a_group_only_when_the_swarm_outgr
     )
     assert {matchmaking_bucket(f"Qm{i}", 1000, 64, retries=3) for i in range(50)} == {""}  # 4 -> 2 -> 1 -> 0 bits
     assert epoch_group_bits(5, bucket="0110").endswith("0110") and set(epoch_group_bits(5, bucket="0110")) <= {"0", "1"}
+
+
+def test_a_key_of_about_one_group_is_given_up_after_two_windows_and_the_one_key_of_a_small_swarm_never():
+    """Five peers in groups of two matchmake in four keys: the three the hash left alone each waited out the whole
+    matchmaking timeout, every round (21 s), before joining the others' second stage."""
+    keys = [matchmaking_bucket(f"Qm{i}", peers=5, group_size=2) for i in range(5)]
+    assert all(len(k) == 2 for k in keys)  # four keys of 2 bits for five peers: some hold one
+    assert attempt_timeout(keys[0], matchmaking_time=5.0, matchmaking_timeout=60.0) == 10.0
+    assert attempt_timeout("", matchmaking_time=5.0, matchmaking_timeout=60.0) == 60.0  # one key: the whole wait
+    assert attempt_timeout("01", matchmaking_time=5.0, matchmaking_timeout=8.0) == 8.0  # never past the timeout
 
 
 def test_parse_groups_drops_malformed_and_unsigned_records_without_raising():

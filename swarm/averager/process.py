@@ -350,6 +350,20 @@ def epoch_group_bits(epoch: int, bits: int = 16, bucket: str = "") -> str:
     return format(epoch % (1 << bits), f"0{bits}b") + bucket
 
 
+FINE_KEY_WINDOWS = 2  # matchmaking windows a peer looks in a key of about one group before it gives that key up
+
+
+def attempt_timeout(bucket: str, matchmaking_time: float, matchmaking_timeout: float) -> float:
+    """How long one first-stage attempt looks for a group. In a key of about one group's peers (a ``bucket``), a
+    group forms within a window or two of ``matchmaking_time`` if the key holds peers enough; one the hash left
+    with too few (five peers in four keys) is given up after that, for the others' second stage or a coarser key,
+    not waited on for all of ``matchmaking_timeout``: every round of five peers in groups of two took 21 s, three of
+    them alone in their keys (tests/test_engine_groups.py). The one key of a swarm that fits a group keeps it all."""
+    if not bucket:
+        return matchmaking_timeout
+    return min(matchmaking_timeout, FINE_KEY_WINDOWS * matchmaking_time)
+
+
 def matchmaking_bucket(peer_id: str, peers: float, group_size: int, retries: int = 0) -> str:
     """A peer's share of its epoch's first-stage matchmaking: one of about ``peers / group_size`` keys (a power of
     two, by a hash prefix of its id), so a search reads about a group's worth of entries whatever the swarm's size;

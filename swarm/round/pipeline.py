@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.averager.codecs import apply_error_feedback
 from swarm.averager.handle import RoundAborted
-from swarm.averager.process import epoch_group_bits, matchmaking_bucket
+from swarm.averager.process import attempt_timeout, epoch_group_bits, matchmaking_bucket
 from swarm.dht.records import PeerState
 from swarm.dht.view import SwarmView, mates_coming, nobody_to_group_with, swarm_moved_on
 from swarm.errors import LeaveRequested
@@ -161,11 +161,12 @@ class OuterRound(RoundRecovery):
             if stage == "RUNNING_ALLREDUCE":
                 ctx.set_state(PeerState.averaging, True)
 
+        bucket = self._matchmaking_bucket(flight.retries)
         flight.attempt = ctx.averager.start_averaging(
             weight=float(max(1, flight.samples)),
             gather=dict(epoch=flight.epoch, samples=flight.samples),
-            group_bits=epoch_group_bits(flight.epoch, bucket=self._matchmaking_bucket(flight.retries)),
-            timeout=avg.matchmaking_timeout,
+            group_bits=epoch_group_bits(flight.epoch, bucket=bucket),
+            timeout=attempt_timeout(bucket, avg.matchmaking_time, avg.matchmaking_timeout),
             hard_timeout=avg.attempt_limit(ctx.outer.numel),
             on_stage=on_stage,
             abort_if=lambda: self._why_give_up(flight),
