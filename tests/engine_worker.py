@@ -44,6 +44,16 @@ MATCHMAKING_LOGGERS = (
 )
 
 
+def write_whole(path: Path, text: str) -> None:
+    """``path`` appears with all of ``text`` or not at all: a test starts the next peer once this peer's addresses
+    file exists and reads it at once. Written in place, it was once read empty, and that peer started with no
+    initial peers, a swarm of one beside the others (test_peer_killed_during_allreduce: the view held 1 of 3 peers
+    after 180 s, every round "could not find a group", two checksums at the end)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def keep_matchmaking_story(path: Path, quiet: bool) -> None:
     """hivemind's matchmaking and our round's debug lines in a file of their own (the averager's process inherits it
     by fork): a round that found no group says why only there (a leader that refused, one that did not answer), and
@@ -120,8 +130,8 @@ def main() -> int:
     except SwarmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (args.out / "maddrs.txt").write_text("\n".join(visible_maddrs(peer.dht)))
-    (args.out / "peer_id.txt").write_text(peer.peer_id)
+    (args.out / "peer_id.txt").write_text(peer.peer_id)  # before the addresses, whose file says "started"
+    write_whole(args.out / "maddrs.txt", "\n".join(visible_maddrs(peer.dht)))
     deadline = time.monotonic() + 180  # a test whose every round needs the whole group: on a loaded machine a
     while len(peer.view().peers) < args.start_with and time.monotonic() < deadline:  # peer can take longer to
         time.sleep(0.2)  # start than a round takes, and the first round would go alone

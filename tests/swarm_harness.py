@@ -97,7 +97,9 @@ class WorkerSwarm:
     def maddrs(self, rank: int) -> list[str]:
         path = self.out(rank) / "maddrs.txt"
         wait_for(path.exists, START_TIMEOUT, f"peer {rank} addresses")
-        return path.read_text().split()
+        maddrs = path.read_text().split()
+        assert maddrs, f"peer {rank} wrote no addresses: the next peer would start alone"
+        return maddrs
 
     def log(self, rank: int) -> str:
         return (self.root / f"peer{rank}.log").read_text()[-4000:]
