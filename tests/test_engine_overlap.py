@@ -63,7 +63,8 @@ def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and
     # re-synced twice, and the run ended before it could average with them
     joined = swarm.out(2) / "maddrs.txt"
     # they start together, and any round in flight before the hold will do: in CI peer 0 never averaged at epoch 2
-    # (a round that forms no group is trained alone) and the pair held at epoch 5 for a joiner never started
+    # (peer 1 had read peer 0's addresses file empty and trained alone: engine_worker.write_whole) and the pair held
+    # at epoch 5 for a joiner never started
     hold = ("--hold-at-epoch", "5", "--hold-for", str(joined), "--start-with", "2")
     swarm.start(0, epochs, extra_args=hold)
     swarm.start(1, epochs, extra_args=hold)
