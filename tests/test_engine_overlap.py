@@ -68,7 +68,10 @@ def test_a_joiner_arriving_while_an_overlapped_round_is_in_flight_catches_up_and
     hold = ("--hold-at-epoch", "5", "--hold-for", str(joined), "--start-with", "2")
     swarm.start(0, epochs, extra_args=hold)
     swarm.start(1, epochs, extra_args=hold)
-    in_flight = lambda: [e for e in range(2, 5) if swarm.marker(0, "averaging", e).exists()]  # noqa: E731
+
+    def in_flight() -> list[int]:
+        return [e for e in range(2, 5) if swarm.marker(0, "averaging", e).exists()]
+
     try:
         wait_for(in_flight, 180, "a round in flight at epoch 2, 3 or 4", poll=0.05)
     except AssertionError as e:  # what a failure needs: why the pair's rounds found no group
