@@ -18,7 +18,7 @@ from test_groups import view_of
 from test_swarm_view import record
 
 from swarm.averager.trickle import TooSlow
-from swarm.dht.view import consensus, trusted_consensus
+from swarm.dht.view import ResyncReason, consensus, trusted_consensus
 from swarm.events import AwaitingMajority, ClaimDoubted, DonorDistrusted, DownloadFailed, StateLoaded
 from swarm.manifest import AveragingSpec, OuterOptimizerSpec
 from swarm.state import file as state_file
@@ -26,7 +26,7 @@ from swarm.state import sync as sync_module
 from swarm.state import trust
 from swarm.state.outer import OuterState
 from swarm.state.store import StateStore
-from swarm.state.sync import MAX_DISTRUSTED, StateSync
+from swarm.state.sync import MAX_DISTRUSTED, Resynced, StateSync
 
 RUN = "0123456789abcdef"
 SHAPES = [(4, 3), (5,)]
@@ -257,6 +257,51 @@ def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_joi
     loaded = [(e.donor, e.epoch) for e in events if isinstance(e, StateLoaded)]
     assert loaded == [("b", EPOCH - 1)] and ctx.outer.checksum() == before.checksum()
     assert "0liar0" not in ctx.averager.asked and "0liar1" not in ctx.averager.asked
+
+
+def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_running_peer(tmp_path, monkeypatch):
+    """A split swarm from a running peer's side: "c" holds its group's state of epoch 7 (h2, with "f"), "a" and "e"
+    another group's (h1), two peers are still at 6, and two attacker keys with the lowest ids vote for a poisoned
+    state of 7 and serve it: the plurality (a tie of two, the lowest ids). Before, "c" re-synced to the poison. Now
+    it takes the most common state that it or a recent groupmate holds (``running_consensus``): with no groupmate
+    it keeps its own; with "a" among its groupmates of earlier rounds it loads h1 (the lower ids of a tie) from
+    "a" and never asks the attacker's keys; only a liar that averaged with it makes the poison a candidate."""
+    monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort())
+    before, h1, h2 = state(1, epoch=EPOCH - 1), state(2), state(3)
+    poisoned = state(2)
+    poisoned.params[0].mul_(-4.0)
+    poisoned._checksum = None
+    files = {
+        "0liar0": write(tmp_path / "poison.st", poisoned),
+        "0liar1": write(tmp_path / "poison.st", poisoned),
+        "a": write(tmp_path / "h1.st", h1),
+        "e": write(tmp_path / "h1.st", h1),
+        "d": write(tmp_path / "before-d.st", before),
+    }
+    old = (EPOCH - 1, before.checksum())
+    records = [record(k, EPOCH, checksums=[old, (EPOCH, poisoned.checksum())]) for k in ("0liar0", "0liar1")]
+    records += [record(k, EPOCH, checksums=[old, (EPOCH, h1.checksum())]) for k in ("a", "e")]
+    records += [record(k, EPOCH, checksums=[old, (EPOCH, h2.checksum())]) for k in ("c", "f")]
+    records += [record(k, EPOCH - 1, checksums=[old]) for k in ("b", "d")]
+    sync, ctx, events = make_sync(tmp_path, files, before.checksum())
+    ctx.me, ctx.outer = "c", h2
+    sync.checkpoints.announce = lambda inner_step: None
+    view = view_of(*records)
+    ctx.reader = SimpleNamespace(view=lambda: view)
+    assert consensus(view.peers, EPOCH).checksum == poisoned.checksum()  # what a running peer took before
+    assert sync.resync_needed(EPOCH, last_round_local=False) is None  # nobody it met holds another state
+    sync.groupmates.note(["a", "c", "b"], "c")  # an earlier round's group
+    assert sync.resync_needed(EPOCH, last_round_local=False).reason == ResyncReason.disagreed
+    assert sync.resync("disagreed") == Resynced.taken
+    assert [(e.donor, e.epoch) for e in events if isinstance(e, StateLoaded)] == [("a", EPOCH)]
+    assert ctx.outer.checksum() == h1.checksum() and ctx.averager.asked == ["a"]
+    # a liar that averaged with it lately: the poison is a candidate again (the limit, docs/security.md)
+    sync.groupmates.note(["0liar1"], "c")
+    assert sync.resync_needed(EPOCH, last_round_local=False).reason == ResyncReason.disagreed
+    # until it is caught: banned keys are no evidence
+    sync.groupmates.forget(["0liar1"])
+    assert sync.resync_needed(EPOCH, last_round_local=False) is None
 
 
 def test_a_joiner_waits_for_half_of_the_keys_while_a_round_ended_apart_and_doubts_nobody(tmp_path, monkeypatch):

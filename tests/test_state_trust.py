@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from test_groups import view_of
 from test_swarm_view import record
 
 from swarm.dht.records import PeerState
-from swarm.dht.view import ResyncReason, consensus, resync_needed, trusted_consensus
-from swarm.state.trust import MIN_HOLDERS, refusal
+from swarm.dht.view import ResyncReason, consensus, resync_needed, running_consensus, trusted_consensus
+from swarm.round.pipeline import OuterRound
+from swarm.state.trust import GROUPMATE_ROUNDS, MIN_HOLDERS, Groupmates, refusal
 from swarm.state.trust import wanted as trust_wanted
 
 GOOD, BAD, NEXT = "a" * 64, "b" * 64, "c" * 64
@@ -76,9 +79,33 @@ def test_a_third_of_the_keys_wins_the_plurality_of_a_split_swarm_but_no_joiner_t
     assert refusal(view, 5, OLD, wanted, ME, joining=True) is None
     # the attacker's keys cannot move the epoch before either: four of six still hold it
     assert trust_wanted(split_swarm_and_a_third_of_keys(attacker_votes_old=False)).checksum == OLD
-    # a running peer still converges on the plurality (the open row of docs/security.md)
-    assert resync_needed(view, "p2", 6, H2, False).reason == ResyncReason.disagreed
-    assert refusal(view, 6, BAD, consensus(view.peers, 6), "p2") is None
+    # a running peer converges on the most common state that it or a recent groupmate holds: not the attacker's
+    assert resync_needed(view, "p2", 6, H2, False) is None  # no groupmates yet: ours is the only candidate
+    assert resync_needed(view, "p2", 6, H2, False, vouched={"p0"}).reason == ResyncReason.disagreed
+    assert running_consensus(view.peers, 6, {"p2", "p0"}).checksum == H1  # a tie of two, the lower ids
+    assert refusal(view, 6, BAD, running_consensus(view.peers, 6, {"p2", "p0"}), "p2", vouched={"p0"}) is not None
+    assert refusal(view, 6, H1, running_consensus(view.peers, 6, {"p2", "p0"}), "p2", vouched={"p0"}) is None
+    # only a liar that averaged with it lately (its parts taken, not caught) makes the attacker's state a candidate
+    assert running_consensus(view.peers, 6, {"p2", "0liar1"}).checksum == BAD
+
+
+def test_extra_keys_that_never_averaged_with_a_running_peer_never_make_it_take_their_state():
+    """A split swarm (groups ended apart, four ways) and any number of extra keys voting one poisoned checksum: a
+    running peer whose groupmates are honest takes an honest state, and every honest peer that has met a holder of
+    each honest state takes the same one (they converge)."""
+    for honest in (4, 10, 30):
+        for liars in range(0, honest):  # fewer than half of all keys: a majority of keys makes a trusted consensus
+            peers = [record(f"p{i:02d}", 6, checksums=[(6, f"{1 + i % 4:064x}")]) for i in range(honest)]
+            peers += [record(f"0l{i:02d}", 6, checksums=[(6, BAD)]) for i in range(liars)]
+            view = view_of(*peers)
+            winners = set()
+            for i in range(honest):
+                me = f"p{i:02d}"
+                met = {f"p{(i + k) % honest:02d}" for k in range(1, 5)}  # four groupmates, one of each state
+                agreed = running_consensus(view.peers, 6, {me, *met})
+                assert agreed.checksum != BAD
+                winners.add(agreed.checksum)
+            assert len(winners) == 1
 
 
 def test_a_minority_of_keys_never_makes_a_trusted_consensus():
@@ -103,3 +130,25 @@ def test_the_finishers_of_a_round_are_half_of_the_swarm_when_their_epoch_is_the_
         # nor keys that say they are at the epoch, or past it, without a checksum of it (extra keys that only count)
         peers += [record(f"g{i}", 7) for i in range(n)] + [record(f"h{i}", 9, checksums=[(9, H2)]) for i in range(n)]
         assert trusted_consensus(view_of(*peers).peers, 7).checksum == H1
+
+
+def test_a_round_notes_the_groupmates_whose_parts_it_took_and_forgets_those_caught_lying():
+    """``OuterRound._note_groupmates``: the evidence ``running_consensus`` reads, with a fake round's outcome."""
+    sync = SimpleNamespace(groupmates=Groupmates())
+    host = SimpleNamespace(sync=sync, ctx=SimpleNamespace(me="me"))
+    caught = ({"peer": "liar", "banned": True}, {"peer": "b", "banned": False})
+    outcome = SimpleNamespace(group=("me", "a", "b", "gone", "liar"), absent=("gone",), findings=caught)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=outcome, fallback=None), True)
+    assert sync.groupmates.keys() == {"a", "b"}  # not us, not a groupmate that dropped out, not a caught liar
+    later = SimpleNamespace(group=("me", "c"), absent=(), findings=())
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback="non-finite values"), True)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback=None), False)
+    assert sync.groupmates.keys() == {"a", "b"}  # values not used, or a round not averaged: no evidence
+    # a groupmate caught lying in a later round is evidence of nothing any more
+    liar = SimpleNamespace(group=("me", "d"), absent=(), findings=({"peer": "a", "banned": True},))
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=liar, fallback=None), True)
+    assert sync.groupmates.keys() == {"b", "d"}
+    # the memory is the last GROUPMATE_ROUNDS averaged rounds
+    for i in range(GROUPMATE_ROUNDS):
+        sync.groupmates.note(["me", f"q{i}"], "me")
+    assert sync.groupmates.keys() == {f"q{i}" for i in range(GROUPMATE_ROUNDS)}

@@ -110,8 +110,8 @@ def _winner(epoch: int, votes: dict[str, list[str]], among: Collection[str]) -> 
 
 
 def consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus | None:
-    """The checksum held by most peers at ``epoch``: what running peers converge on (a joiner takes only a
-    ``trusted_consensus``).
+    """The checksum held by most peers at ``epoch`` (what the dashboard shows; a running peer takes a
+    ``running_consensus``, a joiner only a ``trusted_consensus``).
 
     Ties go to the checksum held by the lowest peer id, so every peer that sees
     the same records picks the same winner, and two diverged peers converge on one
@@ -144,6 +144,19 @@ def trusted_consensus(peers: Sequence[ProgressRecord], epoch: int) -> Consensus 
     return _winner(epoch, votes, [c for c, holders in votes.items() if 2 * len(holders) >= len(voters)])
 
 
+def running_consensus(peers: Sequence[ProgressRecord], epoch: int, vouched: Collection[str]) -> Consensus | None:
+    """The checksum of ``epoch`` a peer already training takes as the swarm's, so that groups whose round ended apart
+    converge: the ``trusted_consensus`` while one checksum has half of the electorate; else the most common of the
+    checksums that a key in ``vouched`` holds (the peer itself and the keys it averaged with in its recent rounds:
+    its own evidence that they train, ``swarm.state.trust.Groupmates``). Keys nobody met in a group can add votes to
+    a state a vouched key holds, never make one of their own the swarm's. Ties as in ``consensus``."""
+    agreed = trusted_consensus(peers, epoch)
+    if agreed is not None:
+        return agreed
+    votes = _votes(peers, epoch)
+    return _winner(epoch, votes, [c for c, holders in votes.items() if not set(holders).isdisjoint(vouched)])
+
+
 def build_view(entries: Sequence[PeerEntry], now: float, inner_steps: int, samples_per_step: int) -> SwarmView:
     peers = alive(entries, now)
     epoch = global_epoch(peers)
@@ -171,15 +184,18 @@ class Resync:
         return f"{self.reason.value} (epoch {self.epoch}, the swarm is at {self.global_epoch})"
 
 
-def resync_needed(view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool) -> Resync | None:
+def resync_needed(
+    view: SwarmView, me: str, epoch: int, checksum: str | None, last_round_local: bool, vouched: Collection[str] = ()
+) -> Resync | None:
     """The swarm is ahead of ``epoch``; or our last round was local and took us past the global epoch while
-    others sit there; or most peers hold another checksum for ``epoch`` (more than one voting)."""
+    others sit there; or another checksum is the ``running_consensus`` of ``epoch`` (more than one voting): half of
+    the keys hold it, or it is the most common of those that we or a key in ``vouched`` hold."""
     if view.global_epoch is not None and view.global_epoch > epoch:
         return Resync(ResyncReason.behind, epoch, view.global_epoch)
     if last_round_local and view.global_epoch is not None and view.global_epoch < epoch:
         if any(p.peer_id != me and p.epoch == view.global_epoch for p in view.peers):
             return Resync(ResyncReason.ran_ahead, epoch, view.global_epoch)
-    agreed = consensus(view.peers, epoch)
+    agreed = running_consensus(view.peers, epoch, {me, *vouched})
     if agreed is not None and checksum is not None and not agreed.agrees(checksum) and agreed.voters > 1:
         return Resync(ResyncReason.disagreed, epoch, view.global_epoch)
     return None

@@ -281,7 +281,21 @@ class OuterRound(RoundRecovery):
         self._announce(report)
         self.checks.after_round(report, group, report.averaged, self.overlapped)
         self._note_no_shows(flight)
+        self._note_groupmates(flight, report.averaged)
         return report
+
+    def _note_groupmates(self, flight: Flight, averaged: bool) -> None:
+        """The groupmates whose parts are in our average (none absent, none caught): our evidence that they train
+        with us, which lets us take a state they hold without a majority's vote (``swarm.state.trust.Groupmates``)."""
+        outcome = flight.outcome
+        if outcome is None:
+            return
+        caught = {f.get("peer") for f in outcome.findings if f.get("banned")}
+        self.sync.groupmates.forget(caught)
+        if averaged and flight.fallback is None:
+            self.sync.groupmates.note(
+                [p for p in outcome.group if p not in outcome.absent and p not in caught], self.ctx.me
+            )
 
     def _note_no_shows(self, flight: Flight) -> None:
         """The keys we waited for that are still working towards the round now it is over: not waited for a while."""

@@ -25,11 +25,11 @@ claimants) says otherwise: one that reaches nobody must not drop the whole swarm
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from swarm.dht.ledger import EpochLedger
 from swarm.dht.records import PeerEntry, PeerState
-from swarm.dht.view import SwarmView, consensus
+from swarm.dht.view import SwarmView, consensus, running_consensus
 
 DOUBT_ROUNDS = 3  # rounds of ours past the claimed epoch before its claimants are believed (and asked) again
 MAX_DOUBT_ROUNDS = 96  # the doubling stops here: an honest peer that once could not serve is not shut out for good
@@ -37,18 +37,22 @@ MAX_DOUBTED = 1024  # keys remembered (a stranger can make keys: a bound)
 STARTING = PeerState.starting.value  # a key that vouches for nothing yet
 
 
-def unserved_claimants(view: SwarmView, me: str, epoch: int, mine: str | None, joining: bool) -> tuple[str, ...]:
+def unserved_claimants(
+    view: SwarmView, me: str, epoch: int, mine: str | None, joining: bool, vouched: Collection[str] | None = None
+) -> tuple[str, ...]:
     """Whom to doubt when no donor served the state the view says is the swarm's, which is not ours (``mine``, our
     checksum at our ``epoch``): every other live key at the view's global epoch or later when that is ahead of ours;
-    at our own epoch, the holders of its consensus checksum. None when the view's state is ours, or behind ours (we
-    ran ahead: those are the swarm), nor (``joining``) when nobody else (not us, not them) is in the view."""
+    at our own epoch, the holders of its consensus checksum (the ``running_consensus`` with ``vouched``, our recent
+    groupmates, when given: the one a running peer was told to take). None when the view's state is ours, or behind
+    ours (we ran ahead: those are the swarm), nor (``joining``) when nobody else (not us, not them) is in the
+    view."""
     claimed = view.global_epoch
     if claimed is None or claimed < epoch:
         return ()
     if claimed > epoch:
         claim = tuple(p.peer_id for p in view.peers if p.peer_id != me and p.epoch >= claimed)
     else:
-        agreed = consensus(view.peers, epoch)
+        agreed = consensus(view.peers, epoch) if vouched is None else running_consensus(view.peers, epoch, vouched)
         if agreed is None or agreed.agrees(mine):
             return ()
         claim = tuple(peer for peer in agreed.holders if peer != me)

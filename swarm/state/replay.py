@@ -2,9 +2,9 @@
 
 A peer whose state is the swarm's at its epoch, and that is 1..``averaging.replay_rounds`` epochs behind, fetches
 each missed round's average as its group received it (half a byte per parameter with fp4, against eight for the
-state) and applies it with the outer step. Each step must give the checksum the majority published for it;
-anything else and the caller downloads the whole state. An overlapped peer that the swarm left one round behind
-adopts that round this way while its next round's inner steps go on (``adopt``).
+state) and applies it with the outer step. Each step must give the checksum the swarm holds for it (the
+``running_consensus``); anything else and the caller downloads the whole state. An overlapped peer that the
+swarm left one round behind adopts that round this way while its next round's inner steps go on (``adopt``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import enum
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 from swarm.averager.allreduce import check_parts, decode_into
 from swarm.averager.codecs import codec
 from swarm.averager.transfer import DownloadStopped, read_update
-from swarm.dht.view import consensus
+from swarm.dht.view import running_consensus
 from swarm.events import DownloadFailed, Replayed, ReplayFailed, ReplayStarted, short_reason
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
@@ -36,8 +36,10 @@ class ReplayStep(enum.Enum):
 
 
 class Replay:
-    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints):
-        self.ctx, self.checkpoints = ctx, checkpoints
+    """``vouched``: the keys whose checksum of an epoch we take without a majority (``running_consensus``)."""
+
+    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints, vouched: Callable[[], Collection[str]]):
+        self.ctx, self.checkpoints, self.vouched = ctx, checkpoints, vouched
 
     def adopt(self, shift: Sequence[torch.Tensor]) -> bool:
         """Overlapped: the swarm finished the round of our epoch without us while our next round's inner steps
@@ -60,12 +62,13 @@ class Replay:
         limit = 1 if shift is not None else ctx.manifest.averaging.replay_rounds
         if target is None or not 0 < target - start <= limit:
             return False
-        ours = consensus(view.peers, start)
+        vouched = self.vouched()
+        ours = running_consensus(view.peers, start, vouched)
         if ours is None or not ours.agrees(ctx.outer.checksum()):
             return False
         ctx.emit(ReplayStarted(start, target))
         for epoch in range(start, target):
-            agreed = consensus(view.peers, epoch + 1)
+            agreed = running_consensus(view.peers, epoch + 1, vouched)
             if agreed is None:
                 return False
             donors = [p.peer_id for p in view.peers if p.peer_id in agreed.holders and not p.client_mode]

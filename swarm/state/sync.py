@@ -20,7 +20,7 @@ from pathlib import Path
 from swarm.averager.transfer import DownloadStopped
 from swarm.averager.trickle import TooSlow
 from swarm.dht.records import PeerState
-from swarm.dht.view import Consensus, Resync, SwarmView, consensus, resync_needed
+from swarm.dht.view import Consensus, Resync, SwarmView, resync_needed, running_consensus
 from swarm.errors import LeaveRequested, StateDownloadError
 from swarm.events import (
     AwaitingMajority,
@@ -77,7 +77,9 @@ class StateSync:
         self.ctx, self.checkpoints, self._begin_round = ctx, checkpoints, begin_round
         self.doubts = doubts if doubts is not None else Doubts(lambda: ctx.outer.epoch)
         self.doubted_claim = False  # the last download doubted the keys that vouched for the state it wanted
-        self.replay = Replay(ctx, checkpoints)
+        # the keys we averaged with lately: the states a running peer may take without a majority (``trust``)
+        self.groupmates = trust.Groupmates()
+        self.replay = Replay(ctx, checkpoints, self.vouched)
         self._download_rate: float | None = None  # bytes/s of our last state download
         # donors that served a state file that was not what they voted for, or whose bytes did not match their own
         # header: never asked again by this process (the file is unsigned, so it proves nothing to other peers)
@@ -158,7 +160,12 @@ class StateSync:
         outer = self.ctx.outer
         mine = outer.checksum() if outer.epoch == epoch else None
         view = view if view is not None else self.ctx.reader.view()
-        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local)
+        return resync_needed(view, self.ctx.me, epoch, mine, last_round_local, self.groupmates.keys())
+
+    def vouched(self) -> frozenset[str]:
+        """The keys whose states we may take without a majority's vote (``running_consensus``): ourselves and our
+        recent groupmates. A joiner's are none of them: it takes a majority's (``trust.wanted``)."""
+        return frozenset({self.ctx.me, *self.groupmates.keys()})
 
     def resync(self, why: str, keep_model_if_doubted: bool = False) -> Resynced:
         """Replace our state with the swarm's; the model restarts from the global copy, unless nobody served the
@@ -203,8 +210,12 @@ class StateSync:
                 return False  # without the keys that claimed another state, ours is the swarm's
             if joining:
                 view = self._until_half_agree(view)
-            # a joiner: the latest epoch half of the keys hold (``trust.wanted``); a running peer: the plurality
-            agreed = trust.wanted(view) if joining else consensus(view.peers, view.global_epoch)
+            # a joiner: the latest epoch half of the keys hold (``trust.wanted``); a running peer: half of the keys'
+            # checksum, else the most common one that we or a recent groupmate hold (``running_consensus``)
+            if joining:
+                agreed = trust.wanted(view)
+            else:
+                agreed = running_consensus(view.peers, view.global_epoch, self.vouched())
             if self._holds(agreed):
                 return True
             donors = self._donors(view, agreed)
@@ -268,7 +279,8 @@ class StateSync:
     def _doubt(self, view: SwarmView, joining: bool) -> bool:
         """Doubt the keys that claimed the view's global epoch, which nobody served (``swarm.state.doubts``)."""
         ctx = self.ctx
-        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining)
+        vouched = None if joining else self.vouched()
+        claim = unserved_claimants(view, ctx.me, ctx.outer.epoch, ctx.outer.checksum(), joining, vouched)
         if not claim:
             return False
         rounds = self.doubts.add(claim, view.global_epoch)
@@ -348,7 +360,8 @@ class StateSync:
         except StateFileError as e:  # bytes that do not match their own header: damaged or made up by the donor
             self._distrust(donor, str(e))
             return False
-        refused = trust.refusal(ctx.reader.view(), header.epoch, header.checksum, wanted, ctx.me, joining)
+        view = ctx.reader.view()
+        refused = trust.refusal(view, header.epoch, header.checksum, wanted, ctx.me, joining, self.vouched())
         if refused is not None:  # the swarm's view decides, not the donor's header
             if trust.served_a_lie(donor, header.epoch, header.checksum, wanted):
                 self._distrust(donor, refused)

@@ -9,9 +9,10 @@ header names an epoch and a checksum; the donor chose those, so neither is belie
 - the checksum must be the consensus of that epoch in the view read after the download: for a joiner, the
   trusted consensus (``swarm.dht.view.trusted_consensus``: held by at least half of the keys that voted for the
   epoch or are one epoch behind it); keys are free, a majority of them is not, so an attacker needs half of all
-  keys to make a joiner take its state. A running peer that re-syncs takes the plurality, so that groups whose
-  round ended apart converge on one state: there a fifth of the keys can still win while the honest peers are
-  split (``docs/security.md``);
+  keys to make a joiner take its state. A running peer that re-syncs, so that groups whose round ended apart
+  converge on one state, takes the ``running_consensus``: without a majority, the most common checksum that it or
+  one of its recent groupmates (``Groupmates``) holds. Extra keys can add votes to a candidate, not make one: a
+  state of theirs needs one of them to have averaged with that peer lately (its parts taken, it not caught);
 - and held by at least ``MIN_HOLDERS`` peers other than us when that many have voted for the epoch. Two: one key
   is any donor's own vote for its own file, while a second holder means a peer that computed the same outer step
   on its own. A swarm with only one other voter has nobody to compare with, and its one holder is taken (the
@@ -20,10 +21,36 @@ header names an epoch and a checksum; the donor chose those, so neither is belie
 
 from __future__ import annotations
 
-from swarm.dht.records import CHECKSUM_HISTORY
-from swarm.dht.view import Consensus, SwarmView, consensus, trusted_consensus
+from collections import deque
+from collections.abc import Collection, Iterable
+
+from swarm.dht.records import CHECKSUM_HISTORY, MAX_GROUP
+from swarm.dht.view import Consensus, SwarmView, running_consensus, trusted_consensus
 
 MIN_HOLDERS = 2
+GROUPMATE_ROUNDS = 16  # averaged rounds whose groupmates are remembered
+
+
+class Groupmates:
+    """The keys this peer averaged with (their parts taken into its average, none caught lying) in its last
+    ``GROUPMATE_ROUNDS`` averaged rounds: its own evidence that they train, read by ``running_consensus``. A key
+    cannot put itself here without joining one of this peer's groups and passing its checks."""
+
+    def __init__(self) -> None:
+        self._rounds: deque[frozenset[str]] = deque(maxlen=GROUPMATE_ROUNDS)
+
+    def note(self, group: Iterable[str], me: str) -> None:
+        mates = frozenset(p for p in list(group)[:MAX_GROUP] if p != me)
+        if mates:
+            self._rounds.append(mates)
+
+    def forget(self, peers: Collection[str]) -> None:
+        """Keys caught lying since (banned): no longer evidence of anything."""
+        gone = set(peers)
+        self._rounds = deque((mates - gone for mates in self._rounds), maxlen=GROUPMATE_ROUNDS)
+
+    def keys(self) -> frozenset[str]:
+        return frozenset().union(*self._rounds)
 
 
 def wanted(view: SwarmView) -> Consensus | None:
@@ -50,16 +77,25 @@ def servable(view: SwarmView, agreed: Consensus | None, me: str) -> bool:
 
 
 def refusal(
-    view: SwarmView, epoch: int, checksum: str, wanted: Consensus, me: str, joining: bool = False
+    view: SwarmView,
+    epoch: int,
+    checksum: str,
+    wanted: Consensus,
+    me: str,
+    joining: bool = False,
+    vouched: Collection[str] = (),
 ) -> str | None:
     """Why the state of ``epoch`` and ``checksum`` a donor served is not accepted, or None if it is; ``joining``:
-    only a trusted consensus will do."""
+    only a trusted consensus will do; otherwise the ``running_consensus`` with ``vouched`` (our recent groupmates)."""
     if epoch < wanted.epoch:
         return f"the donor served epoch {epoch}, older than the swarm's {wanted.epoch}"
     reached = max(wanted.epoch, view.global_epoch if view.global_epoch is not None else wanted.epoch)
     if epoch > reached:
         return f"the donor served epoch {epoch}, which the swarm has not reached ({reached})"
-    agreed = (trusted_consensus if joining else consensus)(view.peers, epoch)
+    if joining:
+        agreed = trusted_consensus(view.peers, epoch)
+    else:
+        agreed = running_consensus(view.peers, epoch, {me, *vouched})
     agreed = agreed or (wanted if epoch == wanted.epoch else None)
     if agreed is None or not agreed.agrees(checksum):
         held = "half of the peers" if joining else "most peers"
