@@ -88,13 +88,13 @@ from swarm.dht.records import (
 from swarm.dht.view import (
     SwarmView,
     build_view,
-    consensus,
     global_epoch,
     left_behind,
     mates_coming,
     nobody_to_group_with,
     resync_needed,
     round_due,
+    running_consensus,
     swarm_moved_on,
     trusted_consensus,
 )
@@ -104,7 +104,7 @@ from swarm.round.merge import FETCH_EVERY, LEFT_LOOK_MAX, READ_EVERY, STAGE2_TRI
 from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS, MAJORITY_WAIT
-from swarm.state.trust import servable
+from swarm.state.trust import Groupmates, servable
 from swarm.state.trust import wanted as trust_wanted
 
 NAME = "swarm_sim"
@@ -288,6 +288,11 @@ class SimPeer:
     training_from: float | None = None  # when it first trained
     resumed: bool = False  # it starts with a checkpoint of its own
     no_shows: NoShows | None = None  # ``OuterRound.no_shows``: keys it waited for that did not come
+    groupmates: Groupmates = field(default_factory=Groupmates)  # ``StateSync.groupmates``
+
+    def vouched(self) -> frozenset[str]:
+        """``StateSync.vouched``."""
+        return frozenset({self.pid, *self.groupmates.keys()})
 
 
 @dataclass(eq=False)
@@ -677,7 +682,9 @@ class Simulation:
         if p.unchecked is not None and p.unchecked[0] == p.epoch:  # await_checksums: one read of the mates' buckets
             self.view(p, tuple(m for m in p.unchecked[1] if m != p.pid))
         p.unchecked = None
-        why = resync_needed(self.view(p), p.pid, p.epoch, p.checksums.get(p.epoch), p.last_round_local)
+        why = resync_needed(
+            self.view(p), p.pid, p.epoch, p.checksums.get(p.epoch), p.last_round_local, p.groupmates.keys()
+        )
         samples = p.inner_step * self.m.samples_per_step
         if why is not None:
             self.note_round(p, None, "resynced", samples, reason=why.reason.name)
@@ -754,7 +761,7 @@ class Simulation:
                     view = self.view(p)
                 if view.global_epoch is None:
                     return False
-            agreed = trust_wanted(view) if joining else consensus(view.peers, view.global_epoch)
+            agreed = trust_wanted(view) if joining else running_consensus(view.peers, view.global_epoch, p.vouched())
             if agreed is None:
                 yield 1.0
                 continue
@@ -768,7 +775,11 @@ class Simulation:
                 held = self.peers[donor]
                 if not ok or not held.alive:
                     continue
-                check = (trusted_consensus if joining else consensus)(self.view(p).peers, held.epoch)  # ``refusal``
+                now_view = self.view(p)  # ``refusal``
+                if joining:
+                    check = trusted_consensus(now_view.peers, held.epoch)
+                else:
+                    check = running_consensus(now_view.peers, held.epoch, p.vouched())
                 check = check or (agreed if held.epoch == agreed.epoch else None)
                 if held.epoch >= agreed.epoch and check is not None and check.agrees(held.model):
                     self.load(p, held.epoch, held.model)
@@ -782,11 +793,11 @@ class Simulation:
         start, target = p.epoch, view.global_epoch
         if target is None or not 0 < target - start <= limit:
             return False
-        ours = consensus(view.peers, start)
+        ours = running_consensus(view.peers, start, p.vouched())
         if ours is None or not ours.agrees(p.model):
             return False
         for epoch in range(start, target):
-            agreed = consensus(view.peers, epoch + 1)
+            agreed = running_consensus(view.peers, epoch + 1, p.vouched())
             if agreed is None:
                 return False
             donors = [q.peer_id for q in view.peers if q.peer_id in agreed.holders and q.peer_id != p.pid]
@@ -1145,6 +1156,8 @@ class Simulation:
         p.last_round_local = kind == "local"
         if kind in ("merged", "group"):
             p.unchecked = (p.epoch, f.merge.members if f.merge else (p.pid,))
+            if f.merge is not None:  # ``OuterRound._note_groupmates``
+                p.groupmates.note(f.merge.members, p.pid)
         tag = tag if tag is not None else (f.merge.tag if f.merge is not None else None)
         self.note_no_shows(p, f)
         merge = f.merge

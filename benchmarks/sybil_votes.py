@@ -8,7 +8,11 @@ honest records and ``k`` of an attacker's, and finds the least ``k`` that moves 
 - ``epoch``: the global epoch made one that no honest peer holds (E + 2 while honest peers are at E and E + 1):
   every honest peer then reads itself "behind" and downloads, and the doubts take over (``swarm.state.doubts``);
 - ``checksum``: a running honest peer takes the attacker's checksum of E as the swarm's: it "disagreed with the
-  majority's checksum" and loads the attacker's state (the plurality: running peers converge on it);
+  majority's checksum" and loads the attacker's state. ``plurality`` is the rule before (the most common checksum
+  of E, whoever holds it); ``vouched`` is ``swarm.dht.view.running_consensus`` (half of the keys' checksum, else the
+  most common one the peer or one of its recent groupmates holds) with four honest groupmates, one of each honest
+  state; ``vouched, one met`` the same with one of the attacker's keys among its groupmates too (it averaged with
+  the peer lately and passed its checks);
 - ``donor``: a joiner accepts the attacker's state file of E (``trust.wanted`` and ``trust.refusal``).
 
 Each for an honest swarm that agrees (one checksum, everyone at one epoch) and one that is split (``--split``
@@ -28,7 +32,7 @@ import time
 
 from benchmarks.common import Stopwatch, add_common_args, finish, print_table
 from swarm.dht.records import EpochChecksum, PeerState, ProgressRecord
-from swarm.dht.view import SwarmView, consensus, global_epoch, resync_needed
+from swarm.dht.view import SwarmView, consensus, global_epoch, resync_needed, running_consensus
 from swarm.state.trust import refusal, wanted
 
 NAME = "sybil_votes"
@@ -68,9 +72,14 @@ def moved(attack: str, rule: str, honest: list[ProgressRecord], k: int) -> bool:
     peers = honest + attackers(k, E)
     view = SwarmView(tuple(peers), global_epoch(peers), None)
     if attack == "checksum":  # an honest peer of epoch E holding another checksum
-        why = resync_needed(view, honest[0].peer_id, E, honest[0].checksum_at(E), False)
-        agreed = consensus(peers, E)
-        return why is not None and agreed.checksum == BAD and refusal(view, E, BAD, agreed, honest[0].peer_id) is None
+        me = honest[0].peer_id
+        if rule == "plurality":  # the rule before
+            agreed = consensus(peers, E)
+            return agreed.checksum == BAD and agreed.checksum != honest[0].checksum_at(E)
+        vouched = {q.peer_id for q in honest[1:5]} | ({peers[-1].peer_id} if rule == "vouched, one met" else set())
+        why = resync_needed(view, me, E, honest[0].checksum_at(E), False, vouched)
+        agreed = running_consensus(peers, E, {me, *vouched})
+        return why is not None and agreed.checksum == BAD and refusal(view, E, BAD, agreed, me, vouched=vouched) is None
     if rule == "plurality":  # the rule before: the most common checksum, two holders
         agreed = consensus(peers, E)
         return agreed is not None and agreed.checksum == BAD and len(agreed.holders) >= 2
@@ -98,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         for swarm, split, straddle in (("agrees", 1, False), ("split", args.split, True)):
             honest = honest_swarm(n, split, straddle)
             for attack in ("epoch", "checksum", "donor"):
-                rules = {"epoch": ("median",), "checksum": ("plurality",), "donor": ("plurality", "trusted")}[attack]
+                rules = {
+                    "epoch": ("median",),
+                    "checksum": ("plurality", "vouched", "vouched, one met"),
+                    "donor": ("plurality", "trusted"),
+                }[attack]
                 for rule in rules:
                     k = least_keys(attack, rule, honest)
                     rows.append(dict(honest=n, swarm=swarm, attack=attack, rule=rule, keys=k,
