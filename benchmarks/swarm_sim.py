@@ -143,6 +143,9 @@ class Setup:
     allreduce_overhead: float = 1.0  # seconds an all-reduce takes beyond its bytes over the slowest link
     seed: int = 0
     label: str = ""
+    # an experiment, not the client: matchmaking keys drawn anew each epoch (the hash of the epoch and the id), so a
+    # peer's groupmates reach past its own key (``benchmarks/results/swarm-sim-vouched``)
+    drawn_keys: bool = False
 
     @property
     def update_bytes(self) -> float:
@@ -342,6 +345,9 @@ class Simulation:
         self.no_shows_noted = 0  # keys noted as no-shows, by all peers
         self.epochs: list[tuple[float, int | None]] = []  # (time, the live peers' global epoch)
         self.apart: list[tuple[float, int]] = []  # (time, training peers reading 2+ levels below the median)
+        # (time, share of the training peers at the global epoch that hold its most common checksum): below 1 while
+        # groups whose round ended apart have not converged; staying below 1 is a swarm split into lineages
+        self.agreement: list[tuple[float, float]] = []
         self.joins: list[dict] = []
         self.invalid_records = 0
         self.contents: dict[str, tuple[frozenset[str], float]] = {}  # a merged digest: the groups whose averages it
@@ -428,6 +434,10 @@ class Simulation:
         if training:
             median = statistics.median(p.reader.cache.level for p in training)
             self.apart.append((self.now, sum(p.reader.cache.level <= median - 2 for p in training)))
+            at = self.epochs[-1][1]
+            held = Counter(p.checksums.get(at) for p in training if p.epoch == at and p.checksums.get(at))
+            if held:
+                self.agreement.append((self.now, held.most_common(1)[0][1] / sum(held.values())))
         every = self.setup.churn_every_rounds
         if every and self.epochs[-1][1] is not None and self.epochs[-1][1] >= self._churned_at + every:
             self._churned_at = self.epochs[-1][1]
@@ -863,7 +873,8 @@ class Simulation:
         """One attempt: join the key's lobby; every tick, ``_why_give_up``; a group's all-reduce."""
         bucket = ""
         if self.avg.merge_groups:
-            bucket = matchmaking_bucket(p.pid, p.reader.peers_estimate, self.avg.target_group_size, f.retries)
+            drawn = f"{f.epoch}/{p.pid}" if self.setup.drawn_keys else p.pid
+            bucket = matchmaking_bucket(drawn, p.reader.peers_estimate, self.avg.target_group_size, f.retries)
         key = epoch_group_bits(f.epoch, bucket=bucket)
         f.matched = Signal()
         started = self.now
@@ -1256,6 +1267,7 @@ def figures(sim: Simulation) -> dict[str, Any]:
     common = min((max(p.history) for p in live), default=0)
     at_end = {p.history.get(common) for p in live if common in p.history}
     settled = [(t, e) for t, e in sim.epochs if t >= s.arrival_seconds + 60 and e is not None]
+    agreed = [a for t, a in sim.agreement if t >= s.arrival_seconds]
     rate = None
     if len(settled) >= 2 and settled[-1][0] > settled[0][0]:
         rate = (settled[-1][1] - settled[0][1]) / ((settled[-1][0] - settled[0][0]) / 3600)
@@ -1326,6 +1338,9 @@ def figures(sim: Simulation) -> dict[str, Any]:
         distinct_checksums_at_end=len(at_end),
         peers_apart_max=max((a for t, a in sim.apart if t >= s.arrival_seconds), default=0),
         peers_apart_at_end=sim.apart[-1][1] if sim.apart else 0,
+        agreement_mean=_round(statistics.mean(agreed), 3) if agreed else None,
+        agreement_below_09=_round(sum(a < 0.9 for a in agreed) / len(agreed), 3) if agreed else None,
+        agreement_at_end=_round(agreed[-1], 3) if agreed else None,
         common_epoch_at_end=common,
         round_seconds_median=_round(statistics.median(gaps), 1) if gaps else None,
         matchmaking_seconds_median=_round(
