@@ -226,17 +226,24 @@ def test_the_benchmarks_lying_records_are_records_a_reader_parses():
     assert _initial_peers(argv) == argv[2:4] and _initial_peers(["join"]) == []
 
 
-def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_joiner(tmp_path, monkeypatch):
-    """A split swarm (four honest peers whose round of epoch 7 ended in two groups, from one state of epoch 6, two
-    of them still at 6) and two attacker keys, a third of six, with the lowest ids: they vote for a poisoned state
-    of epoch 7 and serve it, a file that checks out on its own. Their vote is the plurality (the rule before took
-    it); the joiner takes the epoch before, which four of six hold, and never loads the poison."""
+def split_swarm_states(monkeypatch):
+    """The states of a split swarm: the one of epoch 6 it held as one, two groups' states of 7 (h1, h2), and an
+    attacker's poisoned state of 7, a file that checks out on its own. Downloads neither sleep nor shuffle."""
     monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
     monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort())
     before, h1, h2 = state(1, epoch=EPOCH - 1), state(2), state(3)
     poisoned = state(2)
     poisoned.params[0].mul_(-4.0)
     poisoned._checksum = None
+    return before, h1, h2, poisoned
+
+
+def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_joiner(tmp_path, monkeypatch):
+    """A split swarm (four honest peers whose round of epoch 7 ended in two groups, from one state of epoch 6, two
+    of them still at 6) and two attacker keys, a third of six, with the lowest ids: they vote for a poisoned state
+    of epoch 7 and serve it, a file that checks out on its own. Their vote is the plurality (the rule before took
+    it); the joiner takes the epoch before, which four of six hold, and never loads the poison."""
+    before, h1, h2, poisoned = split_swarm_states(monkeypatch)
     files = {
         "0liar0": write(tmp_path / "poison.st", poisoned),
         "0liar1": write(tmp_path / "poison.st", poisoned),
@@ -266,12 +273,7 @@ def test_a_third_of_the_keys_serving_the_state_they_vote_for_never_reaches_a_run
     it takes the most common state that it or a recent groupmate holds (``running_consensus``): with no groupmate
     it keeps its own; with "a" among its groupmates of earlier rounds it loads h1 (the lower ids of a tie) from
     "a" and never asks the attacker's keys; only a liar that averaged with it makes the poison a candidate."""
-    monkeypatch.setattr(sync_module.time, "sleep", lambda s: None)
-    monkeypatch.setattr(sync_module.random, "shuffle", lambda donors: donors.sort())
-    before, h1, h2 = state(1, epoch=EPOCH - 1), state(2), state(3)
-    poisoned = state(2)
-    poisoned.params[0].mul_(-4.0)
-    poisoned._checksum = None
+    before, h1, h2, poisoned = split_swarm_states(monkeypatch)
     files = {
         "0liar0": write(tmp_path / "poison.st", poisoned),
         "0liar1": write(tmp_path / "poison.st", poisoned),
