@@ -138,16 +138,21 @@ def test_a_round_notes_the_groupmates_whose_parts_it_took_and_forgets_those_caug
     host = SimpleNamespace(sync=sync, ctx=SimpleNamespace(me="me"))
     caught = ({"peer": "liar", "banned": True}, {"peer": "b", "banned": False})
     outcome = SimpleNamespace(group=("me", "a", "b", "gone", "liar"), absent=("gone",), findings=caught)
-    OuterRound._note_groupmates(host, SimpleNamespace(outcome=outcome, fallback=None), True)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=outcome, fallback=None, merge=None), True)
     assert sync.groupmates.keys() == {"a", "b"}  # not us, not a groupmate that dropped out, not a caught liar
     later = SimpleNamespace(group=("me", "c"), absent=(), findings=())
-    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback="non-finite values"), True)
-    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback=None), False)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback="non-finite values", merge=None), True)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=later, fallback=None, merge=None), False)
     assert sync.groupmates.keys() == {"a", "b"}  # values not used, or a round not averaged: no evidence
     # a groupmate caught lying in a later round is evidence of nothing any more
     liar = SimpleNamespace(group=("me", "d"), absent=(), findings=({"peer": "a", "banned": True},))
-    OuterRound._note_groupmates(host, SimpleNamespace(outcome=liar, fallback=None), True)
+    OuterRound._note_groupmates(host, SimpleNamespace(outcome=liar, fallback=None, merge=None), True)
     assert sync.groupmates.keys() == {"b", "d"}
+    # a delegate's second stage: the other delegates it ran whole with, less any its audits caught
+    stage2 = SimpleNamespace(partners=frozenset({"x", "y", "z"}), findings=({"peer": "z", "banned": True},))
+    alone = SimpleNamespace(outcome=None, fallback=None, merge=stage2)  # a group of one in the second stage
+    OuterRound._note_groupmates(host, alone, True)
+    assert sync.groupmates.keys() == {"b", "d", "x", "y"}
     # the memory is the last GROUPMATE_ROUNDS averaged rounds
     for i in range(GROUPMATE_ROUNDS):
         sync.groupmates.note(["me", f"q{i}"], "me")

@@ -77,6 +77,8 @@ class MergeState:
     findings: tuple[dict, ...] = ()
     fallback: str | None = None  # why we step with our own group's average
     distrusted: frozenset[str] = frozenset()  # groupmates our first stage's findings ban: not waited for as delegate
+    # the delegates our second stage ran whole with (none caught): evidence that crosses matchmaking keys
+    partners: frozenset[str] = frozenset()
 
 
 class Merger:
@@ -237,6 +239,8 @@ class Merger:
             state.fallback = "second stage: some delegates did not take part"
             return True
         state.findings = outcome.findings
+        caught = {f.get("peer") for f in outcome.findings if f.get("banned")}
+        state.partners = frozenset(outcome.group) - caught - {self.ctx.me}
         included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
         if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
             logger.debug("the merged update of epoch %d was not kept", state.epoch)

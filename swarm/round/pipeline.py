@@ -285,17 +285,18 @@ class OuterRound(RoundRecovery):
         return report
 
     def _note_groupmates(self, flight: Flight, averaged: bool) -> None:
-        """The groupmates whose parts are in our average (none absent, none caught): our evidence that they train
-        with us, which lets us take a state they hold without a majority's vote (``swarm.state.trust.Groupmates``)."""
-        outcome = flight.outcome
-        if outcome is None:
-            return
-        caught = {f.get("peer") for f in outcome.findings if f.get("banned")}
+        """The groupmates whose parts are in our average (none absent, none caught), and, as a delegate, the
+        delegates our second stage ran whole with: our evidence that they train, which lets us take a state they
+        hold without a majority's vote (``swarm.state.trust.Groupmates``). A peer's first-stage groupmates are
+        mostly its own matchmaking key's; the second stage's reach the other keys."""
+        outcome, merge = flight.outcome, flight.merge
+        findings = (*(outcome.findings if outcome else ()), *(merge.findings if merge else ()))
+        caught = {f.get("peer") for f in findings if f.get("banned")}
         self.sync.groupmates.forget(caught)
-        if averaged and flight.fallback is None:
-            self.sync.groupmates.note(
-                [p for p in outcome.group if p not in outcome.absent and p not in caught], self.ctx.me
-            )
+        mates = set(merge.partners) if merge is not None else set()
+        if outcome is not None and averaged and flight.fallback is None:
+            mates |= set(outcome.group) - set(outcome.absent)
+        self.sync.groupmates.note(sorted(mates - caught), self.ctx.me)
 
     def _note_no_shows(self, flight: Flight) -> None:
         """The keys we waited for that are still working towards the round now it is over: not waited for a while."""
