@@ -238,6 +238,7 @@ class MergeState:
     looked_at: float = -math.inf
     left_looks: int = 0
     records: list[GroupRecord] = field(default_factory=list)
+    partners: frozenset[str] = frozenset()  # the delegates a second stage ran whole with
 
 
 @dataclass(eq=False)
@@ -1011,6 +1012,7 @@ class Simulation:
                     # zeros, their groups' work missing) is not registered; the delegate tries again or takes another's
                     m.absent |= frozenset(fixed.members) - frozenset(fixed.present) - {p.pid}
                     if len(fixed.present) == len(fixed.members):
+                        m.partners = frozenset(fixed.present) - {p.pid}
                         held = frozenset(fixed.tags)
                         merged = digest("merged", m.epoch, *sorted(held), "of", *sorted(fixed.tags))
                         self.contents[merged] = (held, 0.0)
@@ -1168,7 +1170,7 @@ class Simulation:
         if kind in ("merged", "group"):
             p.unchecked = (p.epoch, f.merge.members if f.merge else (p.pid,))
             if f.merge is not None:  # ``OuterRound._note_groupmates``
-                p.groupmates.note(f.merge.members, p.pid)
+                p.groupmates.note(sorted({*f.merge.members, *f.merge.partners}), p.pid)
         tag = tag if tag is not None else (f.merge.tag if f.merge is not None else None)
         self.note_no_shows(p, f)
         merge = f.merge
