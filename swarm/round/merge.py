@@ -2,12 +2,12 @@
 
 After its group's all-reduce a peer does not step yet. Its group's delegate registers the group; once no peer of the
 epoch is still averaging in a group, the delegates average their groups' averages (weighted by the groups' samples,
-robustly, audited: the same all-reduce as the first stage, under the epoch's second-stage key) and each registers
-the digest of the result. Every member then takes that swarm's average: its delegate's (or any holder's) file,
-checked against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's
-update for replay. A round that formed one group registers its own average as the swarm's at once. A peer that
-found no group, while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit()``:
-a group that hears of no swarm's average by then, or sees all its holders leave, steps with its own.
+robustly, audited: the same all-reduce as the first stage, under the epoch's second-stage key) and each registers the
+digest of the result. Every member then takes that swarm's average: its delegate's (or any holder's) file, checked
+against the digest the delegates registered, decoded into the averaging buffers, and kept as the epoch's update for
+replay. A round that formed one group registers its own average as the swarm's at once. A peer that found no group,
+while others did, joins the second stage as a group of one. Bounded by ``averaging.merge_limit()``: a group that hears
+of no swarm's average by then, or sees all its holders leave, steps with its own.
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ class MergeState:
     findings: tuple[dict, ...] = ()
     fallback: str | None = None  # why we step with our own group's average
     distrusted: frozenset[str] = frozenset()  # groupmates our first stage's findings ban: not waited for as delegate
-    # the delegates our second stage ran whole with (none caught): evidence that crosses matchmaking keys
-    partners: frozenset[str] = frozenset()
+    partners: frozenset[str] = frozenset()  # who our second stage ran whole with (pipeline drops the caught)
 
 
 class Merger:
@@ -104,8 +103,7 @@ class Merger:
         me = self.ctx.me
         state = MergeState(
             epoch=epoch, tag=group_tag(f"{me}/{epoch}".encode()), delegate=me, members=(me,), size=1,
-            weight=float(max(1, samples)), digest=None,
-            deadline=time.monotonic() + self._limit,
+            weight=float(max(1, samples)), digest=None, deadline=time.monotonic() + self._limit,
         )  # fmt: skip
         self._start(state)
         return state
@@ -238,9 +236,7 @@ class Merger:
             state.absent |= frozenset(outcome.absent) - {self.ctx.me}  # the next try runs without them
             state.fallback = "second stage: some delegates did not take part"
             return True
-        state.findings = outcome.findings
-        caught = {f.get("peer") for f in outcome.findings if f.get("banned")}
-        state.partners = frozenset(outcome.group) - caught - {self.ctx.me}
+        state.findings, state.partners = outcome.findings, frozenset(outcome.group) - {self.ctx.me}
         included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
         if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
             logger.debug("the merged update of epoch %d was not kept", state.epoch)
