@@ -50,6 +50,10 @@ it claims, is replaced:
   its own part alone would agree with an average of its choosing);
 - ``accuse``: honest in every value it sends and returns, but as an auditor it accuses every reducer it audits of
   a wrong average (with the reducer's own receipt), hoping the honest reducer is dropped and banned;
+- ``split``: honest as a sender, but as a reducer it returns ``-factor`` times its slice's average (default 4) to
+  every groupmate but its auditor (which it can compute from the group id), signing the digest of what it returned
+  each one, and its receipt names the true average its auditor received: its auditor's check passes, and the rest
+  of the group would apply the lie;
 - ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
   (``benchmarks.liar_records``).
 
@@ -85,6 +89,7 @@ ATTACKS = {
     "withhold": 0.0,
     "partial": 4.0,
     "accuse": 0.0,
+    "split": 4.0,
     "baddonor": -4.0,
     "undying": 2.0,
     "sybil": 1.0,
@@ -120,6 +125,9 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         return
     if attack == "accuse":
         _install_false_accusations()
+        return
+    if attack == "split":
+        _install_split(factor)
         return
     if attack == "forge":
         _install_forged_weights()
@@ -264,6 +272,25 @@ def _install_cut(share: float) -> None:
         os.write(2, f"cut: sent {sent} of {total} averaged parts to sender {sender_index}\n".encode())
 
     ExactAllReduceRunner._accumulate_parts_streaming = cut
+
+
+def _install_split(factor: float) -> None:
+    from swarm.averager.allreduce import ExactAllReduceRunner
+    from swarm.defence.audit import auditor_of
+
+    returned = ExactAllReduceRunner._returned
+
+    async def split(self, sender_index, averaged):
+        members = [p.to_base58() for p in self.ordered_peer_ids]
+        auditor = auditor_of(members, self.group_id, self.peer_id.to_base58())
+        if self.sender_peer_ids[sender_index].to_base58() == auditor:
+            return await returned(self, sender_index, averaged)
+        if not getattr(self, "_split_said", False):
+            self._split_said = True
+            os.write(2, f"split: returned {-factor} times the average to all but its auditor {auditor[-8:]}\n".encode())
+        return await returned(self, sender_index, averaged * -factor)
+
+    ExactAllReduceRunner._returned = split
 
 
 def _install_forged_weights() -> None:

@@ -14,7 +14,8 @@ import asyncio
 import pytest
 import torch
 
-from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, check_parts, decode_into
+from swarm.averager.allreduce import ExactAllReduceRunner
+from swarm.averager.held import Dropped, check_parts, decode_into
 from swarm.defence.audit import digest_of
 from swarm.defence.statements import Statement, vouches
 from swarm.manifest import Aggregation

@@ -251,9 +251,9 @@ def test_inner_state_is_saved_only_when_the_disk_can_write_it_in_time_and_a_fail
 def test_a_rounds_update_file_gives_back_the_parts_as_they_came_off_the_wire(tmp_path):
     from hivemind.compression import serialize_torch_tensor
 
-    from swarm.averager.allreduce import Dropped, check_parts, decode_into
     from swarm.averager.codecs import CODECS
     from swarm.averager.fp4 import fp4_quantize
+    from swarm.averager.held import Dropped, check_parts, decode_into
     from swarm.averager.transfer import read_update, update_path, write_update
 
     values = [fp4_quantize(torch.randn(3000)), fp4_quantize(torch.randn(1000))]

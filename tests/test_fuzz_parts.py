@@ -20,10 +20,11 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm.averager.allreduce import Dropped, check_parts, decode_into, decode_part
+from swarm.averager.allreduce import decode_part
 from swarm.averager.bounds import OutOfBounds, admit, max_bytes
 from swarm.averager.codecs import FP4, SPARSE
 from swarm.averager.fp4 import fp4_quantize
+from swarm.averager.held import Dropped, check_parts, decode_into
 from swarm.averager.sparse import sparse_quantize
 from swarm.averager.transfer import read_update, write_update
 from swarm.defence.robust import RefusedPart
@@ -181,7 +182,8 @@ PEAK = """
 import resource, sys, zlib, torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
-from swarm.averager.allreduce import decode_part, check_parts
+from swarm.averager.allreduce import decode_part
+from swarm.averager.held import check_parts
 from swarm.averager.fp4 import fp4_quantize
 from swarm.averager.sparse import sparse_quantize
 CT, NUMEL = runtime_pb2.CompressionType, 1 << 20

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from swarm.averager.allreduce import check_parts, decode_into
 from swarm.averager.codecs import apply_error_feedback
+from swarm.averager.held import check_parts, decode_into
 from swarm.averager.transfer import FileTransfer, read_update, update_path
 from swarm.manifest import Compression
 from swarm.round import local_update

@@ -18,10 +18,10 @@ from hivemind.compression import NoCompression, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.averager.allreduce import Dropped
 from swarm.averager.audit_requests import FETCH_ATTEMPTS
 from swarm.averager.audit_serving import AuditRequest, AuditRound, kept_for
 from swarm.averager.auditing import UNANSWERED_STRIKES, Auditing
+from swarm.averager.held import Dropped
 from swarm.averager.repair import RepairFailure, restore_slice, slices_to_repair
 from swarm.defence.audit import FALSE_ACCUSATION, Receipt, Verdict, auditor_of, digest_parts
 from swarm.dht.identity import peer_id_of_owner

@@ -16,14 +16,13 @@ from swarm.averager.allreduce import encode_average
 from swarm.defence.audit import (
     Verdict,
     digest_parts,
-    forgery_proof,
     judge,
     open_receipt,
-    proves_forgery,
     vouching,
     with_statements,
 )
 from swarm.defence.bans import BAN_ROUNDS, BanList, BanReason, Guard, accusation_entry, proven_bans
+from swarm.defence.proofs import forgery_proof, proves_forgery
 from swarm.defence.statements import MAX_STATEMENT_BYTES, Statement, open_statement, vouches
 from swarm.manifest import Aggregation
 from tests.test_audit import CODEC_TYPES, SimpleEntry, honest_round, peer_of, receipt_for, record, statements_for

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into
+from swarm.averager.allreduce import ExactAllReduceRunner
+from swarm.averager.held import check_parts, decode_into
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
 

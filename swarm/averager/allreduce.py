@@ -20,127 +20,30 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.averaging.partition import BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.averager.bounds import OutOfBounds, admit, declared_numel
+from swarm.averager.bounds import OutOfBounds, admit
 from swarm.averager.codecs import SPARSE
+from swarm.averager.held import HeldOutputContainer
 from swarm.averager.spill import SpilledParts
 from swarm.defence.audit import digest_of, part_digest
 from swarm.defence.robust import RefusedPart, RobustPartReducer
-from swarm.defence.statements import Statement, vouches
+from swarm.defence.statements import Output, Statement, open_output, vouches
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Dropped:
-    """A part whose reducer failed: it is read back as ``numel`` zeros."""
-
-    numel: int
-
-
-HeldPart = runtime_pb2.Tensor | Dropped
-
-
-class HeldOutputContainer(TensorPartContainer):
-    """Keeps averaged parts serialized, and hands them out per tensor as lists rather than as new tensors."""
-
-    def register_failed_reducer(self, peer_index: int) -> None:
-        for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
-            numel = self._input_parts_by_peer[peer_index][part_index][0].numel()
-            self.register_processed_part(peer_index, part_index, Dropped(numel))
-            self.failed_size += numel
-
-    async def iterate_output_tensors(self) -> AsyncIterator[list[HeldPart]]:
-        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
-        self._outputs_consumed = True
-        peer_index = num_parts_processed = 0
-        for tensor_index in range(len(self.local_tensors)):
-            parts: list[HeldPart] = []
-            while len(parts) < self.num_parts_by_tensor[tensor_index]:
-                if num_parts_processed >= self.num_parts_by_peer[peer_index]:
-                    num_parts_processed = 0
-                    peer_index += 1
-                    continue
-                if not self._output_parts_by_peer[peer_index]:
-                    self._output_part_available[peer_index].clear()
-                    await self._output_part_available[peer_index].wait()
-                    if self.finished.is_set():
-                        raise AllreduceException("All-reduce was terminated during iteration")
-                parts.append(self._output_parts_by_peer[peer_index].popleft())
-                num_parts_processed += 1
-            yield parts
-
-
-def _decoded(part: HeldPart) -> torch.Tensor | None:
-    """The values of one held part (None: a dropped part, read as zeros)."""
-    if isinstance(part, Dropped):
-        return None
-    try:
-        return deserialize_torch_tensor(part).reshape(-1)
-    except Exception as e:  # a reducer's bytes are another machine's: anything can be wrong with them
-        raise AllreduceException(f"a reducer returned a part that does not decode: {e!r}") from None
-
-
-def check_parts(tensor: torch.Tensor, parts: Sequence[HeldPart], compression: int) -> None:
-    """Raise unless every part is admitted (``swarm.averager.bounds``: within what is left of ``tensor``, in the
-    run's ``compression``), decodes, and together they are exactly ``tensor``'s size: checked before anything is
-    written, so a broken reducer never leaves a tensor half averaged."""
-    total = 0
-    for part in parts:
-        left = tensor.numel() - total
-        try:
-            numel = part.numel if isinstance(part, Dropped) else declared_numel(part)
-            if not 0 <= numel <= left:
-                raise OutOfBounds(f"a part of {numel} values where {left} are left of the tensor")
-            if not isinstance(part, Dropped):
-                admit(part, numel, compression)
-        except OutOfBounds as e:
-            raise AllreduceException(f"a reducer returned a part out of bounds: {e}") from None
-        values = _decoded(part)
-        total += part.numel if values is None else values.numel()
-    if total != tensor.numel():
-        raise AllreduceException(f"reducers returned {total} values for a tensor of {tensor.numel()}")
-
-
-def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
-    """Write held parts, in order, into ``tensor`` (after ``check_parts``)."""
-    flat = tensor.view(-1)
-    offset = 0
-    for part in parts:
-        values = _decoded(part)
-        if values is None:
-            flat[offset : offset + part.numel].zero_()
-            offset += part.numel
-        else:
-            flat[offset : offset + values.numel()].copy_(values)
-            offset += values.numel()
-
-
-def held_digest(held: Sequence[Sequence[HeldPart]]) -> str:
-    """A digest of an average's parts as held (a dropped part by its size): the same for every groupmate that
-    received the same bytes."""
-    digest = hashlib.sha256()
-    for parts in held:
-        for part in parts:
-            digest.update(b"dropped:%d" % part.numel if isinstance(part, Dropped) else part_digest(part))
-        digest.update(b"|")
-    return digest.hexdigest()
 
 
 def decode_part(
@@ -209,6 +112,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
         self.input_statements = [b"" for _ in self.sender_peer_ids]  # each sender's signed statement (``statements``)
+        self.output_statements: dict[str, bytes] = {}  # reducer -> its signed ``Output``: the average it returned us
         self._declared: dict[int, float] = {}  # sender index -> the weight its first part declared
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
@@ -275,7 +179,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-            part_index = 0
+            part_index, returned = 0, []
             async for message in aiter_with_timeout(stream, self.reducer_timeout):
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
@@ -287,6 +191,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                     admit(message.tensor_part, numel, container.compression.compression_type)
                 except OutOfBounds as e:
                     raise AllreduceException(f"{peer_id} returned a part out of bounds: {e}") from None
+                returned.append(part_digest(message.tensor_part))
+                if part_index == expected - 1:  # its signed digest of all it returned us, before the last part counts
+                    self._keep_output(peer_id, message.peer_id, returned)
                 container.register_processed_part(peer_index, part_index, message.tensor_part)
                 part_index += 1
             if part_index != container.num_parts_by_peer[peer_index]:
@@ -335,6 +242,19 @@ class ExactAllReduceRunner(AllReduceRunner):
             raise RefusedPart("a sender's last part came without its signed statement of what it sent")
         self.input_statements[sender_index] = statement
 
+    def _keep_output(self, reducer: PeerID, blob: bytes, returned: list[bytes]) -> None:
+        """Keep a reducer's signed ``Output`` of the average it returned us (``proofs``: two such digests of one
+        slice are an equivocation), or take its slice as cut short if it did not sign what we received."""
+        output = open_output(blob)
+        if output != Output(self.group_id, reducer.to_base58(), digest_of(returned)):
+            raise AllreduceException(f"{reducer} returned its average without its signed statement of it")
+        self.output_statements[reducer.to_base58()] = blob
+
+    async def _returned(self, sender_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        """A part of our slice's average as we return it to a sender: the same bytes to every one."""
+        compression = self.tensor_part_container.compression.compression_type
+        return await asyncio.get_event_loop().run_in_executor(None, encode_average, averaged, compression)
+
     def _refuse(self, sender: PeerID) -> None:
         """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
         self.refused_senders.add(sender)
@@ -345,10 +265,9 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        part_index = 0
+        part_index, returned = 0, []
         ours = self.tensor_part_container.compression.compression_type
         try:
-            loop = asyncio.get_event_loop()
             async for tensor_part, weight, message, statement in amap_in_executor(
                 lambda numbered: (*decode_part(*numbered, compression=ours), numbered[0].peer_id),
                 self._with_expected_numel(self._count(stream, received=True)),
@@ -377,9 +296,15 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except RefusedPart:
                     self._refuse(self.sender_peer_ids[sender_index])
                     raise
-                serialized = await loop.run_in_executor(None, encode_average, averaged_part, ours)
+                serialized = await self._returned(sender_index, averaged_part)
                 self.bytes_sent += len(serialized.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                returned.append(part_digest(serialized))
+                if part_index == self.tensor_part_reducer.num_parts:  # our signed digest of all we returned, with it
+                    message.peer_id = Output(self.group_id, self.peer_id.to_base58(), digest_of(returned)).sign(
+                        self.signing_key
+                    )
+                yield message
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -113,12 +113,17 @@ class AuditRequests:
         return parts
 
     async def _tell_group(
-        self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float
-    ) -> None:
+        self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float,
+        receipt: bytes | None = None,
+    ) -> None:  # fmt: skip
         """Our verdict on ``reducer`` to every groupmate; an accusation names the parts we checked, so that each
-        groupmate's own check of it includes them."""
+        groupmate's own check of it includes them. With it go the reducer's signed ``receipt`` and the ``Output``
+        every reducer signed for the average it returned us: each groupmate compares them with its own."""
         me = self.peer_id.to_base58()
         fields = dict(group_id=record.runner.group_id, reducer=reducer, verdict=verdict.value)
+        fields["outputs"] = dict(record.runner.output_statements)
+        if receipt is not None:
+            fields["receipt"] = receipt
         if verdict in GUILTY or verdict in UNCHECKABLE:
             fields["parts"] = checked[:MAX_ACCUSED_PARTS]
 

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from swarm.averager.allreduce import ExactAllReduceRunner, HeldPart
+from swarm.averager.allreduce import ExactAllReduceRunner
+from swarm.averager.held import HeldPart
 from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.audit import Verdict, auditor_of
+from swarm.defence.statements import MAX_STATEMENT_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class AuditRequest(enum.StrEnum):
 # requests in the largest groups, and rounds last a minute or more. Past these it is refused at once.
 AUDIT_LIMITS = dict(per_peer=8, total=128, per_minute=600)
 MAX_ACCUSED_PARTS = 4096  # parts an accusation may name (a sample's; an audit of every part names none past it)
+MAX_RECEIPT_BYTES = 4096  # a receipt's signature, key and fields, less the 256 bytes or fewer it takes a sender
 KEEP_ROUNDS = 2  # groups whose sent parts and receipts are kept at most (each is let go ``kept_for`` after its audit)
 
 
@@ -66,6 +69,10 @@ class AuditRound:
     own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
     accused: dict[str, list[int]] = field(default_factory=dict)  # reducer -> the parts its accuser checked
+    # what each reducer signed of its average, as we and our groupmates hold it: its ``Output`` to each groupmate
+    # (``(groupmate, reducer)``), and its receipt as its auditor fetched it; two digests of one slice prove it lied
+    heard_outputs: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    receipts: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (its auditor or we, reducer) -> receipt
     news: asyncio.Event = field(default_factory=asyncio.Event)
     done: bool = False  # our receipt is final (or there will be none)
     fetched_bytes: int = 0  # parts downloaded by our audits: their cost in traffic
@@ -179,6 +186,7 @@ class AuditServing:
         record = self._audit_rounds.get(fields.get("group_id")) if fields and "group_id" in fields else None
         sender = context.remote_id.to_base58()
         if record is not None and sender in record.members:
+            _keep_signed_outputs(record, sender, fields)
             reducer = fields.get("reducer")
             try:
                 verdict = Verdict(fields.get("verdict"))
@@ -191,3 +199,17 @@ class AuditServing:
                     record.accused[reducer] = [i for i in parts if isinstance(i, int)]
                 record.news.set()
         return averaging_pb2.DownloadData()
+
+
+def _keep_signed_outputs(record: AuditRound, sender: str, fields: dict) -> None:
+    """What a groupmate's verdict carries of what reducers signed of their averages: the ``Output`` each reducer
+    sent it (checked, with the receipt, once every verdict is in: ``proofs.equivocations``), and, from a reducer's
+    auditor, the receipt it fetched. Only sizes are looked at here."""
+    outputs, reducer, receipt = fields.get("outputs"), fields.get("reducer"), fields.get("receipt")
+    if isinstance(outputs, dict) and len(outputs) <= len(record.members):
+        for name, blob in outputs.items():
+            if name in record.members and isinstance(blob, bytes) and len(blob) <= MAX_STATEMENT_BYTES:
+                record.heard_outputs[(sender, name)] = blob
+    if reducer in record.members and auditor_of(record.members, record.runner.group_id, reducer) == sender:
+        if isinstance(receipt, bytes) and len(receipt) <= MAX_RECEIPT_BYTES + 256 * len(record.members):
+            record.receipts[(sender, reducer)] = receipt

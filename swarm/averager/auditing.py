@@ -21,10 +21,11 @@ import time
 import typing
 from collections import OrderedDict
 
-from swarm.averager.allreduce import Dropped, ExactAllReduceRunner, HeldPart, encode_average
+from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_requests import _retried
 from swarm.averager.audit_serving import AuditRound, AuditServing
 from swarm.averager.bounds import admitted
+from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.repair import (
     WITHHELD_AVERAGE,
     RepairFailure,
@@ -43,7 +44,6 @@ from swarm.defence.audit import (
     auditor_of,
     digest_of,
     digest_parts,
-    forgery_proof,
     judge,
     lists_every_sender,
     open_receipt,
@@ -52,6 +52,7 @@ from swarm.defence.audit import (
     statement_hash,
     suspect_parts,
 )
+from swarm.defence.proofs import equivocation_proof, equivocations, forgery_proof
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,10 @@ class Auditing(AuditServing, SliceRepair):
         found = await self._audit_ours(record, reducers, deadline)
         waiting = self._verdicts_to_wait_for(record, reducers)
         await self._hear_verdicts(record, waiting + self._our_auditor_present(record, reducers), deadline)
+        found += await self._split_averages(record, found)
         recheck_deadline = time.monotonic() + self._audit_timeout
-        found += await self._recheck_accusations(record, waiting, recheck_deadline)
+        proven = {peer for peer, verdict, *_ in found if verdict == Verdict.equivocated}
+        found += await self._recheck_accusations(record, [r for r in waiting if r not in proven], recheck_deadline)
         found += self._accusations_of_us(record)
         dropped, repair_failures, restored, withheld = await self._repair_partial_slices(
             runner, record, held, owner, recheck_deadline
@@ -138,7 +141,9 @@ class Auditing(AuditServing, SliceRepair):
         me, group_id = self.peer_id.to_base58(), record.runner.group_id
         mine = [r for r in reducers if auditor_of(record.members, group_id, r) == me]
         results = await asyncio.gather(*(self._audit_one(record, r, deadline) for r in mine))
-        await asyncio.gather(*(self._tell_group(record, r, v, c, deadline) for r, (v, _, c) in zip(mine, results)))
+        receipts = [record.receipts.get((me, r)) for r in mine]
+        tell = (self._tell_group(record, r, v, c, deadline, b) for r, (v, _, c), b in zip(mine, results, receipts))
+        await asyncio.gather(*tell)
         found = []
         for reducer, (verdict, blob, _) in zip(mine, results):
             strikes = self._strike(reducer, verdict)
@@ -146,6 +151,24 @@ class Auditing(AuditServing, SliceRepair):
             drop = verdict in GUILTY or verdict in UNCHECKABLE or verdict in DROP_ONLY
             found.append((reducer, verdict, blob, drop, verdict in GUILTY or strikes >= UNANSWERED_STRIKES))
         return found
+
+    async def _split_averages(self, record: AuditRound, found_before: list[Found]) -> list[Found]:
+        """Reducers that signed two digests of their slice's average in this group (``proofs.equivocations``): to two
+        groupmates, or to one and in their receipt. Every verdict carries the teller's signed outputs and the receipt
+        it audited against, so each groupmate that heard the same verdicts drops the same slices; the proof goes
+        with the accusation, and every peer that reads it bans the reducer. A reducer our own audit passed (we hold
+        the average its receipt names) is found all the same."""
+        me, group_id = self.peer_id.to_base58(), record.runner.group_id
+        known = {peer for peer, verdict, *_ in found_before if verdict == Verdict.equivocated}
+        blobs = [*record.heard_outputs.values(), *record.receipts.values(), *record.runner.output_statements.values()]
+        found = await asyncio.get_event_loop().run_in_executor(None, equivocations, blobs, group_id)
+        for reducer in found:
+            logger.debug("%s signed two averages of its slice for this group", reducer)
+        return [
+            (reducer, Verdict.equivocated, proof, True, True)
+            for reducer, proof in found.items()
+            if reducer in record.members and reducer != me and reducer not in known
+        ]
 
     def _verdicts_to_wait_for(self, record: AuditRound, reducers: list[str]) -> list[str]:
         """The reducers audited by another groupmate that is still with us (one whose own slice never came is gone)."""
@@ -277,6 +300,7 @@ class Auditing(AuditServing, SliceRepair):
         if receipt is None:
             logger.debug("audited %s: no valid receipt", reducer)
             return Verdict.unanswered, None, []
+        record.receipts[(me, reducer)] = blob
         if not lists_every_sender(receipt, [p.to_base58() for p in record.runner.sender_peer_ids]):
             logger.debug("audited %s: its signed receipt leaves senders out", reducer)
             return Verdict.withheld, blob, []  # signed, so alive, and uncheckable as it stands: struck
@@ -326,6 +350,8 @@ class Auditing(AuditServing, SliceRepair):
             verdict = Verdict.omitted
         if verdict == Verdict.forged:  # published with the statement its receipt does not keep to, when one does not
             blob = forgery_proof(blob, receipt) or blob
+        elif verdict == Verdict.equivocated:  # and with the digest it signed for the average it returned us
+            blob = equivocation_proof([blob, record.runner.output_statements.get(reducer, b"")]) or blob
         logger.debug(
             "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
             len(receipt.senders), len(checked), len(numels),

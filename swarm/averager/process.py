@@ -29,11 +29,12 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.averager import heap
-from swarm.averager.allreduce import ExactAllReduceRunner, check_parts, decode_into, held_digest
+from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import FixedGroups
 from swarm.averager.handle import AllReduceOutcome, Averaging
+from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.refusals import Refusals
 from swarm.averager.transfer import FileTransfer
 from swarm.defence.audit import MALFORMED

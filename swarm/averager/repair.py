@@ -11,10 +11,10 @@ import enum
 import logging
 import math
 
-from swarm.averager.allreduce import Dropped, HeldPart
 from swarm.averager.audit_requests import AuditRequests, _retried
 from swarm.averager.audit_serving import AuditRequest, AuditRound
 from swarm.averager.bounds import admitted
+from swarm.averager.held import Dropped, HeldPart
 from swarm.defence.audit import digest_parts
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
-from swarm.averager.allreduce import Dropped, HeldPart
+from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.serving_limits import ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.dht.access import RunSecret

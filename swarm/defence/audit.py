@@ -53,7 +53,6 @@ from swarm.dht.identity import peer_id_of_owner
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
-PROOF_VERSION = 1
 RECEIPT_VERSION = 3  # 3: with each sender's signed statement (2: digests of the parts' digests)
 MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
 
@@ -260,7 +259,7 @@ def with_statements(receipt: Receipt, statements: object) -> Receipt:
     return replace(receipt, statements=tuple(statements))
 
 
-def _vouches(receipt: Receipt, index: int, statement: bytes, max_weight: float) -> bool:
+def statement_vouches(receipt: Receipt, index: int, statement: bytes, max_weight: float) -> bool:
     opened = open_statement(statement, receipt.senders[index])
     if opened is None or (opened.group_id, opened.reducer) != (receipt.group_id, receipt.reducer):
         return False
@@ -284,38 +283,9 @@ def vouching(receipt: Receipt, max_weight: float | None = math.inf) -> Verdict |
         statement = receipt.statements[index]
         if statement_hash(statement) != receipt.vouched[index]:
             return Verdict.withheld
-        if not _vouches(receipt, index, statement, max_weight):
+        if not statement_vouches(receipt, index, statement, max_weight):
             return Verdict.forged
     return None
-
-
-def forgery_proof(blob: bytes, receipt: Receipt) -> bytes | None:
-    """For an accusation: the reducer's signed receipt and one statement under it that does not vouch for what the
-    receipt lists, which any peer can check (``proves_forgery``); None if there is no such statement."""
-    for index, (sender, digest) in enumerate(zip(receipt.senders, receipt.inputs)):
-        if sender == receipt.reducer or not digest or index >= len(receipt.statements):
-            continue
-        statement = receipt.statements[index]
-        if statement_hash(statement) == receipt.vouched[index] and not _vouches(receipt, index, statement, None):
-            return MSGPackSerializer.dumps([PROOF_VERSION, blob, index, statement])
-    return None
-
-
-def proves_forgery(proof: bytes) -> str | None:
-    """The reducer a ``forgery_proof`` proves a forger (its receipt, signed with its key, lists a digest or a weight
-    that the sender's statement it signed for does not give), else None; never raises."""
-    try:
-        version, blob, index, statement = MSGPackSerializer.loads(proof)
-        receipt = open_receipt(blob) if version == PROOF_VERSION and isinstance(blob, bytes) else None
-        if receipt is None or not isinstance(index, int) or not 0 <= index < len(receipt.senders):
-            return None
-        if receipt.senders[index] == receipt.reducer or not receipt.inputs[index] or not isinstance(statement, bytes):
-            return None
-        if statement_hash(statement) != receipt.vouched[index] or _vouches(receipt, index, statement, None):
-            return None
-        return receipt.reducer
-    except Exception:  # another machine's bytes
-        return None
 
 
 def lists_every_sender(receipt: Receipt, senders: Sequence[str]) -> bool:

@@ -6,7 +6,8 @@ parts from it that no honest client sends (NaN or infinite values, a wrong size,
 decode). It then publishes an accusation in its progress record, with the reducer's own signed
 receipt inside when there is one. An accusation that carries its proof is applied by every peer that
 reads it (``proven_bans``): a reducer's signed receipt listing a digest or a weight that the sender's
-statement it signed for does not give (``audit.forgery_proof``) rests on the accused's own signature.
+statement it signed for does not give, or two digests of one group's average that it signed
+(``swarm.defence.proofs``), rest on the accused's own signature.
 Any other accusation is shown (``accused``; "quorum" when ``QUORUM`` groupmates of the accused, each
 named as a sender in its own receipt, accuse it), never applied: keys are free, so two keys that
 joined an honest reducer's group could otherwise get it banned by every peer, those whose own audit
@@ -37,13 +38,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt, proves_forgery
+from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
+from swarm.defence.proofs import proves_equivocation, proves_forgery
 from swarm.dht.records import PeerEntry, ProgressRecord
 
 logger = logging.getLogger(__name__)
 
 _open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are re-read every second
-_proves_forgery = functools.lru_cache(maxsize=256)(proves_forgery)
 QUORUM = 2  # distinct groupmates of the accused whose accusations are shown as a quorum (never applied as a ban)
 BAN_ROUNDS = 100  # outer rounds a ban lasts, from the round the peer was caught in
 MAX_ACCUSATIONS = 8  # kept in our record, newest last
@@ -57,6 +58,13 @@ class BanReason(enum.StrEnum):
     forged = Verdict.forged.value  # its signed receipt lists a digest or a weight its sender did not sign
     false_accusation = FALSE_ACCUSATION  # an auditor accused a reducer every other check found honest
     malformed = MALFORMED  # as a sender, it sent us (as its reducer) parts no honest client sends
+
+
+# the reasons an accusation can prove, each with its check (``swarm.defence.proofs``): the accused it proves, or None
+_PROOFS = {
+    BanReason.forged: functools.lru_cache(maxsize=256)(proves_forgery),
+    BanReason.equivocated: functools.lru_cache(maxsize=256)(lambda proof: proves_equivocation(proof)),
+}
 
 
 @dataclass(frozen=True)
@@ -131,16 +139,19 @@ def quorum_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
 
 
 def proven_bans(records: Iterable[ProgressRecord]) -> dict[str, Ban]:
-    """Peers whose accusers published proof that any peer can check: a receipt signed by the accused that lists
-    what its sender's statement does not give (``audit.proves_forgery``). One such accusation is enough: it rests
-    on the accused's own signature, not on the accuser's word."""
+    """Peers whose accusers published proof that any peer can check (``swarm.defence.proofs``): a receipt signed by
+    the accused that lists what its sender's statement does not give (forged), or two digests of one group's
+    average both signed by the accused (equivocated). One such accusation is enough: it rests on the accused's own
+    signature, not on the accuser's word."""
     bans: dict[str, Ban] = {}
     for record in records:
         for entry in record.accusations:
-            if entry.verdict != BanReason.forged.value or entry.accused == record.peer_id:
+            proves = _PROOFS.get(entry.verdict)
+            if proves is None or entry.accused == record.peer_id or entry.accused in bans:
                 continue
-            if _proves_forgery(entry.receipt) == entry.accused and entry.accused not in bans:
-                bans[entry.accused] = Ban(entry.accused, BanReason.forged, entry.epoch, (record.peer_id,), time.time())
+            if proves(entry.receipt) == entry.accused:
+                reason = BanReason(entry.verdict)
+                bans[entry.accused] = Ban(entry.accused, reason, entry.epoch, (record.peer_id,), time.time())
     return bans
 
 

@@ -9,6 +9,11 @@ reads nowhere on a part). The reducer refuses a sender whose statement is missin
 received, and puts every statement in its receipt; an auditor checks each one (``judge``). A receipt that lists a
 digest or a weight no sender signed is a lie the receipt itself proves: anyone holding it can check it.
 
+A reducer signs, the same way, the digest of the average it returned each sender (an ``Output``, with the last
+part of that average): a reducer that returns one groupmate another average than another, or than its receipt
+names, has signed two digests for one slice of one group, and the two signatures prove it to anyone
+(``swarm.defence.proofs``).
+
 Pure functions of bytes; statements are small (a digest, a float, a signature and a public key: under 1 KiB)
 and one that is larger than ``MAX_STATEMENT_BYTES`` is refused unread.
 """
@@ -24,6 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from swarm.dht.identity import peer_id_of_owner
 
 STATEMENT_VERSION = 1
+OUTPUT_TAG = "output"  # a reducer's statement of its average: another shape of payload than a sender's
 MAX_STATEMENT_BYTES = 4096  # an RSA-2048 statement is about 700 bytes
 
 
@@ -75,3 +81,40 @@ def vouches(blob: bytes, sender: str, group_id: bytes, reducer: str, digest: byt
 def counts_as(statement: Statement, max_weight: float) -> float:
     """The weight a reducer counts for a sender that declared ``statement.weight``: at most the round's cap."""
     return min(statement.weight, max_weight)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one reducer says it returned one sender: the digest of its average of its slice, part by part."""
+
+    group_id: bytes
+    reducer: str  # base58 peer id: the signer
+    digest: bytes  # ``audit.digest_of`` the per-part digests of the average, in order
+
+    def payload(self) -> bytes:
+        return MSGPackSerializer.dumps([STATEMENT_VERSION, OUTPUT_TAG, self.group_id, self.reducer, self.digest])
+
+    def sign(self, key: RSAPrivateKey | None = None) -> bytes:
+        key = RSAPrivateKey.process_wide() if key is None else key
+        payload = self.payload()
+        return MSGPackSerializer.dumps([payload, key.sign(payload), key.get_public_key().to_bytes()])
+
+
+def open_output(blob: object) -> Output | None:
+    """The reducer's statement of its average in ``blob``, if it is signed by the reducer it names; never raises."""
+    try:
+        if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_STATEMENT_BYTES:
+            return None
+        payload, signature, public_key = MSGPackSerializer.loads(blob)
+        version, tag, group_id, reducer, digest = MSGPackSerializer.loads(payload)
+        if version != STATEMENT_VERSION or tag != OUTPUT_TAG or not isinstance(reducer, str):
+            return None
+        if not (isinstance(group_id, bytes) and isinstance(digest, bytes)):
+            return None
+        if peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
+            return None
+        if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
+            return None
+        return Output(group_id, reducer, digest)
+    except Exception:  # another machine's bytes: anything can be wrong with them
+        return None

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.averager.allreduce import decode_into, encode_average
+from swarm.averager.allreduce import encode_average
 from swarm.averager.codecs import SLICE, codec
+from swarm.averager.held import decode_into
 from swarm.manifest import Compression
 
 if TYPE_CHECKING:

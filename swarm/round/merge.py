@@ -16,10 +16,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from swarm.averager.allreduce import check_parts, decode_into, held_digest
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import fixed_group_id
 from swarm.averager.handle import AllReduceOutcome, Averaging
+from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
 from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag

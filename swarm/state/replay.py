@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from swarm.averager.allreduce import check_parts, decode_into
 from swarm.averager.codecs import codec
+from swarm.averager.held import check_parts, decode_into
 from swarm.averager.transfer import DownloadStopped, read_update
 from swarm.dht.view import running_consensus
 from swarm.events import DownloadFailed, Replayed, ReplayFailed, ReplayStarted, short_reason

@@ -1,0 +1,119 @@
+"""Proofs that a reducer lied, which any peer can check from the reducer's own signatures.
+
+A peer bans on its own evidence (``swarm.defence.bans``); an accusation that carries one of these proofs is applied
+by every peer that reads it, since it rests on the accused's signature and not on the accuser's word:
+
+- **forged**: the reducer's signed receipt and one sender's signed statement under it that does not give the
+  digest or weight the receipt lists for that sender (``forgery_proof``);
+- **equivocated**: two digests of one group's average of its slice, both signed by the reducer, that differ
+  (``equivocation_proof``): each is its receipt's ``output`` or the ``statements.Output`` it sent a groupmate with
+  the last part of its average. An honest reducer returns one average, the same bytes to every groupmate, and
+  signs that digest in its receipt.
+
+A wrong average (a digest signed once, over values that are not the robust mean of the parts) is not among them:
+proving it takes the parts themselves, one of each sender's at least, which do not fit an accusation.
+
+Pure functions of bytes; every check of another machine's bytes returns None rather than raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.defence.audit import Receipt, open_receipt, statement_hash, statement_vouches
+from swarm.defence.statements import open_output
+
+PROOF_VERSION = 1
+EQUIVOCATION_TAG = "equivocated"
+MAX_PROOF_BYTES = 16384  # what an accusation in a progress record carries (``records.Accusation.receipt``)
+
+
+def forgery_proof(blob: bytes, receipt: Receipt) -> bytes | None:
+    """For an accusation: the reducer's signed receipt and one statement under it that does not vouch for what the
+    receipt lists, which any peer can check (``proves_forgery``); None if there is no such statement."""
+    for index, (sender, digest) in enumerate(zip(receipt.senders, receipt.inputs)):
+        if sender == receipt.reducer or not digest or index >= len(receipt.statements):
+            continue
+        statement = receipt.statements[index]
+        if statement_hash(statement) == receipt.vouched[index] and not statement_vouches(
+            receipt, index, statement, None
+        ):
+            return MSGPackSerializer.dumps([PROOF_VERSION, blob, index, statement])
+    return None
+
+
+def proves_forgery(proof: bytes) -> str | None:
+    """The reducer a ``forgery_proof`` proves a forger (its receipt, signed with its key, lists a digest or a weight
+    that the sender's statement it signed for does not give), else None; never raises."""
+    try:
+        version, blob, index, statement = MSGPackSerializer.loads(proof)
+        receipt = open_receipt(blob) if version == PROOF_VERSION and isinstance(blob, bytes) else None
+        if receipt is None or not isinstance(index, int) or not 0 <= index < len(receipt.senders):
+            return None
+        if receipt.senders[index] == receipt.reducer or not receipt.inputs[index] or not isinstance(statement, bytes):
+            return None
+        if statement_hash(statement) != receipt.vouched[index] or statement_vouches(receipt, index, statement, None):
+            return None
+        return receipt.reducer
+    except Exception:  # another machine's bytes
+        return None
+
+
+def signed_output(blob: object) -> tuple[str, bytes, bytes] | None:
+    """``(reducer, group_id, digest)`` of the average that ``blob`` says, under the reducer's signature, it
+    returned: a reducer's ``statements.Output``, or its receipt; None for anything else."""
+    output = open_output(blob)
+    if output is not None:
+        return output.reducer, output.group_id, output.digest
+    receipt = open_receipt(blob) if isinstance(blob, bytes) else None
+    return None if receipt is None else (receipt.reducer, receipt.group_id, receipt.output)
+
+
+def equivocation_proof(blobs: Iterable[bytes]) -> bytes | None:
+    """For an accusation: the smallest two of ``blobs`` (signed outputs and receipts, ``signed_output``) in which one
+    reducer signed two digests for one group's average, as a proof any peer can check (``proves_equivocation``);
+    None when they all agree, or no such pair fits ``MAX_PROOF_BYTES``."""
+    found = equivocations(blobs)
+    return next(iter(found.values()), None)
+
+
+def equivocations(blobs: Iterable[bytes], group_id: bytes | None = None) -> dict[str, bytes]:
+    """Every reducer that signed two digests for one group's average (of ``group_id``, if given) among ``blobs``,
+    with the smallest proof of it that fits ``MAX_PROOF_BYTES``."""
+    by_slice: dict[tuple[str, bytes], dict[bytes, bytes]] = {}  # (reducer, group) -> digest -> its smallest blob
+    for blob in {b for b in blobs if isinstance(b, bytes)}:
+        said = signed_output(blob)
+        if said is None or (group_id is not None and said[1] != group_id):
+            continue
+        digests = by_slice.setdefault(said[:2], {})
+        if said[2] not in digests or len(blob) < len(digests[said[2]]):
+            digests[said[2]] = blob
+    found = {}
+    for (reducer, _), digests in by_slice.items():
+        smallest = sorted(digests.values(), key=len)[:2]
+        if len(smallest) == 2:
+            proof = MSGPackSerializer.dumps([PROOF_VERSION, EQUIVOCATION_TAG, *smallest])
+            if len(proof) <= MAX_PROOF_BYTES:
+                found[reducer] = proof
+    return found
+
+
+def proves_equivocation(proof: object, group_id: bytes | None = None) -> str | None:
+    """The reducer an ``equivocation_proof`` proves signed two averages of one group (of ``group_id``, if given),
+    else None; never raises."""
+    try:
+        if not isinstance(proof, bytes) or len(proof) > MAX_PROOF_BYTES:
+            return None
+        version, tag, a, b = MSGPackSerializer.loads(proof)
+        if version != PROOF_VERSION or tag != EQUIVOCATION_TAG:
+            return None
+        said_a, said_b = signed_output(a), signed_output(b)
+        if said_a is None or said_b is None or said_a[:2] != said_b[:2] or said_a[2] == said_b[2]:
+            return None
+        if group_id is not None and said_a[1] != group_id:
+            return None
+        return said_a[0]
+    except Exception:  # another machine's bytes
+        return None
