@@ -133,7 +133,8 @@ def _peers_table(source: DashboardSource, now: float) -> Table:
         row = peer_row(peer, own, now)
         why = banned.get(peer.record.peer_id)
         if why is not None and not peer.gone:  # who banned it, and why (docs/security.md, "Bans")
-            row[6] = f"banned: {why['reasons'][0]} ({len(why['by'])} of us{', a quorum' if why['quorum'] else ''})"
+            said = ", proven" if why["proven"] else ", a quorum" if why["quorum"] else ""
+            row[6] = f"banned: {why['reasons'][0]} ({len(why['by'])} of us{said})"
         style = "dim" if peer.gone else "red" if why is not None else None
         table.add_row(*(Text(cell) for cell in row), style=style)  # Text: a peer's name is not rich markup
     if hidden:

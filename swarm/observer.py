@@ -115,10 +115,11 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
     "samples_per_second", "checksum": {"epoch", "checksum"} | null, "last_seen"}]}``, where
     ``last_seen`` is the unix time of the peer's latest record. Only live peers are listed, at most
     ``PEERS_LISTED`` (100) of them, the most useful first (``ranked``: banned, outvoted on their checksum, off the
-    global epoch, not training, then the slowest). ``"banned": [{"peer_id", "reasons", "by", "epoch", "quorum"}]``
-    lists the peers a live peer banned (``swarm.defence.bans.accused``): why, who says so, since which round, and
-    whether a quorum of its groupmates says so (shown, never applied: each peer bans on its own evidence); at most
-    ``BANNED_LISTED`` (10) of them, those with a quorum and by the most peers first, each with at most
+    global epoch, not training, then the slowest). ``"banned": [{"peer_id", "reasons", "by", "epoch", "quorum",
+    "proven"}]`` lists the peers a live peer banned (``swarm.defence.bans.accused``): why, who says so, since which
+    round, whether a quorum of its groupmates says so (shown, never applied: each peer bans on its own evidence),
+    and whether an accusation carries a proof every peer applies; at most ``BANNED_LISTED`` (10) of them, the
+    proven first, then those with a quorum and by the most peers, each with at most
     ``ACCUSERS_LISTED`` (8) peer ids in ``by`` and as many reasons as there are ban reasons (6), ids and reasons
     over 64 characters cut.
 
@@ -145,7 +146,10 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
                 last_seen=p.time,
             )
         )
-    worst = sorted(accusations.items(), key=lambda item: (not item[1]["quorum"], -len(item[1]["by"]), item[0]))
+    worst = sorted(
+        accusations.items(),
+        key=lambda item: (not item[1]["proven"], not item[1]["quorum"], -len(item[1]["by"]), item[0]),
+    )
     banned = [
         dict(
             peer_id=_clip(peer),
@@ -153,6 +157,7 @@ def snapshot(manifest: RunManifest, entries: list[PeerEntry]) -> dict[str, Any]:
             by=why["by"][:ACCUSERS_LISTED],
             epoch=why["epoch"],
             quorum=why["quorum"],
+            proven=why["proven"],
         )
         for peer, why in worst[:BANNED_LISTED]
     ]

@@ -37,7 +37,8 @@ from swarm.defence.bans import (
     accusation_entry,
     quorum_bans,
 )
-from swarm.defence.statements import Statement
+from swarm.defence.proofs import equivocation_proof
+from swarm.defence.statements import Output, Statement
 from swarm.dht.identity import peer_id_of_owner
 from swarm.dht.records import Accusation, ProgressRecord
 from swarm.manifest import Aggregation
@@ -413,8 +414,9 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
 
     banned = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records])["banned"]
     assert banned == [
-        dict(peer_id=peer_of(liar), reasons=["wrong average"], by=sorted(names[:2]), epoch=2, quorum=True)
-    ]
+        dict(peer_id=peer_of(liar), reasons=["wrong average"], by=sorted(names[:2]), epoch=2, quorum=True,
+             proven=False)
+    ]  # fmt: skip
     only_one = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records[1:]])["banned"]
     assert only_one[0]["quorum"] is False and only_one[0]["by"] == [peer_of(b)]
 
@@ -426,3 +428,19 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
     liar_line = next(line for line in text.splitlines() if peer_of(liar)[-8:] in line)
     assert "banned: wrong average (2 of us, a quorum)" in liar_line
     assert sum("banned" in line for line in text.splitlines()) == 1
+
+    # one accusation with a proof (two averages of one slice under the liar's signature): applied everywhere, so shown
+    # first and as proven
+    group = b"g" * 20
+    proof = equivocation_proof([Output(group, peer_of(liar), d * 32).sign(liar) for d in (b"a", b"b")])
+    proven = accusation_entry(dict(peer=peer_of(liar), verdict="equivocated", banned=True, receipt=proof), 3)
+    records = [record(a, [proven]), record(b), record(liar)]
+    banned = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records])["banned"]
+    assert banned == [
+        dict(peer_id=peer_of(liar), reasons=["equivocated"], by=[peer_of(a)], epoch=3, quorum=False, proven=True)
+    ]
+    watch.snapshot.peers = [TrackedPeer(r, time.time()) for r in records]
+    console = Console(record=True, width=200)
+    console.print(_peers_table(source, time.time()))
+    liar_line = next(line for line in console.export_text().splitlines() if peer_of(liar)[-8:] in line)
+    assert "banned: equivocated (1 of us, proven)" in liar_line

@@ -216,7 +216,7 @@ def test_status_json_stays_bounded_when_peers_spread_over_epochs_and_accuse_each
     assert len(snap["by_epoch"]) == EPOCHS_LISTED and snap["by_epoch_other"] == N - EPOCHS_LISTED
     assert snap["banned_total"] == 300 and len(snap["banned"]) == BANNED_LISTED and snap["truncated"]
     for entry in snap["banned"]:
-        assert set(entry) == {"peer_id", "reasons", "by", "epoch", "quorum"}
+        assert set(entry) == {"peer_id", "reasons", "by", "epoch", "quorum", "proven"}
         assert len(entry["by"]) == ACCUSERS_LISTED and len(entry["peer_id"]) <= 64
         assert all(len(reason) <= 64 for reason in entry["reasons"])
 

@@ -97,9 +97,11 @@ def accusation_entry(finding: dict, epoch: int) -> dict | None:
 
 def accused(records: Iterable[ProgressRecord]) -> dict[str, dict]:
     """Every peer someone banned, and why, for dashboards and ``status --json``: ``{peer_id: {"reasons",
-    "by", "epoch", "quorum"}}``; ``quorum`` is whether the accusations ban it for every peer (``quorum_bans``)."""
+    "by", "epoch", "quorum", "proven"}}``; ``quorum`` is whether two of its groupmates accuse it (``quorum_bans``:
+    shown, never applied), ``proven`` whether an accusation carries a proof, which every peer applies
+    (``proven_bans``)."""
     records = list(records)
-    quorum = quorum_bans(records)
+    quorum, proven = quorum_bans(records), proven_bans(records)
     found: dict[str, dict] = {}
     for record in records:
         for entry in record.accusations:
@@ -108,7 +110,13 @@ def accused(records: Iterable[ProgressRecord]) -> dict[str, dict]:
             item["by"].add(record.peer_id)
             item["epoch"] = min(item["epoch"], entry.epoch)
     return {
-        peer: dict(reasons=sorted(i["reasons"]), by=sorted(i["by"]), epoch=i["epoch"], quorum=peer in quorum)
+        peer: dict(
+            reasons=sorted(i["reasons"]),
+            by=sorted(i["by"]),
+            epoch=i["epoch"],
+            quorum=peer in quorum,
+            proven=peer in proven,
+        )  # fmt: skip
         for peer, i in found.items()
     }
 
