@@ -275,20 +275,25 @@ def _install_cut(share: float) -> None:
 
 
 def _install_split(factor: float) -> None:
-    from swarm.averager.allreduce import ExactAllReduceRunner
+    import asyncio
+
+    from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
     from swarm.defence.audit import auditor_of
 
     returned = ExactAllReduceRunner._returned
 
-    async def split(self, sender_index, averaged):
+    async def split(self, sender_index, part_index, averaged):
         members = [p.to_base58() for p in self.ordered_peer_ids]
         auditor = auditor_of(members, self.group_id, self.peer_id.to_base58())
-        if self.sender_peer_ids[sender_index].to_base58() == auditor:
-            return await returned(self, sender_index, averaged)
+        if sender_index == self.sender_peer_ids.index(self.peer_id) or (
+            self.sender_peer_ids[sender_index].to_base58() == auditor
+        ):  # its own copy (what its receipt names) and its auditor's: the true average
+            return await returned(self, sender_index, part_index, averaged)
         if not getattr(self, "_split_said", False):
             self._split_said = True
             os.write(2, f"split: returned {-factor} times the average to all but its auditor {auditor[-8:]}\n".encode())
-        return await returned(self, sender_index, averaged * -factor)
+        codec = self.tensor_part_container.compression.compression_type
+        return await asyncio.get_event_loop().run_in_executor(None, encode_average, averaged * -factor, codec)
 
     ExactAllReduceRunner._returned = split
 

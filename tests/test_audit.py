@@ -432,7 +432,7 @@ def test_status_json_and_the_dashboard_show_who_is_banned_and_why(keys):
     # one accusation with a proof (two averages of one slice under the liar's signature): applied everywhere, so shown
     # first and as proven
     group = b"g" * 20
-    proof = equivocation_proof([Output(group, peer_of(liar), d * 32).sign(liar) for d in (b"a", b"b")])
+    proof = equivocation_proof([Output(group, peer_of(liar), b"n", d * 32).sign(liar) for d in (b"a", b"b")])
     proven = accusation_entry(dict(peer=peer_of(liar), verdict="equivocated", banned=True, receipt=proof), 3)
     records = [record(a, [proven]), record(b), record(liar)]
     banned = snapshot(tiny_manifest(), [PeerEntry(r, expires) for r in records])["banned"]

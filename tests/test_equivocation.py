@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from types import SimpleNamespace
 
 import hypothesis.strategies as st
@@ -19,11 +20,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 
-from swarm.averager.allreduce import ExactAllReduceRunner
+from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound, _keep_signed_outputs
 from swarm.averager.auditing import Auditing
 from swarm.averager.held import Dropped
-from swarm.defence.audit import Verdict, digest_parts
+from swarm.defence.audit import Verdict, digest_parts, open_receipt
 from swarm.defence.bans import BanList, BanReason, Guard, accusation_entry, proven_bans
 from swarm.defence.proofs import (
     MAX_PROOF_BYTES,
@@ -39,6 +40,7 @@ from tests.keyed_p2p import keyed_p2ps
 from tests.test_audit import SimpleEntry, honest_round, peer_of, receipt_for, record
 
 GROUP = b"g" * 20
+NONCE = b"n" * 16
 HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim
 
 
@@ -49,11 +51,12 @@ def keys():
 
 def test_an_output_opens_only_as_its_reducers_and_is_not_a_senders_statement(keys):
     reducer, sender = peer_of(keys[0]), peer_of(keys[1])
-    blob = Output(GROUP, reducer, b"d" * 32).sign(keys[0])
+    blob = Output(GROUP, reducer, NONCE, b"d" * 32).sign(keys[0])
     assert len(blob) < 1024
-    assert open_output(blob) == Output(GROUP, reducer, b"d" * 32)
-    assert open_output(Output(GROUP, reducer, b"d" * 32).sign(keys[1])) is None  # signed by another key
+    assert open_output(blob) == Output(GROUP, reducer, NONCE, b"d" * 32)
+    assert open_output(Output(GROUP, reducer, NONCE, b"d" * 32).sign(keys[1])) is None  # signed by another key
     assert open_output(blob[:-3] + b"xyz") is None
+    assert open_output(Output(GROUP, reducer, NONCE, b"d" * 65).sign(keys[0])) is None  # no digest is that long
     # a sender's statement names the reducer too, but is another payload: never read as an output
     assert open_output(Statement(GROUP, reducer, b"d" * 32, 1.0).sign(keys[1])) is None
     assert open_output(Statement(GROUP, sender, b"d" * 32, 1.0).sign(keys[1])) is None
@@ -63,12 +66,12 @@ def test_two_digests_of_one_slice_signed_by_its_reducer_prove_it_equivocated(key
     liar, a, b, _ = keys
     names = [peer_of(k) for k in (liar, a, b)]
     served, weights, _, output = honest_round("fp4")
-    receipt = receipt_for(liar, names, served, weights, output)
+    receipt = dataclasses.replace(receipt_for(liar, names, served, weights, output), nonce=NONCE)
     signed = receipt.sign(liar)
-    to_a = Output(GROUP, names[0], receipt.output).sign(liar)  # what its receipt names, and its auditor got
-    to_b = Output(GROUP, names[0], b"x" * 32).sign(liar)  # another average, to another groupmate
-    assert signed_output(signed) == (names[0], receipt.group_id, receipt.output)
-    assert signed_output(to_b) == (names[0], GROUP, b"x" * 32)
+    to_a = Output(GROUP, names[0], NONCE, receipt.output).sign(liar)  # what its receipt names, and its auditor got
+    to_b = Output(GROUP, names[0], NONCE, b"x" * 32).sign(liar)  # another average, to another groupmate
+    assert signed_output(signed) == (names[0], receipt.group_id, NONCE, receipt.output)
+    assert signed_output(to_b) == (names[0], GROUP, NONCE, b"x" * 32)
     # agreeing signatures prove nothing; any two that differ do, and the smaller pair is kept
     assert equivocations([signed, to_a]) == {} and equivocation_proof([signed, to_a, to_a]) is None
     for pair in ([to_a, to_b], [signed, to_b], [signed, to_a, to_b]):
@@ -76,18 +79,39 @@ def test_two_digests_of_one_slice_signed_by_its_reducer_prove_it_equivocated(key
         assert proves_equivocation(proof) == names[0] and proves_equivocation(proof, GROUP) == names[0]
         assert len(proof) < 4096 <= MAX_PROOF_BYTES
     assert proves_equivocation(equivocation_proof([to_a, to_b]), b"h" * 20) is None  # another group's
-    assert equivocations([to_a, to_b], b"h" * 20) == {}
-    # another reducer's signature, or another group's, is no contradiction
-    other = Output(GROUP, names[1], b"x" * 32).sign(a)
-    elsewhere = Output(b"h" * 20, names[0], b"x" * 32).sign(liar)
-    assert equivocations([to_a, other, elsewhere]) == {}
-    forged = Output(GROUP, names[0], b"y" * 32).sign(a)  # a groupmate's key cannot sign in the reducer's name
+    assert equivocations([to_a, to_b], b"h" * 20) == {} and equivocations([to_a, to_b], members=names[1:]) == {}
+    # another reducer's signature, another group's, or another run's (a leader that hands the reducer a group id it
+    # averaged in before: the reducer draws a new nonce) is no contradiction
+    other = Output(GROUP, names[1], NONCE, b"x" * 32).sign(a)
+    elsewhere = Output(b"h" * 20, names[0], NONCE, b"x" * 32).sign(liar)
+    rerun = Output(GROUP, names[0], b"m" * 16, b"x" * 32).sign(liar)
+    assert equivocations([to_a, other, elsewhere, rerun, signed]) == {}
+    assert proves_equivocation(MSGPackSerializer.dumps([1, "equivocated", to_a, rerun])) is None
+    forged = Output(GROUP, names[0], NONCE, b"y" * 32).sign(a)  # a groupmate's key cannot sign in the reducer's name
     assert equivocations([to_a, forged]) == {}
     assert proves_equivocation(MSGPackSerializer.dumps([1, "equivocated", to_a, forged])) is None
     assert proves_equivocation(MSGPackSerializer.dumps([1, "equivocated", to_a, to_a])) is None
     assert proves_equivocation(MSGPackSerializer.dumps([1, "equivocated", to_a, other])) is None
     assert proves_equivocation(MSGPackSerializer.dumps([2, "equivocated", to_a, to_b])) is None
     assert proves_equivocation(b"x" * (MAX_PROOF_BYTES + 1)) is None  # refused unread
+
+
+def test_an_honest_round_checks_no_signature_and_a_receipt_of_huge_fields_is_refused(keys, monkeypatch):
+    """Blobs are read before they are verified: only an all-reduce said to have two averages costs signature
+    checks. A signed integer where a receipt's bytes belong is refused, not made into that many zero bytes."""
+    from swarm.defence import proofs
+
+    names = [peer_of(k) for k in keys]
+    agreeing = [Output(GROUP, names[0], NONCE, b"d" * 32).sign(keys[0]) for _ in range(40)]  # PSS: each differs
+    checked = []
+    monkeypatch.setattr(proofs, "signed_output", lambda blob: checked.append(blob))
+    assert proofs.equivocations(agreeing, GROUP, names) == {} and checked == []
+    monkeypatch.undo()
+    payload = MSGPackSerializer.dumps([4, GROUP, names[0], [names[0]], [1.0], [2**40], 2**40, [b""], NONCE])
+    huge = MSGPackSerializer.dumps([payload, keys[0].sign(payload), keys[0].get_public_key().to_bytes()])
+    started = time.monotonic()
+    assert open_receipt(huge) is None and signed_output(huge) is None
+    assert time.monotonic() - started < 5  # a bound on the test, not a speed claim: 2**40 zero bytes never come
 
 
 FIELD = st.one_of(st.binary(max_size=600), st.integers(-(2**63), 2**64 - 1), st.text(max_size=50), st.floats())
@@ -105,7 +129,7 @@ def test_outputs_and_equivocation_proofs_from_another_machine_never_raise(blob):
 def test_an_accusation_with_two_signed_digests_bans_for_every_reader(tmp_path, keys):
     liar, a, b, _ = keys
     names = [peer_of(k) for k in (liar, a, b)]
-    to_a, to_b = (Output(GROUP, names[0], d * 32).sign(liar) for d in (b"a", b"b"))
+    to_a, to_b = (Output(GROUP, names[0], NONCE, d * 32).sign(liar) for d in (b"a", b"b"))
     proof = equivocation_proof([to_a, to_b])
     entry = accusation_entry(dict(peer=names[0], verdict=Verdict.equivocated.value, banned=True, receipt=proof), 5)
     Accusation(**entry)  # fits a progress record
@@ -143,10 +167,10 @@ def test_every_groupmate_that_heard_the_same_verdicts_drops_a_split_slice(keys):
     liar, auditor, other, _ = keys
     names = [peer_of(k) for k in (liar, auditor, other)]
     served, weights, _, output = honest_round("fp4")
-    receipt = dataclasses.replace(receipt_for(liar, names, served, weights, output), group_id=GROUP)
+    receipt = dataclasses.replace(receipt_for(liar, names, served, weights, output), group_id=GROUP, nonce=NONCE)
     signed = receipt.sign(liar)
-    honest_output = Output(GROUP, names[0], receipt.output).sign(liar)
-    lie = Output(GROUP, names[0], b"x" * 32).sign(liar)
+    honest_output = Output(GROUP, names[0], NONCE, receipt.output).sign(liar)
+    lie = Output(GROUP, names[0], NONCE, b"x" * 32).sign(liar)
     runner = lambda own: SimpleNamespace(group_id=GROUP, output_statements={names[0]: own})  # noqa: E731
 
     # the auditor: its own output agrees with the receipt; the other groupmate's verdict carries the lie
@@ -178,9 +202,11 @@ def split(runner: ExactAllReduceRunner) -> None:
     """It returns the first other groupmate the true average and the rest twice it, signing what it sent each."""
     returned = runner._returned
 
-    async def lying(sender_index, averaged):
+    async def lying(sender_index, part_index, averaged):
         first = next(i for i, p in enumerate(runner.sender_peer_ids) if p != runner.peer_id)
-        return await returned(sender_index, averaged if sender_index == first else averaged * 2)
+        if sender_index == first or runner.sender_peer_ids[sender_index] == runner.peer_id:
+            return await returned(sender_index, part_index, averaged)
+        return encode_average(averaged * 2, runner.tensor_part_container.compression.compression_type)
 
     runner._returned = lying
 
@@ -244,7 +270,7 @@ def test_each_reducer_signs_the_average_it_returned_and_a_split_one_proves_itsel
             parts = _slice_of(runner, held, index)
             assert not any(isinstance(p, Dropped) for p in parts)
             signed = open_output(runner.output_statements[other.peer_id.to_base58()])
-            assert signed == Output(GROUP, other.peer_id.to_base58(), digest_parts(parts))
+            assert signed == Output(GROUP, other.peer_id.to_base58(), other.nonce, digest_parts(parts))
         digests.append(open_output(runner.output_statements[liar]).digest)
     # an honest reducer returned the bytes it holds of its own slice (what its receipt signs); the liar did not
     for reducer, member in ((1, 2), (2, 1)):
@@ -266,3 +292,46 @@ def test_an_average_returned_without_its_signed_output_comes_in_part():
         parts = _slice_of(runner, held, 0)
         assert isinstance(parts[-1], Dropped) and not any(isinstance(p, Dropped) for p in parts[:-1])
         assert runner.tensor_part_container.failed_size == parts[-1].numel
+
+
+def test_a_group_id_we_averaged_in_is_refused_and_a_rounds_record_is_never_forgotten_for_a_later_one():
+    """A leader could hand an honest reducer the id of a group it averaged in before: its signatures then carry a new
+    nonce (no proof pairs them, above), the group is refused while that round's record is kept, and the old round's
+    timer never takes a later round's record with it."""
+    from hivemind.averaging.allreduce import AllreduceException
+
+    from swarm.averager.audit_serving import AuditServing
+    from swarm.averager.refusals import Refusals
+
+    refusals = Refusals.__new__(Refusals)
+    refusals._banned, refusals._running_groups = set(), {}
+    refusals._audit_rounds = {GROUP: object()}
+    with pytest.raises(AllreduceException, match="averaged in"):
+        refusals._check_group(["a", "b"], GROUP)
+    refusals._check_group(["a", "b"], b"h" * 20)  # a new one is ours
+
+    serving = AuditServing.__new__(AuditServing)
+    closed = []
+    runner = lambda: SimpleNamespace(sent_parts=SimpleNamespace(close=lambda: closed.append(1)))  # noqa: E731
+    old, new = AuditRound(members=["a"], runner=runner()), AuditRound(members=["a"], runner=runner())
+    serving._audit_rounds = {GROUP: new}
+    serving._forget_round(GROUP, old)
+    assert serving._audit_rounds == {GROUP: new} and closed == []
+    serving._forget_round(GROUP, new)
+    assert serving._audit_rounds == {} and closed == [1]
+
+
+def test_one_finding_a_groupmate_keeps_the_proof_and_any_drop():
+    from swarm.averager.findings import one_a_peer
+
+    found = [
+        ("liar", Verdict.passed, None, False, False),  # our audit passed it: we hold the average its receipt names
+        ("other", Verdict.withheld, None, True, False),
+        ("liar", Verdict.equivocated, b"proof", True, True),  # then the verdicts showed two signed averages
+        ("other", Verdict.withheld, None, False, True),  # and a repair's strike banned it
+    ]
+    assert one_a_peer(found) == [
+        ("liar", Verdict.equivocated, b"proof", True, True),
+        ("other", Verdict.withheld, None, True, True),
+    ]
+    assert one_a_peer([]) == []

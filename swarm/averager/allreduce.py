@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -113,6 +114,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
         self.input_statements = [b"" for _ in self.sender_peer_ids]  # each sender's signed statement (``statements``)
         self.output_statements: dict[str, bytes] = {}  # reducer -> its signed ``Output``: the average it returned us
+        self.nonce = os.urandom(16)  # in our receipt and every ``Output`` of this run (``audit.Receipt.nonce``)
+        self._encoded: dict[int, asyncio.Future] = {}  # our slice's averaged parts, each encoded once
         self._declared: dict[int, float] = {}  # sender index -> the weight its first part declared
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
@@ -219,7 +222,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._received_from(sender_index, sent, weight)
             values = await loop.run_in_executor(None, deserialize_torch_tensor, sent)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, values, weight=weight)
-            held = await loop.run_in_executor(None, encode_average, averaged, ours)
+            held = await self._returned(sender_index, part_index, averaged)
             container.register_processed_part(peer_index, part_index, held)
 
     async def _with_expected_numel(
@@ -246,14 +249,18 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Keep a reducer's signed ``Output`` of the average it returned us (``proofs``: two such digests of one
         slice are an equivocation), or take its slice as cut short if it did not sign what we received."""
         output = open_output(blob)
-        if output != Output(self.group_id, reducer.to_base58(), digest_of(returned)):
+        if output != Output(self.group_id, reducer.to_base58(), getattr(output, "nonce", b""), digest_of(returned)):
             raise AllreduceException(f"{reducer} returned its average without its signed statement of it")
         self.output_statements[reducer.to_base58()] = blob
 
-    async def _returned(self, sender_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
-        """A part of our slice's average as we return it to a sender: the same bytes to every one."""
-        compression = self.tensor_part_container.compression.compression_type
-        return await asyncio.get_event_loop().run_in_executor(None, encode_average, averaged, compression)
+    async def _returned(self, sender_index: int, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        """Part ``part_index`` of our slice's average as we return it to a sender, and keep it ourselves: encoded
+        once, the very same bytes for every one (two encodings that differed would be two averages we signed)."""
+        if part_index not in self._encoded:
+            compression = self.tensor_part_container.compression.compression_type
+            encode = asyncio.get_event_loop().run_in_executor(None, encode_average, averaged, compression)
+            self._encoded[part_index] = asyncio.ensure_future(encode)
+        return await asyncio.shield(self._encoded[part_index])
 
     def _refuse(self, sender: PeerID) -> None:
         """Drop a sender whose part we refused: its parts, and the slice it reduces, without waiting for it."""
@@ -296,14 +303,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                 except RefusedPart:
                     self._refuse(self.sender_peer_ids[sender_index])
                     raise
-                serialized = await self._returned(sender_index, averaged_part)
+                serialized = await self._returned(sender_index, part_index - 1, averaged_part)
                 self.bytes_sent += len(serialized.buffer)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 returned.append(part_digest(serialized))
                 if part_index == self.tensor_part_reducer.num_parts:  # our signed digest of all we returned, with it
-                    message.peer_id = Output(self.group_id, self.peer_id.to_base58(), digest_of(returned)).sign(
-                        self.signing_key
-                    )
+                    output = Output(self.group_id, self.peer_id.to_base58(), self.nonce, digest_of(returned))
+                    message.peer_id = output.sign(self.signing_key)
                 yield message
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

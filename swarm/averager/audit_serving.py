@@ -97,10 +97,14 @@ class AuditServing:
     def _keep_round(self, group_id: bytes) -> None:
         """Our audits of this round are over: what we sent stays for groupmates still re-checking an accusation
         or repairing a slice, then goes (it is c x N bytes)."""
-        asyncio.get_event_loop().call_later(kept_for(self._audit_timeout), self._forget_round, group_id)
+        record = self._audit_rounds.get(group_id)
+        asyncio.get_event_loop().call_later(kept_for(self._audit_timeout), self._forget_round, group_id, record)
 
-    def _forget_round(self, group_id: bytes) -> None:
-        """A round no auditor will ask about any more: its record goes, and the parts we sent (on disk) with it."""
+    def _forget_round(self, group_id: bytes, record: AuditRound | None = None) -> None:
+        """A round no auditor will ask about any more: its record goes (``record`` only, if given: never a later
+        round's), and the parts we sent (on disk) with it."""
+        if record is not None and self._audit_rounds.get(group_id) is not record:
+            return
         record = self._audit_rounds.pop(group_id, None)
         if record is not None:
             record.runner.sent_parts.close()

@@ -25,6 +25,7 @@ from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_requests import _retried
 from swarm.averager.audit_serving import AuditRound, AuditServing
 from swarm.averager.bounds import admitted
+from swarm.averager.findings import Found, one_a_peer
 from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.repair import (
     WITHHELD_AVERAGE,
@@ -58,9 +59,6 @@ logger = logging.getLogger(__name__)
 
 UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
-
-# what one round's audits found about one groupmate: (peer, verdict, the liar's receipt, drop its slice, ban it)
-Found = tuple[str, Verdict | str, bytes | None, bool, bool]
 
 
 class Auditing(AuditServing, SliceRepair):
@@ -127,7 +125,8 @@ class Auditing(AuditServing, SliceRepair):
         inputs = [digest_of(d) if d else b"" for d in record.listed]
         record.statements = [s if d else b"" for s, d in zip(runner.input_statements, record.listed)]
         receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
-                          digest_parts(record.outputs[me]), tuple(map(statement_hash, record.statements)))  # fmt: skip
+                          digest_parts(record.outputs[me]), tuple(map(statement_hash, record.statements)),
+                          runner.nonce)  # fmt: skip
         record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
         record.own_output = record.outputs[me]
         logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
@@ -161,7 +160,7 @@ class Auditing(AuditServing, SliceRepair):
         me, group_id = self.peer_id.to_base58(), record.runner.group_id
         known = {peer for peer, verdict, *_ in found_before if verdict == Verdict.equivocated}
         blobs = [*record.heard_outputs.values(), *record.receipts.values(), *record.runner.output_statements.values()]
-        found = await asyncio.get_event_loop().run_in_executor(None, equivocations, blobs, group_id)
+        found = await asyncio.get_event_loop().run_in_executor(None, equivocations, blobs, group_id, record.members)
         for reducer in found:
             logger.debug("%s signed two averages of its slice for this group", reducer)
         return [
@@ -269,7 +268,7 @@ class Auditing(AuditServing, SliceRepair):
     def _apply(self, found: list[Found], held: list[list[HeldPart]], owner: dict) -> tuple[list[dict], int]:
         """Bans and dropped slices, as found: the findings for the host, and the values dropped."""
         findings, dropped = [], 0
-        for peer, verdict, blob, drop, ban in found:
+        for peer, verdict, blob, drop, ban in one_a_peer(found):
             if not (drop or ban):
                 continue
             if ban:

@@ -61,8 +61,11 @@ class Refusals:
 
     def _check_group(self, members: list[str], group_id: bytes) -> None:
         banned = [m for m in members if m in self._banned]
-        if banned:  # a leader that has not heard of the ban yet: this group is not ours
-            error = AllreduceException(f"the group holds a banned peer ({banned[0][-8:]})")
+        reused = group_id in getattr(self, "_audit_rounds", {})  # a leader handing us a group id we averaged in: its
+        # records would replace the round our groupmates may still audit
+        if banned or reused:  # a leader that has not heard of the ban yet: this group is not ours
+            why = f"holds a banned peer ({banned[0][-8:]})" if banned else "has the id of a group we averaged in"
+            error = AllreduceException(f"the group {why}")
             running = self._running_groups.get(group_id)
             if running is not None and not running.done():
                 running.set_exception(error)  # groupmates' streams to us end now, not at their timeout

@@ -53,7 +53,8 @@ from swarm.dht.identity import peer_id_of_owner
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
-RECEIPT_VERSION = 3  # 3: with each sender's signed statement (2: digests of the parts' digests)
+RECEIPT_VERSION = 4  # 4: with its all-reduce's nonce; 3: each sender's signed statement; 2: digests of parts' digests
+MAX_DIGEST = 64  # bytes of a digest, a group id or a nonce a receipt may carry (SHA-256: 32; group ids: 20)
 MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
 
 
@@ -142,13 +143,17 @@ class Receipt:
     inputs: tuple[bytes, ...]  # digest of each sender's parts; b"" for a sender dropped before its last part
     output: bytes  # digest of the average it sent everyone
     vouched: tuple[bytes, ...] = ()  # SHA-256 of each sender's signed statement (``statements``); b"" for none
+    # drawn by the reducer for this one all-reduce and signed in every ``statements.Output`` of it too: two digests
+    # of an average prove an equivocation only under one nonce, so a leader that hands an honest reducer a group id
+    # it averaged in before cannot pair the two runs' signatures (``proofs``)
+    nonce: bytes = b""
     # the statements themselves, served beside the receipt (so that it stays small enough for an accusation) and
     # checked against ``vouched``; not part of what the reducer signs
     statements: tuple[bytes, ...] = field(default=(), compare=False)
 
     def payload(self) -> bytes:
         fields = [RECEIPT_VERSION, self.group_id, self.reducer, list(self.senders), list(self.weights)]
-        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output, list(self.vouched)])
+        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output, list(self.vouched), self.nonce])
 
     def sign(self, key: RSAPrivateKey | None = None) -> bytes:
         """The receipt, signed with this process's identity key (the peer's libp2p key, see ``identity``)."""
@@ -158,23 +163,37 @@ class Receipt:
 
 
 def open_receipt(blob: bytes) -> Receipt | None:
-    """The receipt in a signed blob, if its signature holds and its key is its reducer's; else None."""
+    """The receipt in a signed blob, if its signature holds and its key is its reducer's; else None. Every field is
+    taken only as the type it must be, and digests no longer than ``MAX_DIGEST``: a signed integer where bytes
+    belong is not made into that many zero bytes."""
     try:
         payload, signature, public_key = MSGPackSerializer.loads(blob)
-        version, group_id, reducer, senders, weights, inputs, output, vouched = MSGPackSerializer.loads(payload)
-        if version != RECEIPT_VERSION or peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
+        fields = MSGPackSerializer.loads(payload)
+        version, group_id, reducer, senders, weights, inputs, output, vouched, nonce = fields
+        if version != RECEIPT_VERSION or not isinstance(reducer, str) or not _digests([group_id, output, nonce]):
+            return None
+        if not (isinstance(senders, list) and all(isinstance(x, str) for x in senders)):
+            return None
+        if not (isinstance(weights, list) and all(isinstance(w, float | int) for w in weights)):
+            return None
+        if not (isinstance(inputs, list) and isinstance(vouched, list) and _digests(inputs) and _digests(vouched)):
+            return None
+        if peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
             return None
         if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
             return None
         receipt = Receipt(
-            bytes(group_id), str(reducer), tuple(map(str, senders)), tuple(map(float, weights)),
-            tuple(map(bytes, inputs)), bytes(output), tuple(map(bytes, vouched)),
-        )  # fmt: skip
+            group_id, reducer, tuple(senders), tuple(map(float, weights)), tuple(inputs), output, tuple(vouched), nonce
+        )
         if not len(receipt.senders) == len(receipt.weights) == len(receipt.inputs) == len(receipt.vouched):
             return None
         return receipt
     except Exception:  # another machine's bytes: anything can be wrong with them
         return None
+
+
+def _digests(values: list) -> bool:
+    return all(isinstance(v, bytes) and len(v) <= MAX_DIGEST for v in values)
 
 
 def auditor_of(members: Sequence[str], group_id: bytes, reducer: str) -> str | None:

@@ -5,10 +5,11 @@ by every peer that reads it, since it rests on the accused's signature and not o
 
 - **forged**: the reducer's signed receipt and one sender's signed statement under it that does not give the
   digest or weight the receipt lists for that sender (``forgery_proof``);
-- **equivocated**: two digests of one group's average of its slice, both signed by the reducer, that differ
+- **equivocated**: two digests of one all-reduce's average of its slice, both signed by the reducer, that differ
   (``equivocation_proof``): each is its receipt's ``output`` or the ``statements.Output`` it sent a groupmate with
-  the last part of its average. An honest reducer returns one average, the same bytes to every groupmate, and
-  signs that digest in its receipt.
+  the last part of its average, under the group id and the nonce the reducer drew for that run. An honest reducer
+  returns one average, the same bytes to every groupmate, and signs that digest in its receipt; and a leader that
+  hands it a group id it averaged in before gets another nonce, so the two runs' signatures never pair.
 
 A wrong average (a digest signed once, over values that are not the robust mean of the parts) is not among them:
 proving it takes the parts themselves, one of each sender's at least, which do not fit an accusation.
@@ -18,12 +19,12 @@ Pure functions of bytes; every check of another machine's bytes returns None rat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.defence.audit import Receipt, open_receipt, statement_hash, statement_vouches
-from swarm.defence.statements import open_output
+from swarm.defence.statements import open_output, read_output
 
 PROOF_VERSION = 1
 EQUIVOCATION_TAG = "equivocated"
@@ -61,38 +62,55 @@ def proves_forgery(proof: bytes) -> str | None:
         return None
 
 
-def signed_output(blob: object) -> tuple[str, bytes, bytes] | None:
-    """``(reducer, group_id, digest)`` of the average that ``blob`` says, under the reducer's signature, it
-    returned: a reducer's ``statements.Output``, or its receipt; None for anything else."""
+Said = tuple[str, bytes, bytes, bytes]  # (reducer, group id, nonce, digest of the average)
+
+
+def signed_output(blob: object) -> Said | None:
+    """``(reducer, group_id, nonce, digest)`` of the average that ``blob`` says, under the reducer's signature, it
+    returned in one all-reduce: a reducer's ``statements.Output``, or its receipt; None for anything else."""
     output = open_output(blob)
     if output is not None:
-        return output.reducer, output.group_id, output.digest
+        return output.reducer, output.group_id, output.nonce, output.digest
     receipt = open_receipt(blob) if isinstance(blob, bytes) else None
-    return None if receipt is None else (receipt.reducer, receipt.group_id, receipt.output)
+    return None if receipt is None else (receipt.reducer, receipt.group_id, receipt.nonce, receipt.output)
+
+
+def _read(blob: bytes) -> Said | None:
+    """What ``blob`` says, an ``Output``'s signature not checked yet (a receipt's is: there are few of them)."""
+    output = read_output(blob)
+    return signed_output(blob) if output is None else (output.reducer, output.group_id, output.nonce, output.digest)
 
 
 def equivocation_proof(blobs: Iterable[bytes]) -> bytes | None:
     """For an accusation: the smallest two of ``blobs`` (signed outputs and receipts, ``signed_output``) in which one
-    reducer signed two digests for one group's average, as a proof any peer can check (``proves_equivocation``);
+    reducer signed two digests for one all-reduce's average, as a proof any peer can check (``proves_equivocation``);
     None when they all agree, or no such pair fits ``MAX_PROOF_BYTES``."""
     found = equivocations(blobs)
     return next(iter(found.values()), None)
 
 
-def equivocations(blobs: Iterable[bytes], group_id: bytes | None = None) -> dict[str, bytes]:
-    """Every reducer that signed two digests for one group's average (of ``group_id``, if given) among ``blobs``,
-    with the smallest proof of it that fits ``MAX_PROOF_BYTES``."""
-    by_slice: dict[tuple[str, bytes], dict[bytes, bytes]] = {}  # (reducer, group) -> digest -> its smallest blob
-    for blob in {b for b in blobs if isinstance(b, bytes)}:
-        said = signed_output(blob)
+def equivocations(
+    blobs: Iterable[bytes], group_id: bytes | None = None, members: Collection[str] | None = None
+) -> dict[str, bytes]:
+    """Every reducer (of ``members``, if given) that signed two digests for one all-reduce's average (in group
+    ``group_id``, if given) among ``blobs``, with the smallest proof of it that fits ``MAX_PROOF_BYTES``. Blobs are
+    read first and only those of an all-reduce said to have two averages are verified: an honest round costs no
+    signature check."""
+    runs: dict[tuple[str, bytes, bytes], dict[bytes, list[bytes]]] = {}  # (reducer, group, nonce) -> digest -> blobs
+    for blob in sorted({b for b in blobs if isinstance(b, bytes)}, key=len):
+        said = _read(blob)
         if said is None or (group_id is not None and said[1] != group_id):
             continue
-        digests = by_slice.setdefault(said[:2], {})
-        if said[2] not in digests or len(blob) < len(digests[said[2]]):
-            digests[said[2]] = blob
+        if members is not None and said[0] not in members:
+            continue
+        runs.setdefault(said[:3], {}).setdefault(said[3], []).append(blob)
     found = {}
-    for (reducer, _), digests in by_slice.items():
-        smallest = sorted(digests.values(), key=len)[:2]
+    for (reducer, *_), digests in runs.items():
+        if len(digests) < 2:
+            continue
+        # the smallest blob of each digest whose signature holds
+        signed = [next((b for b in kept if signed_output(b) is not None), None) for kept in digests.values()]
+        smallest = sorted((b for b in signed if b is not None), key=len)[:2]
         if len(smallest) == 2:
             proof = MSGPackSerializer.dumps([PROOF_VERSION, EQUIVOCATION_TAG, *smallest])
             if len(proof) <= MAX_PROOF_BYTES:
@@ -101,8 +119,8 @@ def equivocations(blobs: Iterable[bytes], group_id: bytes | None = None) -> dict
 
 
 def proves_equivocation(proof: object, group_id: bytes | None = None) -> str | None:
-    """The reducer an ``equivocation_proof`` proves signed two averages of one group (of ``group_id``, if given),
-    else None; never raises."""
+    """The reducer an ``equivocation_proof`` proves signed two averages of one all-reduce (in ``group_id``, if
+    given), else None; never raises."""
     try:
         if not isinstance(proof, bytes) or len(proof) > MAX_PROOF_BYTES:
             return None
@@ -110,7 +128,7 @@ def proves_equivocation(proof: object, group_id: bytes | None = None) -> str | N
         if version != PROOF_VERSION or tag != EQUIVOCATION_TAG:
             return None
         said_a, said_b = signed_output(a), signed_output(b)
-        if said_a is None or said_b is None or said_a[:2] != said_b[:2] or said_a[2] == said_b[2]:
+        if said_a is None or said_b is None or said_a[:3] != said_b[:3] or said_a[3] == said_b[3]:
             return None
         if group_id is not None and said_a[1] != group_id:
             return None

@@ -30,6 +30,7 @@ from swarm.dht.identity import peer_id_of_owner
 
 STATEMENT_VERSION = 1
 OUTPUT_TAG = "output"  # a reducer's statement of its average: another shape of payload than a sender's
+MAX_OUTPUT_FIELD = 64  # bytes of an output's group id, nonce or digest (20, 16 and 32 when honest)
 MAX_STATEMENT_BYTES = 4096  # an RSA-2048 statement is about 700 bytes
 
 
@@ -85,14 +86,17 @@ def counts_as(statement: Statement, max_weight: float) -> float:
 
 @dataclass(frozen=True)
 class Output:
-    """What one reducer says it returned one sender: the digest of its average of its slice, part by part."""
+    """What one reducer says it returned one sender in one all-reduce (``nonce``, drawn for that run): the digest of
+    its average of its slice, part by part."""
 
     group_id: bytes
     reducer: str  # base58 peer id: the signer
+    nonce: bytes  # the run's, as in its receipt (``audit.Receipt.nonce``)
     digest: bytes  # ``audit.digest_of`` the per-part digests of the average, in order
 
     def payload(self) -> bytes:
-        return MSGPackSerializer.dumps([STATEMENT_VERSION, OUTPUT_TAG, self.group_id, self.reducer, self.digest])
+        fields = [STATEMENT_VERSION, OUTPUT_TAG, self.group_id, self.reducer, self.nonce, self.digest]
+        return MSGPackSerializer.dumps(fields)
 
     def sign(self, key: RSAPrivateKey | None = None) -> bytes:
         key = RSAPrivateKey.process_wide() if key is None else key
@@ -100,21 +104,32 @@ class Output:
         return MSGPackSerializer.dumps([payload, key.sign(payload), key.get_public_key().to_bytes()])
 
 
-def open_output(blob: object) -> Output | None:
-    """The reducer's statement of its average in ``blob``, if it is signed by the reducer it names; never raises."""
+def read_output(blob: object) -> Output | None:
+    """What the ``Output`` in ``blob`` says, its signature not checked yet (``open_output`` checks it): cheap, for
+    sorting many blobs before the few that matter are verified; never raises."""
     try:
         if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_STATEMENT_BYTES:
             return None
-        payload, signature, public_key = MSGPackSerializer.loads(blob)
-        version, tag, group_id, reducer, digest = MSGPackSerializer.loads(payload)
+        payload, _, _ = MSGPackSerializer.loads(blob)
+        version, tag, group_id, reducer, nonce, digest = MSGPackSerializer.loads(payload)
         if version != STATEMENT_VERSION or tag != OUTPUT_TAG or not isinstance(reducer, str):
             return None
-        if not (isinstance(group_id, bytes) and isinstance(digest, bytes)):
+        if not all(isinstance(v, bytes) and len(v) <= MAX_OUTPUT_FIELD for v in (group_id, nonce, digest)):
             return None
-        if peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
-            return None
-        if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
-            return None
-        return Output(group_id, reducer, digest)
+        return Output(group_id, reducer, nonce, digest)
     except Exception:  # another machine's bytes: anything can be wrong with them
+        return None
+
+
+def open_output(blob: object) -> Output | None:
+    """The reducer's statement of its average in ``blob``, if it is signed by the reducer it names; never raises."""
+    output = read_output(blob)
+    if output is None:
+        return None
+    try:
+        payload, signature, public_key = MSGPackSerializer.loads(blob)
+        if peer_id_of_owner(b"[owner:" + public_key + b"]") != output.reducer:
+            return None
+        return output if RSAPublicKey.from_bytes(public_key).verify(payload, signature) else None
+    except Exception:  # another machine's bytes
         return None
