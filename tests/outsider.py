@@ -30,7 +30,7 @@ from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
 
 from client.model import parameter_shapes  # noqa: E402
 from client.presets import build_manifest  # noqa: E402
-from swarm.averager.process import PseudoGradientAverager, epoch_group_bits  # noqa: E402
+from swarm.averager.process import PseudoGradientAverager, epoch_group_bits, wire_schema_hash  # noqa: E402
 from swarm.dht.access import RunSecret  # noqa: E402
 from swarm.dht.records import run_prefix  # noqa: E402
 
@@ -60,7 +60,8 @@ async def try_the_averager(maddr: str, run_id: str, token_secret: RunSecret | No
 
 async def try_to_join(stub, run_id: str) -> dict:
     # the schema hash this peer would have in an open run of the same preset
-    schema = compute_schema_hash([torch.zeros(s) for s in parameter_shapes(build_manifest("tiny", None, []))])
+    shapes = parameter_shapes(build_manifest("tiny", None, []))
+    schema = wire_schema_hash(compute_schema_hash([torch.zeros(s) for s in shapes]))
     join_codes: list[str] = []
     loop = asyncio.get_event_loop()
     deadline = loop.time() + 90

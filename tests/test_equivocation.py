@@ -335,3 +335,13 @@ def test_one_finding_a_groupmate_keeps_the_proof_and_any_drop():
         ("other", Verdict.withheld, None, True, True),
     ]
     assert one_a_peer([]) == []
+
+
+def test_a_peer_of_another_wire_version_never_groups_with_us():
+    """Its receipts and outputs would not open here: its audits would read as unanswered, and it would be banned."""
+    from swarm.averager.process import WIRE_VERSION, wire_schema_hash
+
+    plain = b"s" * 32
+    assert wire_schema_hash(plain) != plain  # a leader compares the whole hash: hivemind's own is refused
+    assert wire_schema_hash(plain) != wire_schema_hash(plain, b"swarm-allreduce/1")
+    assert wire_schema_hash(plain) == wire_schema_hash(plain, WIRE_VERSION) != wire_schema_hash(b"t" * 32)

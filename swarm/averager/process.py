@@ -47,6 +47,16 @@ from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
 logger = logging.getLogger(__name__)
+# what this client's all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``).
+# 2: receipts of version 4 and signed outputs; peers of another version never group with us (``schema_hash``)
+WIRE_VERSION = b"swarm-allreduce/2"
+
+
+def wire_schema_hash(plain: bytes, version: bytes = WIRE_VERSION) -> bytes:
+    """The schema hash a leader compares join requests with: hivemind's (the tensors' shapes) and our wire version."""
+    return hashlib.sha256(plain + version).digest()
+
+
 # the swarm's averages a delegate serves its group's members (and each member its children in the group's tree), kept
 # whatever replay_rounds says: with replay_rounds=0 nothing was kept, every member's fetch was told "no such file",
 # and it waited out merge_limit (120 s for ``tiny``), then stepped with its group's own average, apart from the
@@ -118,7 +128,10 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         self._init_refusals()
         free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
-        if secret is not None:  # a leader refuses join requests with another schema hash: outsiders' included
+        # a leader refuses join requests with another schema hash: a peer that speaks another all-reduce (receipts,
+        # statements) never groups with us, where its receipts would read as unanswered audits and get it banned
+        self.schema_hash = wire_schema_hash(self.schema_hash)
+        if secret is not None:  # and outsiders' (``swarm.dht.access``)
             self.schema_hash = secret.schema_hash(self.schema_hash)
         if start:
             start_and_wait(self, "averager")
