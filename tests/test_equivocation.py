@@ -339,9 +339,16 @@ def test_one_finding_a_groupmate_keeps_the_proof_and_any_drop():
 
 def test_a_peer_of_another_wire_version_never_groups_with_us():
     """Its receipts and outputs would not open here: its audits would read as unanswered, and it would be banned."""
-    from swarm.averager.process import WIRE_VERSION, wire_schema_hash
+    from swarm.averager.allreduce import WIRE_VERSION
+    from swarm.averager.fixed_group import fixed_group_id
+    from swarm.averager.process import wire_schema_hash
 
     plain = b"s" * 32
     assert wire_schema_hash(plain) != plain  # a leader compares the whole hash: hivemind's own is refused
     assert wire_schema_hash(plain) != wire_schema_hash(plain, b"swarm-allreduce/1")
     assert wire_schema_hash(plain) == wire_schema_hash(plain, WIRE_VERSION) != wire_schema_hash(b"t" * 32)
+    # nor in a second stage: its delegates compute another group id, and our streams to them find no such group
+    assert fixed_group_id("run/3/merge/w/0", ["a", "b"]) == fixed_group_id("run/3/merge/w/0", ["b", "a"])
+    assert len(fixed_group_id("run/3/merge/w/0", ["a", "b"])) == 20
+    old = __import__("hashlib").sha256(b"run/3/merge/w/0/a/b").digest()[:20]  # what the version before computed
+    assert fixed_group_id("run/3/merge/w/0", ["a", "b"]) != old

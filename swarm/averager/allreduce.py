@@ -45,6 +45,10 @@ from swarm.defence.statements import Output, Statement, open_output, vouches
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
+# what this all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``). 2: receipts
+# of version 4 and signed outputs. Peers of another version never group with us: it is in the schema hash a leader
+# checks (``process.wire_schema_hash``) and in a second stage's group id (``fixed_group.fixed_group_id``)
+WIRE_VERSION = b"swarm-allreduce/2"
 
 
 def decode_part(

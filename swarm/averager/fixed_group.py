@@ -27,12 +27,15 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.averager.allreduce import WIRE_VERSION
+
 GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
 
 
 def fixed_group_id(label: str, members: Sequence[str]) -> bytes:
-    """The id every member computes for the same group: its label (run, epoch, attempt) and its sorted members."""
-    return hashlib.sha256("/".join([label, *sorted(members)]).encode()).digest()[:20]
+    """The id every member computes for the same group: its label (run, epoch, attempt), its sorted members and the
+    wire version (a delegate of another finds no group of that id here: absent from the try, left out of the next)."""
+    return hashlib.sha256("/".join([label, *sorted(members)]).encode() + WIRE_VERSION).digest()[:20]
 
 
 class FixedStep:

@@ -29,7 +29,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm.averager import heap
-from swarm.averager.allreduce import ExactAllReduceRunner
+from swarm.averager.allreduce import WIRE_VERSION, ExactAllReduceRunner
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import FixedGroups
@@ -47,9 +47,6 @@ from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
 logger = logging.getLogger(__name__)
-# what this client's all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``).
-# 2: receipts of version 4 and signed outputs; peers of another version never group with us (``schema_hash``)
-WIRE_VERSION = b"swarm-allreduce/2"
 
 
 def wire_schema_hash(plain: bytes, version: bytes = WIRE_VERSION) -> bytes:
