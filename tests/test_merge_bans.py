@@ -27,3 +27,34 @@ def test_the_groups_of_banned_delegates_are_not_read_into_the_second_stage(monke
     assert reader.other_records == 2  # both were read: the DHT traffic is counted as it was
     reader.banned = lambda peer: False
     assert [r.delegate for r in merger._read_wide()] == [HONEST, LIAR]
+
+
+def test_a_liar_a_second_stage_caught_is_kept_for_the_ban_and_none_of_its_records_is_read(monkeypatch):
+    """Seen with five peers (byzantine ``split``): every honest delegate caught a lying delegate in the second stage,
+    dropped its slice and so did not register, and then took the one swarm's average registered, the liar's own.
+    Its findings were dropped with the try, so no peer banned it. Now the try's findings are kept for the round's end
+    (the ban, the accusation), the liar's records are not read again this round, and the next try runs without it."""
+    from swarm.averager.handle import AllReduceOutcome
+    from swarm.round.merge_state import MergeState
+
+    records = [
+        group_record(3, group_tag(b"honest"), HONEST, 2, 64.0, "a" * 64, False),
+        group_record(3, group_tag(b"liar"), LIAR, 1, 32.0, None, False, merged="b" * 64),
+    ]
+    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
+    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False)  # not banned by the host yet
+    manifest = SimpleNamespace(run_id="0" * 16, averaging=SimpleNamespace(merge_timeout=60.0))
+    ctx = SimpleNamespace(reader=reader, manifest=manifest, me=HONEST)
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0))
+    caught = dict(peer=LIAR, verdict="equivocated", banned=True, discarded=True, receipt=b"proof")
+    outcome = AllReduceOutcome(group=(HONEST, LIAR), gathered={}, dropped_fraction=0.4, excluded_senders=0,
+                               findings=(caught,))  # fmt: skip
+    state = MergeState(epoch=3, tag=group_tag(b"honest"), delegate=HONEST, members=(HONEST,), size=2, weight=64.0,
+                       digest="a" * 64, deadline=1e18)  # fmt: skip
+    state.stage2 = SimpleNamespace(poll=lambda: True, result=lambda: outcome)
+    assert merger._poll_stage2(state) is True
+    assert state.findings == (caught,) and state.caught == {LIAR} and LIAR in state.absent
+    assert state.fallback is not None and state.registered_at is None  # not registered: a slice was dropped
+    assert [r.delegate for r in merger._read(state, now=0.0)] == [HONEST]
+    assert groups.result_of(merger._read(state, now=0.0), 3) is None  # the liar's swarm's average is not taken
+    assert groups.result_of(records, 3) is not None  # as it was before

@@ -16,7 +16,8 @@ from swarm.dht.groups import Merged, all_left, fetch_candidates
 from swarm.dht.records import PeerState
 from swarm.manifest import AveragingSpec
 from swarm.round import merge
-from swarm.round.merge import STAND_IN_EVERY, Merger, MergeState
+from swarm.round.merge import STAND_IN_EVERY, Merger
+from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows
 
 DIGEST, OURS = "a" * 64, "b" * 64

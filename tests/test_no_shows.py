@@ -15,7 +15,8 @@ from swarm.dht import groups
 from swarm.dht.groups import Decision, delegate_decision, group_record, group_tag
 from swarm.dht.records import PeerState
 from swarm.dht.view import mates_coming, nobody_to_group_with, round_due
-from swarm.round.merge import Merger, MergeState
+from swarm.round.merge import Merger
+from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import (
     MAX_NO_SHOW_ROUNDS,
     MAX_NO_SHOWS,

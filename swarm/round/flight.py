@@ -13,7 +13,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from swarm.averager.handle import AllReduceOutcome, Averaging, RoundAborted
 from swarm.events import RoundOutcome, RoundReport
-from swarm.round.merge import MergeState
+from swarm.round.merge_state import MergeState
 
 # what other machines and the network do to a round; anything else is a bug of ours
 EXPECTED_FAILURES = (

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import fixed_group_id
-from swarm.averager.handle import AllReduceOutcome, Averaging
+from swarm.averager.handle import AllReduceOutcome
 from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
@@ -26,6 +25,7 @@ from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, 
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
+from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
@@ -37,47 +37,6 @@ FETCH_EVERY = 1.0  # seconds between two tries to fetch the swarm's average from
 STAND_IN_EVERY = 2.0  # seconds between two looks at whether our group's delegate is gone (a view read)
 LEFT_LOOK_MAX = 8  # peers that could serve the swarm's average, at most, for a look at whether they all left
 STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while no swarm's average is registered
-
-
-@dataclass
-class MergeState:
-    """One flight's second stage, as it goes."""
-
-    epoch: int
-    tag: str
-    delegate: str
-    members: tuple[str, ...]
-    size: int
-    weight: float
-    digest: str | None  # of our group's average (None: a group of one)
-    deadline: float
-    registered_at: float | None = None
-    unregistered: dict | None = None  # a registration the DHT did not take (its merge fields): tried again
-    register_tried_at: float = -float("inf")
-    decided: bool = False  # as the round's only group, our average was registered as the swarm's
-    stage2: Averaging | None = None
-    stage2_tries: int = 0
-    merge_at: float | None = None  # when we (a delegate) decided to merge: the roster's writers take turns from it
-    roster: tuple[str, ...] = ()  # the groups of the second stage, when we wrote its roster
-    absent: frozenset[str] = frozenset()  # delegates that did not take part in a try of the second stage
-    read_at: float = -float("inf")
-    looked_at: float = -float("inf")  # at whether our delegate, or every holder of the swarm's average, is gone
-    left_looks: int = 0  # looks in a row that found every peer we could fetch the swarm's average from gone
-    fetched_at: float = -float("inf")
-    seen_at: float | None = None  # when we first saw a swarm's average to take (our group's tree counts from it)
-    source: MergeSource = MergeSource.held  # where the swarm's average we took came from
-    records: list[GroupRecord] = field(default_factory=list)
-    result: Merged | None = None
-    counted: bool = False  # our group's average is in the swarm's
-    groups: int = 1  # groups the swarm's average holds
-    contributors: int = 1  # peers whose pseudo-gradients it holds
-    done: bool = False
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    findings: tuple[dict, ...] = ()
-    fallback: str | None = None  # why we step with our own group's average
-    distrusted: frozenset[str] = frozenset()  # groupmates our first stage's findings ban: not waited for as delegate
-    partners: frozenset[str] = frozenset()  # who our second stage ran whole with (pipeline drops the caught)
 
 
 class Merger:
@@ -228,15 +187,20 @@ class Merger:
         state.stage2 = None
         state.bytes_sent += outcome.bytes_sent
         state.bytes_received += outcome.bytes_received
+        # whatever became of the try, those it caught are banned at the round's end, and none of their records is
+        # taken now: a caught liar's own registration was the one swarm's average its honest partners, who did not
+        # register theirs (its slice dropped), would have taken
+        state.findings += outcome.findings
+        state.caught |= {f["peer"] for f in outcome.findings if f.get("banned")}
         if outcome.dropped_fraction > 0 or outcome.excluded_senders > 0:
             # a delegate of the group we started did not take part (it saw other groups, or none): its slice is
             # zeros and its group's work is missing, yet the group names it. Not a swarm's average: try again with
             # the groups registered now, or take the one the others made
             logger.debug("the second stage of epoch %d ran without some delegates: not registered", state.epoch)
-            state.absent |= frozenset(outcome.absent) - {self.ctx.me}  # the next try runs without them
+            state.absent |= (frozenset(outcome.absent) | state.caught) - {self.ctx.me}  # the next try runs without them
             state.fallback = "second stage: some delegates did not take part"
             return True
-        state.findings, state.partners = outcome.findings, frozenset(outcome.group) - {self.ctx.me}
+        state.partners = frozenset(outcome.group) - {self.ctx.me}
         included = sorted({d.get("group") for d in outcome.gathered.values() if isinstance(d, dict)} - {None})
         if not self.ctx.averager.finalize_update(state.epoch):  # the swarm's average, served for replay
             logger.debug("the merged update of epoch %d was not kept", state.epoch)
@@ -375,9 +339,13 @@ class Merger:
         """The groups key as a delegate, or when a member may take another's average; else our group's bucket."""
         waited = None if state.seen_at is None else now - state.seen_at
         args = (state.members, state.tag, state.delegate, self.ctx.me, state.deadline - now, self._patience, waited)
-        if groups.reads_wide(*args):
-            return self._read_wide()
-        return self._kept(groups.read_bucket(self.ctx.reader.dht, self.ctx.manifest.run_id, state.tag))
+        wide = groups.reads_wide(*args)
+        records = (
+            self._read_wide()
+            if wide
+            else self._kept(groups.read_bucket(self.ctx.reader.dht, self.ctx.manifest.run_id, state.tag))
+        )
+        return [r for r in records if r.delegate not in state.caught]
 
     def _read_wide(self) -> list[GroupRecord]:
         return self._kept(groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id))
