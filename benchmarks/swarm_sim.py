@@ -216,7 +216,7 @@ class Fixed:
 
 @dataclass(eq=False)
 class MergeState:
-    """swarm.round.merge.MergeState, the fields the simulation needs."""
+    """swarm.round.merge_state.MergeState, the fields the simulation needs."""
 
     epoch: int
     tag: str
