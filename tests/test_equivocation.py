@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
+import tracemalloc
 from types import SimpleNamespace
 
-import hypothesis.strategies as st
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
-from hypothesis import HealthCheck, given, settings
 
 from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound, _keep_signed_outputs
@@ -107,23 +105,17 @@ def test_an_honest_round_checks_no_signature_and_a_receipt_of_huge_fields_is_ref
     monkeypatch.setattr(proofs, "signed_output", lambda blob: checked.append(blob))
     assert proofs.equivocations(agreeing, GROUP, names) == {} and checked == []
     monkeypatch.undo()
-    payload = MSGPackSerializer.dumps([4, GROUP, names[0], [names[0]], [1.0], [2**40], 2**40, [b""], NONCE])
+    # 128 MiB of zero bytes each, had the fields been made into bytes: a size that is allocated, not refused for
+    # want of memory, so the peak below tells
+    payload = MSGPackSerializer.dumps([4, GROUP, names[0], [names[0]], [1.0], [2**27], 2**27, [b""], NONCE])
     huge = MSGPackSerializer.dumps([payload, keys[0].sign(payload), keys[0].get_public_key().to_bytes()])
-    started = time.monotonic()
-    assert open_receipt(huge) is None and signed_output(huge) is None
-    assert time.monotonic() - started < 5  # a bound on the test, not a speed claim: 2**40 zero bytes never come
-
-
-FIELD = st.one_of(st.binary(max_size=600), st.integers(-(2**63), 2**64 - 1), st.text(max_size=50), st.floats())
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(blob=st.one_of(st.binary(max_size=8192), st.builds(MSGPackSerializer.dumps, st.lists(FIELD, max_size=6))))
-def test_outputs_and_equivocation_proofs_from_another_machine_never_raise(blob):
-    assert open_output(blob) is None
-    assert signed_output(blob) is None
-    assert proves_equivocation(blob) is None
-    assert equivocations([blob, blob[:-1], b"", 7, None]) == {}  # type: ignore[list-item]
+    tracemalloc.start()
+    try:
+        assert open_receipt(huge) is None and signed_output(huge) is None
+        assert proves_equivocation(MSGPackSerializer.dumps([1, "equivocated", huge, huge])) is None
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_an_accusation_with_two_signed_digests_bans_for_every_reader(tmp_path, keys):

@@ -252,8 +252,12 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _keep_output(self, reducer: PeerID, blob: bytes, returned: list[bytes]) -> None:
         """Keep a reducer's signed ``Output`` of the average it returned us (``proofs``: two such digests of one
         slice are an equivocation), or take its slice as cut short if it did not sign what we received."""
-        output = open_output(blob)
-        if output != Output(self.group_id, reducer.to_base58(), getattr(output, "nonce", b""), digest_of(returned)):
+        output = open_output(blob)  # its nonce is the reducer's to draw
+        if output is None or (output.group_id, output.reducer, output.digest) != (
+            self.group_id,
+            reducer.to_base58(),
+            digest_of(returned),
+        ):
             raise AllreduceException(f"{reducer} returned its average without its signed statement of it")
         self.output_statements[reducer.to_base58()] = blob
 
