@@ -16,7 +16,7 @@ import torch
 
 from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.held import Dropped, check_parts, decode_into
-from swarm.defence.audit import digest_of
+from swarm.defence.receipts import digest_of
 from swarm.defence.statements import Statement, vouches
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
@@ -106,7 +106,7 @@ class ForgedStatement(ExactAllReduceRunner):
         async for message in super()._record_sent(peer_index, stream):
             if message.peer_id:
                 reducer = self.ordered_peer_ids[peer_index].to_base58()
-                statement = Statement(self.group_id, reducer, b"\0" * 32, float(message.weight))
+                statement = Statement(self.group_id, reducer, b"\0" * 32, float(message.weight), 1)
                 message.peer_id = statement.sign(self.signing_key)
             yield message
 
@@ -141,12 +141,15 @@ def test_a_sender_whose_statement_or_weight_does_not_say_what_it_sent_is_refused
             check_parts(tensor, parts, runner.tensor_part_container.compression.compression_type)
             decode_into(tensor, parts)
         results.append(torch.cat([t.reshape(-1) for t in out]))
-        me = runner.peer_id.to_base58()
+        me, counts, full = runner.peer_id.to_base58(), runner.counted_parts(), runner.tensor_part_reducer.num_parts
         for index, sender in enumerate(runner.sender_peer_ids):
-            digest = digest_of(runner.input_digests[index])
-            if sender == liar.peer_id or sender == runner.peer_id:
-                assert sender == runner.peer_id or not runner.input_statements[index]
+            if sender == liar.peer_id:  # refused at the part that lied: its statement then counted none after it
+                assert counts[index] < len(runner.input_digests[index]) and counts[index] < full
                 continue
-            statement = runner.input_statements[index]
-            assert vouches(statement, sender.to_base58(), b"refusal-test", me, digest, runner.weight)
+            assert counts[index] == full  # every part of the honest senders, in the average
+            if sender == runner.peer_id:
+                continue
+            digest = digest_of(runner.input_digests[index])
+            statement = runner.statement_of(index, counts[index])
+            assert vouches(statement, sender.to_base58(), b"refusal-test", me, digest, runner.weight, full)
     assert torch.equal(results[0], results[1])  # the honest pair still ends on the same bits

@@ -12,21 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averager.allreduce import encode_average
 from swarm.averager.codecs import CODECS, apply_error_feedback
-from swarm.defence.audit import (
-    Receipt,
-    Verdict,
-    auditor_of,
-    digest_parts,
-    judge,
-    lists_every_sender,
-    open_receipt,
-    part_digest,
-    recompute,
-    sample_parts,
-    statement_hash,
-    suspect_parts,
-    with_statements,
-)
+from swarm.defence.audit import Verdict, auditor_of, judge, recompute, sample_parts, suspect_parts
 from swarm.defence.bans import (
     BAN_ROUNDS,
     QUORUM,
@@ -38,6 +24,15 @@ from swarm.defence.bans import (
     quorum_bans,
 )
 from swarm.defence.proofs import equivocation_proof
+from swarm.defence.receipts import (
+    Receipt,
+    digest_parts,
+    lists_every_sender,
+    open_receipt,
+    part_digest,
+    statement_hash,
+    with_statements,
+)
 from swarm.defence.statements import Output, Statement
 from swarm.dht.identity import peer_id_of_owner
 from swarm.dht.records import Accusation, ProgressRecord
@@ -63,7 +58,7 @@ def peer_of(key: RSAPrivateKey) -> str:
 def statements_for(reducer: str, names, inputs, weights, group_id: bytes) -> tuple[bytes, ...]:
     """Each sender's signed statement of what it sent ``reducer``, as honest senders make them (none for itself)."""
     return tuple(
-        b"" if name == reducer or name not in KEY_OF else Statement(group_id, reducer, digest, w).sign(KEY_OF[name])
+        b"" if name == reducer or name not in KEY_OF else Statement(group_id, reducer, digest, w, 2).sign(KEY_OF[name])
         for name, digest, w in zip(names, inputs, weights)
     )
 
@@ -264,7 +259,7 @@ def test_a_receipt_for_a_big_slice_still_fits_an_accusation(keys):
     names = [peer_of(k) for k in keys[:3]] + [f"Qm{i:044d}" for i in range(61)]  # a group of 64
     part = sender_parts("fp16", 0, (16,))[0]
     digest = digest_parts([part] * 2000)
-    statement = Statement(b"g" * 20, names[0], digest, 1.0).sign(keys[1])
+    statement = Statement(b"g" * 20, names[0], digest, 1.0, 2000).sign(keys[1])
     vouched = (b"",) + (statement_hash(statement),) * 63
     receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest, vouched)
     assert len(receipt.sign(keys[0])) < 16384

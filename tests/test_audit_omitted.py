@@ -14,7 +14,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.averager.audit_serving import AuditRequest, AuditRound, AuditServing
 from swarm.averager.auditing import Auditing
-from swarm.defence.audit import Receipt, Verdict
+from swarm.defence.audit import Verdict
+from swarm.defence.receipts import Receipt
 
 GROUP = b"g" * 20
 A, B, C = (PeerID(bytes([0x12, 0x20, i]) + bytes(32)) for i in (1, 2, 3))
@@ -78,6 +79,7 @@ def receipt(inputs) -> Receipt:
 
 def says(auditing: Asking, inputs) -> bool:
     record = AuditRound(members=["me", "reducer", "s1", "s2"], runner=SimpleNamespace(group_id=GROUP))
+    record.outputs["reducer"] = [None] * 3  # its slice's parts, as they came (only their count is read)
     return asyncio.run(auditing._a_dropped_sender_says_it_sent_all(record, receipt(inputs), 1e12))
 
 
@@ -111,3 +113,35 @@ def test_a_groupmate_told_of_an_omission_drops_the_slice_if_it_finds_it_too_and_
         record = AuditRound(members=members, runner=SimpleNamespace(group_id=GROUP))
         record.verdicts["reducer"] = Verdict.omitted
         assert asyncio.run(Rechecking(own)._recheck_accusations(record, ["reducer"], 1e12)) == found, own
+
+
+def test_a_reducer_that_counts_its_auditor_short_and_leaves_us_unable_to_check_loses_its_slice_for_all():
+    """Its auditor says it withheld (its receipt counts the auditor's stream as broken, while the auditor's whole
+    average came back); our own check cannot tell (inconclusive): one of them lies, so the slice goes for everyone,
+    and nobody is struck on the auditor's word. A receipt that counts the auditor whole leaves the slice as it is."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.defence.audit import auditor_of
+    from tests.test_audit import peer_of
+
+    keys = [RSAPrivateKey() for _ in range(3)]
+    members = [peer_of(k) for k in keys]
+    me, reducer = members[0], members[1]
+    group = next(bytes([i]) * 20 for i in range(256) if auditor_of(members, bytes([i]) * 20, reducer) != me)
+    auditor = auditor_of(members, group, reducer)
+    for auditor_count, found in [(1, [(reducer, Verdict.withheld, None, True, False)]), (3, [])]:
+        counts = tuple(auditor_count if m == auditor else 3 for m in members)
+        receipt = Receipt(group, reducer, tuple(members), (1.0,) * 3, (b"d" * 32,) * 3, b"o" * 32, (b"v" * 32,) * 3,
+                          b"n" * 16, counts)  # fmt: skip
+        blob = receipt.sign(keys[1])
+        checker = Rechecking(Verdict.inconclusive)
+        checker.peer_id = SimpleNamespace(to_base58=lambda: me)
+        checker._audit_one = lambda *args, blob=blob, **kwargs: _said(Verdict.inconclusive, blob)
+        record = AuditRound(members=members, runner=SimpleNamespace(group_id=group))
+        record.outputs[reducer] = [None] * 3
+        record.verdicts[reducer] = Verdict.withheld
+        assert asyncio.run(checker._recheck_accusations(record, [reducer], 1e12)) == found, auditor_count
+
+
+async def _said(verdict, blob):
+    return verdict, blob, []

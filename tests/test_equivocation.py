@@ -22,7 +22,7 @@ from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound, _keep_signed_outputs
 from swarm.averager.auditing import Auditing
 from swarm.averager.held import Dropped
-from swarm.defence.audit import Verdict, digest_parts, open_receipt
+from swarm.defence.audit import Verdict
 from swarm.defence.bans import BanList, BanReason, Guard, accusation_entry, proven_bans
 from swarm.defence.proofs import (
     MAX_PROOF_BYTES,
@@ -31,6 +31,7 @@ from swarm.defence.proofs import (
     proves_equivocation,
     signed_output,
 )
+from swarm.defence.receipts import digest_parts, open_receipt
 from swarm.defence.statements import Output, Statement, open_output
 from swarm.dht.records import Accusation
 from swarm.manifest import Aggregation
@@ -56,8 +57,8 @@ def test_an_output_opens_only_as_its_reducers_and_is_not_a_senders_statement(key
     assert open_output(blob[:-3] + b"xyz") is None
     assert open_output(Output(GROUP, reducer, NONCE, b"d" * 65).sign(keys[0])) is None  # no digest is that long
     # a sender's statement names the reducer too, but is another payload: never read as an output
-    assert open_output(Statement(GROUP, reducer, b"d" * 32, 1.0).sign(keys[1])) is None
-    assert open_output(Statement(GROUP, sender, b"d" * 32, 1.0).sign(keys[1])) is None
+    assert open_output(Statement(GROUP, reducer, b"d" * 32, 1.0, 1).sign(keys[1])) is None
+    assert open_output(Statement(GROUP, sender, b"d" * 32, 1.0, 1).sign(keys[1])) is None
 
 
 def test_two_digests_of_one_slice_signed_by_its_reducer_prove_it_equivocated(keys):

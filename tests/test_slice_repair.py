@@ -20,10 +20,11 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averager.audit_requests import FETCH_ATTEMPTS
 from swarm.averager.audit_serving import AuditRequest, AuditRound, kept_for
-from swarm.averager.auditing import UNANSWERED_STRIKES, Auditing
+from swarm.averager.auditing import Auditing
 from swarm.averager.held import Dropped
-from swarm.averager.repair import RepairFailure, restore_slice, slices_to_repair
-from swarm.defence.audit import FALSE_ACCUSATION, Receipt, Verdict, auditor_of, digest_parts
+from swarm.averager.repair import UNANSWERED_STRIKES, RepairFailure, restore_slice, slices_to_repair
+from swarm.defence.audit import FALSE_ACCUSATION, Verdict, auditor_of
+from swarm.defence.receipts import Receipt, digest_parts
 from swarm.dht.identity import peer_id_of_owner
 
 GROUP = b"g" * 20

@@ -13,16 +13,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 
 from swarm.averager.allreduce import encode_average
-from swarm.defence.audit import (
-    Verdict,
-    digest_parts,
-    judge,
-    open_receipt,
-    vouching,
-    with_statements,
-)
+from swarm.defence.audit import Verdict, judge, vouching
 from swarm.defence.bans import BAN_ROUNDS, BanList, BanReason, Guard, accusation_entry, proven_bans
 from swarm.defence.proofs import forgery_proof, proves_forgery
+from swarm.defence.receipts import digest_parts, open_receipt, with_statements
 from swarm.defence.statements import MAX_STATEMENT_BYTES, Statement, open_statement, vouches
 from swarm.manifest import Aggregation
 from tests.test_audit import CODEC_TYPES, SimpleEntry, honest_round, peer_of, receipt_for, record, statements_for
@@ -37,18 +31,21 @@ def keys():
 
 def test_a_statement_opens_only_as_its_senders_and_vouches_for_exactly_what_it_says(keys):
     sender, reducer = peer_of(keys[1]), peer_of(keys[0])
-    blob = Statement(GROUP, reducer, b"d" * 32, 12.0).sign(keys[1])
+    blob = Statement(GROUP, reducer, b"d" * 32, 12.0, 3).sign(keys[1])
     assert len(blob) < 1024
-    assert open_statement(blob, sender) == Statement(GROUP, reducer, b"d" * 32, 12.0)
+    assert open_statement(blob, sender) == Statement(GROUP, reducer, b"d" * 32, 12.0, 3)
     assert open_statement(blob, reducer) is None  # not its key
-    assert vouches(blob, sender, GROUP, reducer, b"d" * 32, 12.0)
-    for other in [(b"h" * 20, reducer, b"d" * 32, 12.0), (GROUP, sender, b"d" * 32, 12.0),
-                  (GROUP, reducer, b"e" * 32, 12.0), (GROUP, reducer, b"d" * 32, 1000.0)]:  # fmt: skip
+    assert vouches(blob, sender, GROUP, reducer, b"d" * 32, 12.0, 3)
+    for other in [(b"h" * 20, reducer, b"d" * 32, 12.0, 3), (GROUP, sender, b"d" * 32, 12.0, 3),
+                  (GROUP, reducer, b"e" * 32, 12.0, 3), (GROUP, reducer, b"d" * 32, 1000.0, 3),
+                  (GROUP, reducer, b"d" * 32, 12.0, 2)]:  # fmt: skip
         assert not vouches(blob, sender, *other), other
     assert open_statement(blob[:-3] + b"xyz", sender) is None
     assert open_statement(b"x" * (MAX_STATEMENT_BYTES + 1), sender) is None  # refused unread
-    nan = Statement(GROUP, reducer, b"d" * 32, math.nan).sign(keys[1])
+    nan = Statement(GROUP, reducer, b"d" * 32, math.nan, 3).sign(keys[1])
     assert open_statement(nan, sender) is None
+    for count in (0, -1, 2**20 + 1, True, 1.5):  # a count of no parts, or past any slice, or not an integer
+        assert open_statement(Statement(GROUP, reducer, b"d" * 32, 12.0, count).sign(keys[1]), sender) is None
 
 
 FIELD = st.one_of(st.binary(max_size=600), st.integers(-(2**63), 2**64 - 1), st.text(max_size=50), st.floats())
@@ -103,14 +100,14 @@ def test_statements_served_beside_a_receipt_must_be_the_ones_it_signed_for(keys)
         hidden = dataclasses.replace(honest, statements=tuple(statements))
         assert audit(hidden, served, weights, numels, output, names) == Verdict.withheld
     # a proof whose statement is not the one the receipt signed for proves nothing
-    fake = Statement(GROUP, names[0], b"z" * 32, 1.0).sign(keys[1])
+    fake = Statement(GROUP, names[0], b"z" * 32, 1.0, 2).sign(keys[1])
     blob = honest.sign(keys[0])
     assert proves_forgery(MSGPackSerializer.dumps([1, blob, 1, fake])) is None
     assert proves_forgery(MSGPackSerializer.dumps([1, blob, 1, honest.statements[1]])) is None  # it vouches
     assert proves_forgery(MSGPackSerializer.dumps([1, blob, 0, b""])) is None  # the reducer's own entry
 
 
-def test_a_sender_left_without_a_digest_is_withheld_only_on_the_auditors_own_evidence(keys):
+def test_a_sender_left_without_a_digest_is_checked_as_counted_for_no_part(keys):
     names = [peer_of(k) for k in keys[:3]]
     served, weights, numels, output = honest_round("fp16")
     honest = receipt_for(keys[0], names, served, weights, output)
@@ -118,8 +115,9 @@ def test_a_sender_left_without_a_digest_is_withheld_only_on_the_auditors_own_evi
         honest, inputs=(honest.inputs[0], b"", honest.inputs[2]), vouched=(b"", b"", honest.vouched[2])
     )
     omitted = with_statements(omitted, [b"", b"", honest.statements[2]])
-    # anyone else cannot tell a sender that dropped mid-way from one left out: inconclusive, as before
-    assert audit(omitted, served, weights, numels, output, names) == Verdict.inconclusive
+    # its receipt says the average holds none of that sender's parts (``Receipt.counts``): recomputed without them,
+    # it is not the average the reducer returned (before the counts, this was "inconclusive": nothing was dropped)
+    assert audit(omitted, served, weights, numels, output, names) == Verdict.wrong_average
     # the sender itself had every part's average back from the reducer, so the reducer held every part
     assert audit(omitted, served, weights, numels, output, names, completed=[names[1]]) == Verdict.withheld
 

@@ -20,6 +20,7 @@ agree; the dropped fraction is reported.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -39,16 +40,17 @@ from swarm.averager.bounds import OutOfBounds, admit
 from swarm.averager.codecs import SPARSE
 from swarm.averager.held import HeldOutputContainer
 from swarm.averager.spill import SpilledParts
-from swarm.defence.audit import digest_of, part_digest
+from swarm.defence.receipts import digest_of, part_digest
 from swarm.defence.robust import RefusedPart, RobustPartReducer
 from swarm.defence.statements import Output, Statement, open_output, vouches
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
 # what this all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``). 2: receipts
-# of version 4 and signed outputs. Peers of another version never group with us: it is in the schema hash a leader
-# checks (``process.wire_schema_hash``) and in a second stage's group id (``fixed_group.fixed_group_id``)
-WIRE_VERSION = b"swarm-allreduce/2"
+# of version 4 and signed outputs; 3: a sender's statement with every part, and receipts of version 5. Peers of
+# another version never group with us: it is in the schema hash a leader checks (``process.wire_schema_hash``) and
+# in a second stage's group id (``fixed_group.fixed_group_id``)
+WIRE_VERSION = b"swarm-allreduce/3"
 
 
 def decode_part(
@@ -115,8 +117,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         # as a reducer, the digest of each part each sender sent us, and each sender's weight
         self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
+        self._input_hashes = [hashlib.sha256() for _ in self.sender_peer_ids]  # ``digest_of`` each one's so far
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
-        self.input_statements = [b"" for _ in self.sender_peer_ids]  # each sender's signed statement (``statements``)
+        # each sender's last two signed statements (``statements``), by the count of parts they cover: the one of
+        # the parts we counted is among them however its stream ended (``statement_of``)
+        self._input_statements: list[dict[int, bytes]] = [{} for _ in self.sender_peer_ids]
         self.output_statements: dict[str, bytes] = {}  # reducer -> its signed ``Output``: the average it returned us
         self.nonce = os.urandom(16)  # in our receipt and every ``Output`` of this run (``audit.Receipt.nonce``)
         self._encoded: dict[int, asyncio.Future] = {}  # our slice's averaged parts, each encoded once
@@ -130,20 +135,34 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
         self.input_digests[sender_index].append(part_digest(part))
+        self._input_hashes[sender_index].update(self.input_digests[sender_index][-1])
         self.input_weights[sender_index] = float(weight)
+
+    def counted_parts(self) -> list[int]:
+        """How many parts of each sender our slice's average holds: every part of one that finished; of one whose
+        stream broke or that we dropped, those it had sent before (``RobustPartReducer``: hivemind's
+        ``sender_failed_after``)."""
+        reducer = self.tensor_part_reducer
+        return [reducer.num_parts if math.isinf(k) else int(k) for k in reducer.sender_failed_after]
+
+    def statement_of(self, sender_index: int, count: int) -> bytes:
+        """The sender's signed statement of its first ``count`` parts, as we checked it (b"" for none)."""
+        return self._input_statements[sender_index].get(count, b"")
 
     async def _record_sent(
         self, peer_index: int, stream: AsyncIterator[averaging_pb2.AveragingData]
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self.sent_parts.start(peer_index)
         reducer = self.ordered_peer_ids[peer_index].to_base58()
-        expected, digests = self.tensor_part_container.num_parts_by_peer[peer_index], []
+        running, count = hashlib.sha256(), 0  # ``digest_of`` the parts sent so far
         async for message in stream:
             self.sent_parts.append(peer_index, message.tensor_part)
-            digests.append(part_digest(message.tensor_part))
-            if len(digests) == expected:  # our signed statement of what we sent, with the last part
-                statement = Statement(self.group_id, reducer, digest_of(digests), float(message.weight))
-                message.peer_id = statement.sign(self.signing_key)
+            running.update(part_digest(message.tensor_part))
+            count += 1
+            # our signed statement of what we sent so far, with every part: a reducer counts no part without one,
+            # and one whose stream broke is left the statement of the parts it counted (``statements``)
+            statement = Statement(self.group_id, reducer, running.copy().digest(), float(message.weight), count)
+            message.peer_id = statement.sign(self.signing_key)
             yield message
 
     async def _count(
@@ -241,13 +260,16 @@ class ExactAllReduceRunner(AllReduceRunner):
             index += 1
 
     def _check_statement(self, sender_index: int, statement: bytes, declared: float) -> None:
-        """Keep a sender's signed statement for our receipt, or refuse the sender if it does not say what it sent us
-        (``swarm.defence.statements``): a receipt lists only what its senders signed."""
-        sender = self.sender_peer_ids[sender_index].to_base58()
-        digest = digest_of(self.input_digests[sender_index])
-        if not vouches(statement, sender, self.group_id, self.peer_id.to_base58(), digest, declared):
-            raise RefusedPart("a sender's last part came without its signed statement of what it sent")
-        self.input_statements[sender_index] = statement
+        """Keep a sender's signed statement of the parts it sent us so far (this one included) for our receipt, or
+        refuse the sender if it does not say what it sent (``swarm.defence.statements``): a receipt lists only what
+        its senders signed, and a part is counted only with its statement."""
+        sender, count = self.sender_peer_ids[sender_index].to_base58(), len(self.input_digests[sender_index])
+        digest = self._input_hashes[sender_index].copy().digest()
+        if not vouches(statement, sender, self.group_id, self.peer_id.to_base58(), digest, declared, count):
+            raise RefusedPart("a sender's part came without its signed statement of what it sent")
+        kept = self._input_statements[sender_index]
+        kept[count] = statement
+        kept.pop(count - 2, None)
 
     def _keep_output(self, reducer: PeerID, blob: bytes, returned: list[bytes]) -> None:
         """Keep a reducer's signed ``Output`` of the average it returned us (``proofs``: two such digests of one
@@ -300,8 +322,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     if math.isfinite(weight):  # any other is refused as it is (``check_part``)
                         weight = min(weight, self.max_weight)
                     self._received_from(sender_index, message, weight)
-                    if part_index == self.tensor_part_reducer.num_parts - 1:
-                        self._check_statement(sender_index, statement, declared)
+                    self._check_statement(sender_index, statement, declared)
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
                     )

@@ -18,7 +18,8 @@ from hivemind.proto import averaging_pb2
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
-from swarm.defence.audit import GUILTY, UNCHECKABLE, Receipt, Verdict, open_receipt, with_statements
+from swarm.defence.audit import GUILTY, UNCHECKABLE, Verdict
+from swarm.defence.receipts import Receipt, open_receipt, with_statements
 
 logger = logging.getLogger(__name__)
 

@@ -27,37 +27,24 @@ from swarm.averager.audit_serving import AuditRound, AuditServing
 from swarm.averager.bounds import admitted
 from swarm.averager.findings import Found, one_a_peer
 from swarm.averager.held import Dropped, HeldPart
-from swarm.averager.repair import (
-    WITHHELD_AVERAGE,
-    RepairFailure,
-    SliceRepair,
-    drop_slice,
-    restore_slice,
-    slices_to_repair,
-)
+from swarm.averager.repair import UNANSWERED_STRIKES, SliceRepair, drop_slice, slices_to_repair
 from swarm.defence.audit import (
     DROP_ONLY,
     FALSE_ACCUSATION,
     GUILTY,
     UNCHECKABLE,
-    Receipt,
     Verdict,
     auditor_of,
-    digest_of,
-    digest_parts,
     judge,
-    lists_every_sender,
-    open_receipt,
     sample_parts,
     served_as_signed,
-    statement_hash,
     suspect_parts,
 )
 from swarm.defence.proofs import equivocation_proof, equivocations, forgery_proof
+from swarm.defence.receipts import Receipt, digest_of, digest_parts, lists_every_sender, open_receipt, statement_hash
 
 logger = logging.getLogger(__name__)
 
-UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
 
 
@@ -78,28 +65,37 @@ class Auditing(AuditServing, SliceRepair):
         number of values dropped, what was found (for the host: ``AllReduceOutcome.findings``) and the slices
         that came in part and could not be repaired (``AllReduceOutcome.repair_failures``)."""
         owner = self._index_slices(runner, record, held)
-        reducers = [m for m, out in record.outputs.items() if out and not any(isinstance(p, Dropped) for p in out)]
-        if self.peer_id.to_base58() in reducers:
+        me = self.peer_id.to_base58()
+        if record.outputs.get(me) and not any(isinstance(p, Dropped) for p in record.outputs[me]):
             await self._sign_receipt(runner, record)
         record.done = True
         deadline = time.monotonic() + self._audit_timeout
-        found = await self._audit_ours(record, reducers, deadline)
-        waiting = self._verdicts_to_wait_for(record, reducers)
+        # a slice we audit that came to us in part is fetched again first, and audited: a reducer that cuts its
+        # stream to its auditor is checked, and the group hears the verdict in time
+        ours = [r for r in record.outputs if self._accuser(record, r) == me]
+        early = await self._repair_partial_slices(runner, record, held, owner, deadline, only=ours)
+        reducers = _whole(record)
+        found = early[3] + await self._audit_ours(record, reducers, deadline)
+        await self._tell_unrepaired(record, early[1], deadline)
+        # a slice that came in part is fetched again below: its auditor's verdict is heard like the others'
+        partial = slices_to_repair(record.outputs, me, {p.to_base58() for p in runner.refused_senders})
+        waiting = self._verdicts_to_wait_for(record, reducers, partial)
         await self._hear_verdicts(record, waiting + self._our_auditor_present(record, reducers), deadline)
         found += await self._split_averages(record, found)
         recheck_deadline = time.monotonic() + self._audit_timeout
-        proven = {peer for peer, verdict, *_ in found if verdict == Verdict.equivocated}
-        found += await self._recheck_accusations(record, [r for r in waiting if r not in proven], recheck_deadline)
-        found += self._accusations_of_us(record)
-        dropped, repair_failures, restored, withheld = await self._repair_partial_slices(
+        dropped, repair_failures, _, withheld = await self._repair_partial_slices(
             runner, record, held, owner, recheck_deadline
         )
         found += withheld
-        found += await self._audit_restored(record, restored, recheck_deadline)
+        proven = {peer for peer, verdict, *_ in found if verdict == Verdict.equivocated}
+        whole = _whole(record)
+        rechecked = [r for r in waiting if r not in proven and r in whole]
+        found += await self._recheck_accusations(record, rechecked, recheck_deadline)
+        found += self._accusations_of_us(record)
         findings, more = self._apply(found, held, owner)
         record.outputs.clear()
         self._keep_round(runner.group_id)
-        return held, dropped + more, findings, repair_failures
+        return held, early[0] + dropped + more, findings, early[1] + repair_failures
 
     def _index_slices(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]) -> dict:
         """Which groupmate reduced each held part, ``(tensor, part) -> reducer``; and each reducer's average as
@@ -120,13 +116,15 @@ class Auditing(AuditServing, SliceRepair):
         """As a reducer: sign what each sender sent us (by digest, and weight) and the average we sent back."""
         me = self.peer_id.to_base58()
         senders = [p.to_base58() for p in runner.sender_peer_ids]
-        full = len(runner.parts_for_local_averaging)
-        record.listed = [d if len(d) == full else [] for d in runner.input_digests]
+        counts = runner.counted_parts()  # of a sender whose stream broke, the parts our average holds
+        record.listed = [d[:k] for d, k in zip(runner.input_digests, counts)]
         inputs = [digest_of(d) if d else b"" for d in record.listed]
-        record.statements = [s if d else b"" for s, d in zip(runner.input_statements, record.listed)]
+        record.statements = [
+            b"" if p == me else runner.statement_of(i, k) for i, (p, k) in enumerate(zip(senders, counts))
+        ]
         receipt = Receipt(runner.group_id, me, tuple(senders), tuple(runner.input_weights), tuple(inputs),
                           digest_parts(record.outputs[me]), tuple(map(statement_hash, record.statements)),
-                          runner.nonce)  # fmt: skip
+                          runner.nonce, tuple(counts))  # fmt: skip
         record.receipt = await asyncio.get_event_loop().run_in_executor(None, receipt.sign)
         record.own_output = record.outputs[me]
         logger.debug("receipt: %s", [(s[-8:], d.hex()[:12]) for s, d in zip(senders, inputs)])
@@ -169,11 +167,12 @@ class Auditing(AuditServing, SliceRepair):
             if reducer in record.members and reducer != me and reducer not in known
         ]
 
-    def _verdicts_to_wait_for(self, record: AuditRound, reducers: list[str]) -> list[str]:
-        """The reducers audited by another groupmate that is still with us (one whose own slice never came is gone)."""
+    def _verdicts_to_wait_for(self, record: AuditRound, reducers: list[str], partial: list[str] = ()) -> list[str]:
+        """The reducers (whole, or ``partial``: to fetch again) audited by another groupmate that is still with us
+        (one whose own slice never came is gone)."""
         me, group_id = self.peer_id.to_base58(), record.runner.group_id
         auditor = lambda r: auditor_of(record.members, group_id, r)  # noqa: E731
-        return [r for r in reducers if r != me and auditor(r) != me and auditor(r) in reducers]
+        return [r for r in [*reducers, *partial] if r != me and auditor(r) != me and auditor(r) in reducers]
 
     def _our_auditor_present(self, record: AuditRound, reducers: list[str]) -> list[str]:
         """Ourselves, if we reduced a slice and our auditor is still with us: its verdict on us is waited for like
@@ -202,7 +201,7 @@ class Auditing(AuditServing, SliceRepair):
             own, blob, _ = await self._audit_one(record, reducer, deadline, record.accused.get(reducer, ()))
             if own in DROP_ONLY:  # a sender it lists as dropped says it sent everything: we drop it too
                 found.append((reducer, own, None, True, False))
-            elif own == Verdict.inconclusive and heard in UNCHECKABLE and _omits(blob, self._accuser(record, reducer)):
+            elif own == Verdict.inconclusive and heard in UNCHECKABLE and _omits(blob, record, reducer):
                 # it says its auditor dropped mid-way, the auditor says it sent everything: one of them lies, so the
                 # slice goes for everyone (no strike: that rests on the auditor's word), as it goes for the auditor
                 found.append((reducer, Verdict.withheld, None, True, False))
@@ -228,42 +227,6 @@ class Auditing(AuditServing, SliceRepair):
     @staticmethod
     def _accuser(record: AuditRound, reducer: str) -> str | None:
         return auditor_of(record.members, record.runner.group_id, reducer)
-
-    async def _repair_partial_slices(
-        self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]], owner: dict, deadline: float
-    ) -> tuple[int, list[dict]]:
-        """A slice that came in part (its reducer vanished mid-way, or cut its stream to us) is fetched again from
-        its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail one
-        part to us and have the rest applied unchecked (then our state differs from the group's, and the
-        consistency check re-syncs us). The values dropped (less those restored), and the failures."""
-        refused = {p.to_base58() for p in runner.refused_senders}
-        partial = slices_to_repair(record.outputs, self.peer_id.to_base58(), refused)
-        repairs = await asyncio.gather(*(self._repair_slice(record, p, deadline) for p in partial))
-        dropped, failures, restored, found = 0, [], [], []
-        for peer, parts in zip(partial, repairs):
-            if isinstance(parts, RepairFailure):
-                dropped += drop_slice(held, owner, peer)
-                failures.append(dict(peer=peer, failure=parts.value))
-                if parts in WITHHELD_AVERAGE:  # alive (it signed for the round), and kept its average from us
-                    strikes = self._strike(peer, Verdict.withheld)
-                    found.append((peer, Verdict.withheld, None, False, strikes >= UNANSWERED_STRIKES))
-            else:
-                dropped -= restore_slice(held, owner, peer, parts)
-                record.outputs[peer] = parts
-                restored.append(peer)
-                logger.debug("the average of %s came in part: fetched again, whole", peer)
-        return dropped, failures, restored, found
-
-    async def _audit_restored(self, record: AuditRound, restored: list[str], deadline: float) -> list[Found]:
-        """Audit the reducers we are the auditor of whose average came to us in part, now that we hold it whole: a
-        liar that cuts its stream to its auditor alone is still checked. Too late to tell the group (its verdicts
-        are heard by now), so only we drop its slice, and ban it if it lied."""
-        me, found = self.peer_id.to_base58(), []
-        for reducer in [r for r in restored if self._accuser(record, r) == me]:
-            verdict, blob, _ = await self._audit_one(record, reducer, deadline)
-            if verdict in GUILTY:
-                found.append((reducer, verdict, blob, True, True))
-        return found
 
     def _apply(self, found: list[Found], held: list[list[HeldPart]], owner: dict) -> tuple[list[dict], int]:
         """Bans and dropped slices, as found: the findings for the host, and the values dropped."""
@@ -303,18 +266,20 @@ class Auditing(AuditServing, SliceRepair):
         if not lists_every_sender(receipt, [p.to_base58() for p in record.runner.sender_peer_ids]):
             logger.debug("audited %s: its signed receipt leaves senders out", reducer)
             return Verdict.withheld, blob, []  # signed, so alive, and uncheckable as it stands: struck
-        count, numels = len(ours), [math.prod(p.size) for p in ours]  # parts in its slice, and each one's size
+        outputs = record.outputs[reducer]  # whole: we audit no slice that came to us in part
+        count, numels = len(outputs), [math.prod(p.size) for p in outputs]  # parts in its slice, and each one's size
         if 0 < self._audit_parts < count:  # a sample: those drawn at random, and those that stand out
-            outputs, size = record.outputs[reducer], self._audit_parts
-            suspects = await asyncio.get_event_loop().run_in_executor(None, suspect_parts, outputs, ours, size)
+            suspects = await asyncio.get_event_loop().run_in_executor(
+                None, suspect_parts, outputs, ours, self._audit_parts
+            )
             also = [*also, *suspects]
         checked = sample_parts(count, self._audit_parts, also)
-        whole = len(checked) == count
-        ours = ours if whole else [ours[i] for i in checked]
-        indices = None if whole else checked  # None: the sender's every part, as when the audit checks them all
-        limit = 4 * sum(len(p.buffer) for p in ours) + (1 << 16)
-        others = [s for s in receipt.senders if s != me]
-        fetch = lambda sender: self._fetch_parts(record, sender, reducer, limit, indices=indices)  # noqa: E731
+        # each sender's parts that are checked: of one whose stream broke, only those the receipt counts of it
+        wanted = {s: [i for i in checked if i < k] for s, k in zip(receipt.senders, receipt.counted(count))}
+        indices = lambda s: None if len(wanted[s]) == count else wanted[s]  # noqa: E731 (None: all its parts)
+        limit = 4 * sum(numels[i] for i in checked) + (1 << 16)
+        others = [s for s in receipt.senders if s != me and wanted[s]]
+        fetch = lambda sender: self._fetch_parts(record, sender, reducer, limit, indices=indices(sender))  # noqa: E731
         fetched = await asyncio.gather(
             *(_retried(lambda s=s: fetch(s), deadline) for s in others), return_exceptions=True
         )
@@ -322,26 +287,29 @@ class Auditing(AuditServing, SliceRepair):
             i = others.index(reducer)  # or served other bytes without an error (errors were retried above) is
             parts = fetched[i]  # fetched once more before that is said
             if not isinstance(parts, BaseException) and not served_as_signed(
-                receipt, reducer, parts, checked, count, listed.get(reducer)
+                receipt, reducer, parts, wanted[reducer], count, listed.get(reducer)
             ):
                 logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
                 again = _retried(lambda: fetch(reducer), deadline)
                 fetched[i] = (await asyncio.gather(again, return_exceptions=True))[0]
-        served = {me: ours}
+        served = {me: [ours[i] for i in wanted.get(me, []) if i < len(ours)]}
         compression = record.runner.tensor_part_container.compression.compression_type
         for sender, parts in zip(others, fetched):
             if isinstance(parts, BaseException):
                 logger.debug("no audit parts from %s: %r", sender, parts)
-            elif not admitted(parts, [numels[i] for i in checked], compression):
+            elif not admitted(parts, [numels[i] for i in wanted[sender]], compression):
                 logger.debug("%s's audit parts are out of bounds: not served", sender)
             else:
                 served[sender] = parts
+        # a reducer returns a part's average only once it holds our part: its whole average as it came (not
+        # fetched again) says our stream reached it whole
+        completed = [me] if reducer in record.completed else []
 
         def check() -> Verdict:
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
                 lambda values: encode_average(values, compression), indices=checked, listed=listed,
-                max_weight=record.runner.max_weight, completed=[me],  # its whole average came back to us
+                max_weight=record.runner.max_weight, completed=completed,
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
@@ -355,13 +323,14 @@ class Auditing(AuditServing, SliceRepair):
             "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
             len(receipt.senders), len(checked), len(numels),
         )  # fmt: skip
-        return verdict, blob, indices or []
+        return verdict, blob, [] if len(checked) == count else checked
 
     async def _a_dropped_sender_says_it_sent_all(self, record: AuditRound, receipt: Receipt, deadline: float) -> bool:
-        """Whether a sender the receipt lists as dropped mid-way (no digest) says its whole average from the reducer
+        """Whether a sender the receipt lists as dropped mid-way says its whole average from the reducer
         came back to it, which a reducer sends only for parts it holds: then the reducer or that sender lies."""
         me = self.peer_id.to_base58()
-        dropped = [s for s, d in zip(receipt.senders, receipt.inputs) if not d and s not in (me, receipt.reducer)]
+        parts = len(record.outputs.get(receipt.reducer) or ())
+        dropped = [s for s in receipt.senders if s in receipt.dropped(parts) and s not in (me, receipt.reducer)]
         asked = lambda sender: self._fetch_completed(record, sender, receipt.reducer)  # noqa: E731
         asks = (_retried(lambda s=s: asked(s), deadline) for s in dropped)
         said = await asyncio.gather(*asks, return_exceptions=True)
@@ -376,7 +345,13 @@ class Auditing(AuditServing, SliceRepair):
         return strikes
 
 
-def _omits(blob: bytes | None, sender: str | None) -> bool:
-    """Whether the signed receipt ``blob`` lists ``sender`` with no digest (as dropped before its last part)."""
+def _whole(record: AuditRound) -> list[str]:
+    """The reducers whose whole average we hold (as it came, or fetched again)."""
+    return [m for m, out in record.outputs.items() if out and not any(isinstance(p, Dropped) for p in out)]
+
+
+def _omits(blob: bytes | None, record: AuditRound, reducer: str) -> bool:
+    """Whether ``reducer``'s signed receipt ``blob`` lists its auditor as dropped before its last part."""
     receipt = open_receipt(blob) if blob is not None else None
-    return receipt is not None and sender in receipt.senders and not receipt.inputs[receipt.senders.index(sender)]
+    auditor = auditor_of(record.members, record.runner.group_id, reducer)
+    return receipt is not None and auditor in receipt.dropped(len(record.outputs[reducer]))

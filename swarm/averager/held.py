@@ -15,7 +15,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from swarm.averager.bounds import OutOfBounds, admit, declared_numel
-from swarm.defence.audit import part_digest
+from swarm.defence.receipts import part_digest
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,20 @@ state than the others'. A liar cannot fail one part to us and have the rest appl
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import math
+import typing
 
+from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.audit_requests import AuditRequests, _retried
 from swarm.averager.audit_serving import AuditRequest, AuditRound
 from swarm.averager.bounds import admitted
+from swarm.averager.findings import Found
 from swarm.averager.held import Dropped, HeldPart
-from swarm.defence.audit import digest_parts
+from swarm.defence.audit import Verdict
+from swarm.defence.receipts import digest_parts
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +36,8 @@ class RepairFailure(enum.StrEnum):
 
 
 # failures of a reducer that is alive (it answered with its receipt) and still kept its signed average from us: a
-# strike each, as an audit it would not let us make (``auditing.UNANSWERED_STRIKES`` in a row ban it)
+# strike each, as an audit it would not let us make (``UNANSWERED_STRIKES`` in a row ban it)
+UNANSWERED_STRIKES = 2  # audits in a row a reducer left unanswered or withheld its parts in, before a ban
 WITHHELD_AVERAGE = frozenset({RepairFailure.withheld, RepairFailure.not_signed, RepairFailure.disagrees})
 
 
@@ -99,3 +105,43 @@ class SliceRepair(AuditRequests):
                 logger.debug("%s's average again: part %d differs from what we received", reducer, index)
                 return RepairFailure.disagrees
         return parts
+
+    async def _repair_partial_slices(
+        self,
+        runner: ExactAllReduceRunner,
+        record: AuditRound,
+        held: list[list[HeldPart]],
+        owner: dict,
+        deadline: float,
+        only: typing.Collection[str] | None = None,
+    ) -> tuple[int, list[dict], list[str], list[Found]]:
+        """A slice that came in part (its reducer vanished mid-way, or cut its stream to us) is fetched again from
+        its reducer and checked against its receipt; failing that it is dropped whole, since a liar could fail one
+        part to us and have the rest applied unchecked (then our state differs from the group's, and the
+        consistency check re-syncs us). ``only``: those reducers' slices alone. The values dropped (less those
+        restored), the failures, the reducers restored, and the strikes of those that kept their average from us."""
+        refused = {p.to_base58() for p in runner.refused_senders}
+        partial = slices_to_repair(record.outputs, self.peer_id.to_base58(), refused)
+        partial = [p for p in partial if only is None or p in only]
+        repairs = await asyncio.gather(*(self._repair_slice(record, p, deadline) for p in partial))
+        dropped, failures, restored, found = 0, [], [], []
+        for peer, parts in zip(partial, repairs):
+            if isinstance(parts, RepairFailure):
+                dropped += drop_slice(held, owner, peer)
+                failures.append(dict(peer=peer, failure=parts.value))
+                if parts in WITHHELD_AVERAGE:  # alive (it signed for the round), and kept its average from us
+                    strikes = self._strike(peer, Verdict.withheld)
+                    found.append((peer, Verdict.withheld, None, False, strikes >= UNANSWERED_STRIKES))
+            else:
+                dropped -= restore_slice(held, owner, peer, parts)
+                record.outputs[peer] = parts
+                restored.append(peer)
+                logger.debug("the average of %s came in part: fetched again, whole", peer)
+        return dropped, failures, restored, found
+
+    async def _tell_unrepaired(self, record: AuditRound, failures: list[dict], deadline: float) -> None:
+        """Our verdict on each reducer we audit whose slice came in part and could not be had again: ``withheld``
+        if it kept its average from us (each groupmate checks it itself), else ``unanswered``."""
+        for failure in failures:
+            verdict = Verdict.withheld if failure["failure"] in WITHHELD_AVERAGE else Verdict.unanswered
+            await self._tell_group(record, failure["peer"], verdict, [], deadline)

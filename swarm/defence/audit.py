@@ -39,22 +39,16 @@ import logging
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
 
 import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-from hivemind.utils.serializer import MSGPackSerializer
 
+from swarm.defence.receipts import Receipt, digest_of, digest_parts, part_digest, statement_hash, statement_vouches
 from swarm.defence.robust import RefusedPart, check_part, robust_mean
-from swarm.defence.statements import counts_as, open_statement
-from swarm.dht.identity import peer_id_of_owner
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
-RECEIPT_VERSION = 4  # 4: with its all-reduce's nonce; 3: each sender's signed statement; 2: digests of parts' digests
-MAX_DIGEST = 64  # bytes of a digest, a group id or a nonce a receipt may carry (SHA-256: 32; group ids: 20)
 MAX_MOVED_FRACTION = 1e-3  # an honest reducer differs from a recomputation only on rounding boundaries
 
 
@@ -81,27 +75,6 @@ UNCHECKABLE = frozenset({Verdict.withheld})
 DROP_ONLY = frozenset({Verdict.omitted})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
-
-
-def part_digest(part: runtime_pb2.Tensor) -> bytes:
-    """SHA-256 of one serialized part: its codec, dtype, shape and bytes."""
-    header = MSGPackSerializer.dumps([int(part.compression), part.dtype, list(part.size), len(part.buffer)])
-    h = hashlib.sha256(len(header).to_bytes(4, "little") + header)
-    h.update(part.buffer)
-    return h.digest()
-
-
-def digest_of(digests: Iterable[bytes]) -> bytes:
-    """SHA-256 over per-part digests, in order: what a receipt signs for a list of parts."""
-    h = hashlib.sha256()
-    for digest in digests:
-        h.update(digest)
-    return h.digest()
-
-
-def digest_parts(parts: Iterable[runtime_pb2.Tensor]) -> bytes:
-    """The digest a receipt signs for these parts, in order (``digest_of`` their ``part_digest``s)."""
-    return digest_of(part_digest(part) for part in parts)
 
 
 def sample_parts(count: int, size: int, also: Iterable[int] = ()) -> list[int]:
@@ -132,70 +105,6 @@ def suspect_parts(outputs: Sequence[runtime_pb2.Tensor], ours: Sequence[runtime_
     return sorted(sorted(range(len(ratios)), key=lambda i: -ratios[i])[:size])
 
 
-@dataclass(frozen=True)
-class Receipt:
-    """What a reducer received and returned in one group's all-reduce."""
-
-    group_id: bytes
-    reducer: str  # base58 peer id
-    senders: tuple[str, ...]  # base58, in sender order
-    weights: tuple[float, ...]
-    inputs: tuple[bytes, ...]  # digest of each sender's parts; b"" for a sender dropped before its last part
-    output: bytes  # digest of the average it sent everyone
-    vouched: tuple[bytes, ...] = ()  # SHA-256 of each sender's signed statement (``statements``); b"" for none
-    # drawn by the reducer for this one all-reduce and signed in every ``statements.Output`` of it too: two digests
-    # of an average prove an equivocation only under one nonce, so a leader that hands an honest reducer a group id
-    # it averaged in before cannot pair the two runs' signatures (``proofs``)
-    nonce: bytes = b""
-    # the statements themselves, served beside the receipt (so that it stays small enough for an accusation) and
-    # checked against ``vouched``; not part of what the reducer signs
-    statements: tuple[bytes, ...] = field(default=(), compare=False)
-
-    def payload(self) -> bytes:
-        fields = [RECEIPT_VERSION, self.group_id, self.reducer, list(self.senders), list(self.weights)]
-        return MSGPackSerializer.dumps(fields + [list(self.inputs), self.output, list(self.vouched), self.nonce])
-
-    def sign(self, key: RSAPrivateKey | None = None) -> bytes:
-        """The receipt, signed with this process's identity key (the peer's libp2p key, see ``identity``)."""
-        key = RSAPrivateKey.process_wide() if key is None else key
-        payload = self.payload()
-        return MSGPackSerializer.dumps([payload, key.sign(payload), key.get_public_key().to_bytes()])
-
-
-def open_receipt(blob: bytes) -> Receipt | None:
-    """The receipt in a signed blob, if its signature holds and its key is its reducer's; else None. Every field is
-    taken only as the type it must be, and digests no longer than ``MAX_DIGEST``: a signed integer where bytes
-    belong is not made into that many zero bytes."""
-    try:
-        payload, signature, public_key = MSGPackSerializer.loads(blob)
-        fields = MSGPackSerializer.loads(payload)
-        version, group_id, reducer, senders, weights, inputs, output, vouched, nonce = fields
-        if version != RECEIPT_VERSION or not isinstance(reducer, str) or not _digests([group_id, output, nonce]):
-            return None
-        if not (isinstance(senders, list) and all(isinstance(x, str) for x in senders)):
-            return None
-        if not (isinstance(weights, list) and all(isinstance(w, float | int) for w in weights)):
-            return None
-        if not (isinstance(inputs, list) and isinstance(vouched, list) and _digests(inputs) and _digests(vouched)):
-            return None
-        if peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
-            return None
-        if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
-            return None
-        receipt = Receipt(
-            group_id, reducer, tuple(senders), tuple(map(float, weights)), tuple(inputs), output, tuple(vouched), nonce
-        )
-        if not len(receipt.senders) == len(receipt.weights) == len(receipt.inputs) == len(receipt.vouched):
-            return None
-        return receipt
-    except Exception:  # another machine's bytes: anything can be wrong with them
-        return None
-
-
-def _digests(values: list) -> bool:
-    return all(isinstance(v, bytes) and len(v) <= MAX_DIGEST for v in values)
-
-
 def auditor_of(members: Sequence[str], group_id: bytes, reducer: str) -> str | None:
     """The groupmate that audits ``reducer``: never itself, spread over the group by the group id."""
     if len(members) < 2 or reducer not in members:
@@ -215,14 +124,16 @@ def recompute(
     aggregation: Aggregation,
 ) -> list[torch.Tensor] | None:
     """The reducer's result, part by part, from the senders' parts (None if an honest reducer would have
-    refused one of them: then the receipt should not have listed it)."""
+    refused one of them: then the receipt should not have listed it). A sender whose stream broke holds fewer
+    parts (its first few): it is in the results of those alone, as in the reducer's; a part nobody sent is zeros."""
     results = []
     for j, numel in enumerate(numels):
+        present = [(parts[j], w) for parts, w in zip(parts_by_sender, weights) if j < len(parts)]
         try:
-            values = [check_part(_decode(parts[j]), numel, w) for parts, w in zip(parts_by_sender, weights)]
-        except (RefusedPart, IndexError, RuntimeError, ValueError):
+            values = [check_part(_decode(part), numel, w) for part, w in present]
+        except (RefusedPart, RuntimeError, ValueError):
             return None
-        results.append(robust_mean(values, weights, aggregation))
+        results.append(robust_mean(values, [w for _, w in present], aggregation) if values else torch.zeros(numel))
     return results
 
 
@@ -265,33 +176,22 @@ def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | N
     return valid and digest_of(listed) == digest
 
 
-def statement_hash(statement: bytes) -> bytes:
-    """What a receipt signs for a sender's statement (b"" for none)."""
-    return hashlib.sha256(statement).digest() if statement else b""
-
-
-def with_statements(receipt: Receipt, statements: object) -> Receipt:
-    """``receipt`` with the statements its reducer served beside it, if they are a list of bytes, one a sender."""
-    valid = isinstance(statements, list | tuple) and len(statements) == len(receipt.senders)
-    if not valid or not all(isinstance(s, bytes) for s in statements):
-        return receipt
-    return replace(receipt, statements=tuple(statements))
-
-
-def statement_vouches(receipt: Receipt, index: int, statement: bytes, max_weight: float) -> bool:
-    opened = open_statement(statement, receipt.senders[index])
-    if opened is None or (opened.group_id, opened.reducer) != (receipt.group_id, receipt.reducer):
-        return False
-    if opened.digest != receipt.inputs[index]:
-        return False
-    weight = receipt.weights[index]
-    return weight <= opened.weight if max_weight is None else counts_as(opened, max_weight) == weight
+def coherent(receipt: Receipt, parts: int) -> bool:
+    """Whether a receipt's counts fit its slice of ``parts`` and its digests: a digest for every sender it counted
+    a part of (and a statement hash, the reducer's own excepted), none for one it counted none of."""
+    counts = receipt.counted(parts)
+    for sender, count, digest, vouched in zip(receipt.senders, counts, receipt.inputs, receipt.vouched):
+        if count > parts or bool(count) != bool(digest):
+            return False
+        if count and sender != receipt.reducer and not vouched:
+            return False
+    return len(counts) == len(receipt.senders)
 
 
 def vouching(receipt: Receipt, max_weight: float | None = math.inf) -> Verdict | None:
     """Whether every sender but the reducer itself signed the digest the receipt lists for it, and declared a weight
     that the round's cap ``max_weight`` makes the one listed (``statements``); None when they all did. A sender
-    dropped before its last part (digest b"") sent no statement: none is asked of it. ``withheld``: the statements
+    counted for no part (digest b"") has no statement in it: none is asked of it. ``withheld``: the statements
     served beside the receipt are not those it signed for; ``forged``: one it signed for does not vouch for what it
     lists (``max_weight`` None: only a weight above the declared one counts, which anyone can check)."""
     if len(receipt.statements) != len(receipt.senders):
@@ -305,12 +205,6 @@ def vouching(receipt: Receipt, max_weight: float | None = math.inf) -> Verdict |
         if not statement_vouches(receipt, index, statement, max_weight):
             return Verdict.forged
     return None
-
-
-def lists_every_sender(receipt: Receipt, senders: Sequence[str]) -> bool:
-    """Whether a receipt names exactly the group's senders, each once: a reducer that leaves one out (or lists only
-    itself) would otherwise have its recomputation made from the parts it chose, and pass."""
-    return len(receipt.senders) == len(set(receipt.senders)) and set(receipt.senders) == set(senders)
 
 
 def judge(
@@ -330,7 +224,9 @@ def judge(
     fetched (this peer's own included): all of them, or the parts ``indices`` only, a sample checked against the
     per-part digests the reducer ``listed`` for each sender under its receipt. ``completed`` are senders known, on
     the auditor's own evidence, to have sent the reducer every part (its own stream to the reducer came back
-    whole: a reducer returns a part's average only once it holds the part)."""
+    whole: a reducer returns a part's average only once it holds the part). A sender whose stream broke is checked
+    in the parts the receipt counts of it (``Receipt.counts``), under its signed statement of them: ``served`` holds
+    those of its parts that are checked."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
     if len(received_output) != len(numels):
@@ -340,19 +236,25 @@ def judge(
     unvouched = vouching(receipt, max_weight)
     if unvouched is not None:
         return unvouched  # a digest or weight no sender signed (forged), or statements it hides (withheld)
-    empty = {sender for sender, digest in zip(receipt.senders, receipt.inputs) if not digest}
-    if empty & set(completed):
+    counts = receipt.counted(len(numels))
+    if not coherent(receipt, len(numels)):
+        return Verdict.withheld  # it signed counts that its digests or statements do not fit: uncheckable
+    if receipt.dropped(len(numels)) & set(completed):
         return Verdict.withheld  # it says a sender dropped that we know sent it everything: its slice is dropped
-    if empty:
-        return Verdict.inconclusive  # a sender dropped mid-way: not checked (rare; the reducer saw it too)
     indices = range(len(numels)) if indices is None else indices
+    # each sender's parts among those checked: its first ``count`` (a sender whose stream broke sent only those)
+    wanted = {s: [i for i in indices if i < k] for s, k in zip(receipt.senders, counts)}
     if len(indices) < len(numels) and not all(
-        _listed_as_signed(receipt, sender, (listed or {}).get(sender), len(numels)) for sender in receipt.senders
+        _listed_as_signed(receipt, sender, (listed or {}).get(sender), k)
+        for sender, k in zip(receipt.senders, counts)
+        if k
     ):
         return Verdict.withheld  # the reducer signed its receipt but lists other digests under it: uncheckable
-    for sender in receipt.senders:
+    for sender, count in zip(receipt.senders, counts):
         parts = served.get(sender)
-        if not served_as_signed(receipt, sender, parts, indices, len(numels), (listed or {}).get(sender)):
+        if wanted[sender] and not served_as_signed(
+            receipt, sender, parts, wanted[sender], count, (listed or {}).get(sender)
+        ):
             logger.debug(
                 "%s's parts for %s: %s",
                 sender,
@@ -360,6 +262,7 @@ def judge(
                 "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
             )
             return Verdict.withheld if sender == receipt.reducer else Verdict.inconclusive
+    served = {s: list(served.get(s, []))[: len(wanted[s])] for s in receipt.senders}
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, [numels[i] for i in indices], aggregation)
     if exact is None:
         return Verdict.wrong_average

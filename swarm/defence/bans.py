@@ -38,8 +38,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict, open_receipt
+from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict
 from swarm.defence.proofs import proves_equivocation, proves_forgery
+from swarm.defence.receipts import open_receipt
 from swarm.dht.records import PeerEntry, ProgressRecord
 
 logger = logging.getLogger(__name__)

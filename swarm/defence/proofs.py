@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable
 
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.defence.audit import Receipt, open_receipt, statement_hash, statement_vouches
+from swarm.defence.receipts import Receipt, open_receipt, statement_hash, statement_vouches
 from swarm.defence.statements import open_output, read_output
 
 PROOF_VERSION = 1

@@ -3,10 +3,11 @@
 A reducer's receipt (``swarm.defence.audit``) lists each sender's digest and weight, but a receipt is the
 reducer's own word: on its own, a reducer could list a weight or a digest that no sender sent, and its
 recomputation would then be made from what it chose. So each sender signs, with its identity key, the
-group, the reducer, the digest of every part it sent that reducer and the weight it declared, and sends that
-statement with its last part (in the ``peer_id`` field of the last ``AveragingData``, which hivemind 1.1.12
-reads nowhere on a part). The reducer refuses a sender whose statement is missing or does not match what it
-received, and puts every statement in its receipt; an auditor checks each one (``judge``). A receipt that lists a
+group, the reducer, the digest of the parts it sent that reducer so far, their count and the weight it declared,
+and sends that statement with every part (in the ``peer_id`` field of each ``AveragingData``, which hivemind 1.1.12
+reads nowhere on a part). The reducer counts no part without its statement, and puts in its receipt the latest
+statement of the parts it counted: every part for a sender that finished, the first few for one whose stream broke
+(so its parts in the average can be checked too). An auditor checks each one (``judge``). A receipt that lists a
 digest or a weight no sender signed is a lie the receipt itself proves: anyone holding it can check it.
 
 A reducer signs, the same way, the digest of the average it returned each sender (an ``Output``, with the last
@@ -28,7 +29,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.dht.identity import peer_id_of_owner
 
-STATEMENT_VERSION = 1
+STATEMENT_VERSION = 2  # 2: the count of parts it covers, sent with every part
+MAX_PARTS = 1 << 20  # parts a statement may count (a slice of 2**20 parts of one value each is far past any model)
 OUTPUT_TAG = "output"  # a reducer's statement of its average: another shape of payload than a sender's
 MAX_OUTPUT_FIELD = 64  # bytes of an output's group id, nonce or digest (20, 16 and 32 when honest)
 MAX_STATEMENT_BYTES = 4096  # an RSA-2048 statement is about 700 bytes
@@ -40,11 +42,13 @@ class Statement:
 
     group_id: bytes
     reducer: str  # base58 peer id
-    digest: bytes  # ``audit.digest_of`` the per-part digests of every part it sent, in order
+    digest: bytes  # ``audit.digest_of`` the per-part digests of the first ``count`` parts it sent, in order
     weight: float  # the weight it declared (the reducer counts at most the round's cap of it)
+    count: int  # the parts it had sent when it signed this (its slice's every part, with the last one)
 
     def payload(self) -> bytes:
-        return MSGPackSerializer.dumps([STATEMENT_VERSION, self.group_id, self.reducer, self.digest, self.weight])
+        fields = [STATEMENT_VERSION, self.group_id, self.reducer, self.digest, self.weight, self.count]
+        return MSGPackSerializer.dumps(fields)
 
     def sign(self, key: RSAPrivateKey | None = None) -> bytes:
         key = RSAPrivateKey.process_wide() if key is None else key
@@ -58,7 +62,9 @@ def open_statement(blob: bytes, sender: str) -> Statement | None:
         if not isinstance(blob, bytes) or not 0 < len(blob) <= MAX_STATEMENT_BYTES:
             return None
         payload, signature, public_key = MSGPackSerializer.loads(blob)
-        version, group_id, reducer, digest, weight = MSGPackSerializer.loads(payload)
+        version, group_id, reducer, digest, weight, count = MSGPackSerializer.loads(payload)
+        if not (isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_PARTS):
+            return None
         if version != STATEMENT_VERSION or peer_id_of_owner(b"[owner:" + public_key + b"]") != sender:
             return None
         if not RSAPublicKey.from_bytes(public_key).verify(payload, signature):
@@ -67,16 +73,16 @@ def open_statement(blob: bytes, sender: str) -> Statement | None:
             return None
         if not isinstance(weight, float | int) or not math.isfinite(weight):
             return None
-        return Statement(group_id, reducer, digest, float(weight))
+        return Statement(group_id, reducer, digest, float(weight), count)
     except Exception:  # another machine's bytes: anything can be wrong with them
         return None
 
 
-def vouches(blob: bytes, sender: str, group_id: bytes, reducer: str, digest: bytes, weight: float) -> bool:
-    """Whether ``blob`` is ``sender``'s signed statement that it sent ``reducer`` parts of ``digest`` in group
-    ``group_id`` with weight ``weight`` (as declared, before any cap)."""
+def vouches(blob: bytes, sender: str, group_id: bytes, reducer: str, digest: bytes, weight: float, count: int) -> bool:
+    """Whether ``blob`` is ``sender``'s signed statement that it sent ``reducer`` ``count`` parts of ``digest`` in
+    group ``group_id`` with weight ``weight`` (as declared, before any cap)."""
     statement = open_statement(blob, sender)
-    return statement is not None and statement == Statement(group_id, reducer, digest, float(weight))
+    return statement is not None and statement == Statement(group_id, reducer, digest, float(weight), count)
 
 
 def counts_as(statement: Statement, max_weight: float) -> float:
