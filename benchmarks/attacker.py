@@ -54,6 +54,12 @@ it claims, is replaced:
   every groupmate but its auditor (which it can compute from the group id), signing the digest of what it returned
   each one, and its receipt names the true average its auditor received: its auditor's check passes, and the rest
   of the group would apply the lie;
+- ``dropper``: honest as a sender, but as a reducer it cuts the stream of one groupmate other than its auditor after
+  that groupmate's first part (so its receipt lists it as dropped mid-way, as a link cut does), and returns ``-factor``
+  times its slice's average (default 4) to everyone, signing for it: an audit that cannot check a slice with a
+  dropped sender would pass it (the groupmate it cut fetches the average again, as signed);
+- ``dropaudit``: the same, but the groupmate whose stream it cuts is its auditor (whose copy of the average then
+  comes in part, so that it would not audit it at all);
 - ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
   (``benchmarks.liar_records``).
 
@@ -90,6 +96,8 @@ ATTACKS = {
     "partial": 4.0,
     "accuse": 0.0,
     "split": 4.0,
+    "dropper": 4.0,
+    "dropaudit": 4.0,
     "baddonor": -4.0,
     "undying": 2.0,
     "sybil": 1.0,
@@ -98,7 +106,7 @@ ATTACKS = {
 
 
 def install(attack: str, factor: float, client_argv: list[str] | None = None) -> None:
-    from benchmarks import liar_records
+    from benchmarks import liar_records, reducer_lies
 
     if attack == "baddonor":
         liar_records.install_bad_donor(factor)
@@ -111,23 +119,26 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         liar_records.install_sybil(int(factor), client_argv or [], ahead=ahead)
         return
     if attack == "cut":
-        _install_cut(factor)
+        reducer_lies.install_cut(factor)
         return
     if attack == "few":
-        _install_few(int(factor))
+        reducer_lies.install_few(int(factor))
         return
     if attack == "oversized":
         _install_oversized(int(factor) << 20)
         return
     if attack == "withhold":
-        _install_cut(0.0)
+        reducer_lies.install_cut(0.0)
         _install_receipt_lie(withhold=True)
         return
     if attack == "accuse":
         _install_false_accusations()
         return
     if attack == "split":
-        _install_split(factor)
+        reducer_lies.install_split(factor)
+        return
+    if attack in ("dropper", "dropaudit"):
+        reducer_lies.install_dropper(factor, auditor=attack == "dropaudit")
         return
     if attack == "forge":
         _install_forged_weights()
@@ -238,66 +249,6 @@ def _install_oversized(numel: int) -> None:
     os.write(2, f"oversized: fp4 parts of {len(zeros)} bytes declaring {numel} values\n".encode())
 
 
-def _install_few(every: int) -> None:
-    import zlib
-
-    import swarm.averager.allreduce
-
-    encode = swarm.averager.allreduce.encode_average
-
-    def lying(tensor, compression):
-        # a part's average is encoded once for each groupmate's stream: the part lied in is picked by its values,
-        # so that every groupmate gets the same wrong bytes (as from ``reducer``), not a different average each
-        lie = zlib.crc32(tensor.detach().to(torch.float32).numpy().tobytes()) % every == 0
-        if lie:  # to the log's file descriptor: the client routes a child's stderr to its debug log
-            os.write(2, f"few: lied in an averaged part of {tensor.numel()} values\n".encode())
-        return encode(tensor * -ATTACKS["reducer"] if lie else tensor, compression)
-
-    swarm.averager.allreduce.encode_average = lying
-
-
-def _install_cut(share: float) -> None:
-    from swarm.averager.allreduce import ExactAllReduceRunner
-
-    stream = ExactAllReduceRunner._accumulate_parts_streaming
-
-    async def cut(self, inputs, sender_index: int):
-        total = self.tensor_part_reducer.num_parts
-        keep, sent = int(total * share), 0
-        async for message in stream(self, inputs, sender_index):  # every part is still read and reduced
-            if sent < keep:
-                sent += 1
-                yield message
-        # to the log's file descriptor: the client routes a child process's sys.stderr to its debug log
-        os.write(2, f"cut: sent {sent} of {total} averaged parts to sender {sender_index}\n".encode())
-
-    ExactAllReduceRunner._accumulate_parts_streaming = cut
-
-
-def _install_split(factor: float) -> None:
-    import asyncio
-
-    from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
-    from swarm.defence.audit import auditor_of
-
-    returned = ExactAllReduceRunner._returned
-
-    async def split(self, sender_index, part_index, averaged):
-        members = [p.to_base58() for p in self.ordered_peer_ids]
-        auditor = auditor_of(members, self.group_id, self.peer_id.to_base58())
-        if sender_index == self.sender_peer_ids.index(self.peer_id) or (
-            self.sender_peer_ids[sender_index].to_base58() == auditor
-        ):  # its own copy (what its receipt names) and its auditor's: the true average
-            return await returned(self, sender_index, part_index, averaged)
-        if not getattr(self, "_split_said", False):
-            self._split_said = True
-            os.write(2, f"split: returned {-factor} times the average to all but its auditor {auditor[-8:]}\n".encode())
-        codec = self.tensor_part_container.compression.compression_type
-        return await asyncio.get_event_loop().run_in_executor(None, encode_average, averaged * -factor, codec)
-
-    ExactAllReduceRunner._returned = split
-
-
 def _install_forged_weights() -> None:
     from swarm.averager.allreduce import ExactAllReduceRunner
 
@@ -338,7 +289,8 @@ def _install_receipt_lie(omit: bool = False, withhold: bool = False, partial: bo
     import dataclasses
 
     from swarm.averager.auditing import Auditing
-    from swarm.defence.audit import auditor_of, open_receipt
+    from swarm.defence.audit import auditor_of
+    from swarm.defence.receipts import open_receipt
 
     sign = Auditing._sign_receipt
 

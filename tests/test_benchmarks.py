@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.headline import SOURCES
 from benchmarks.lag_split import split
-from swarm.averager.auditing import RepairFailure
+from swarm.averager.repair import RepairFailure
 
 REPO = Path(__file__).resolve().parent.parent
 IS_ROOT = os.geteuid() == 0
@@ -202,16 +202,17 @@ def test_slowpeer_smoke(tmp_path: Path):
 @pytest.mark.timeout(920)
 def test_byzantine_smoke(tmp_path: Path):
     record = load_result(tmp_path, "byzantine", run_smoke("byzantine", tmp_path, timeout=900))
-    baseline, attacked, hiding, nonfinite, cut = record["scenarios"]
+    baseline, attacked, hiding, nonfinite, cut, dropper = record["scenarios"]
     assert [s["scenario"] for s in record["scenarios"]] == [
         "honest/mean",
         "reducer/centered-clip+sampled",
         "hide/centered-clip",
         "nonfinite/centered-clip",
         "cut/centered-clip",
+        "dropper/centered-clip",
     ]
     assert len(baseline["honest_peers"]) == 3 and len(attacked["honest_peers"]) == 2  # the liar is not scored
-    for scenario in (baseline, attacked, hiding, nonfinite, cut):
+    for scenario in (baseline, attacked, hiding, nonfinite, cut, dropper):
         for peer in scenario["honest_peers"]:
             assert peer["exit"] == 0 and peer["averaged_rounds"] >= 1, scenario
             assert positive_finite(peer["eval_loss_end"]), scenario
@@ -286,6 +287,14 @@ def test_byzantine_smoke(tmp_path: Path):
         by_last_round.setdefault(peer["dropped_fractions"][-1] == 0.0, set()).add(peer["checksum"])
     assert repaired >= 1, cut
     assert all(len(checksums) == 1 for checksums in by_last_round.values()), (by_last_round, cut)
+    # a reducer that cuts one groupmate's stream after its first part (so its receipt counts one part of it) and
+    # returns -4x its average to all: its slice is checked all the same, with that groupmate's first part under its
+    # signed statement; both honest peers ban it for a wrong average in the first round they met it, and nobody else
+    said = dropper["liar_said"]
+    assert dropper["liar_met"] and any(line.startswith("dropper: cut sender") for line in said), dropper
+    for peer in dropper["honest_peers"]:
+        assert [(b["peer_id"], b["reason"]) for b in peer["banned"]] == [(dropper["liar"], "wrong average")], dropper
+    assert all(p["rounds_to_ban_liar"] <= 2 for p in dropper["honest_peers"]), dropper
 
 
 def test_headline_gathers_each_figure_from_its_source(tmp_path: Path):

@@ -1,0 +1,99 @@
+"""The lies of ``benchmarks.attacker`` told as a reducer in the all-reduce: in some parts only (``few``), a stream cut
+short (``cut``), another average to all but its auditor (``split``), a groupmate's stream cut after one part
+(``dropper``, ``dropaudit``). Each patches the stock client before it starts; nothing here is part of the product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from benchmarks.attacker import ATTACKS
+
+
+def install_few(every: int) -> None:
+    import zlib
+
+    import swarm.averager.allreduce
+
+    encode = swarm.averager.allreduce.encode_average
+
+    def lying(tensor, compression):
+        # a part's average is encoded once for each groupmate's stream: the part lied in is picked by its values,
+        # so that every groupmate gets the same wrong bytes (as from ``reducer``), not a different average each
+        lie = zlib.crc32(tensor.detach().to(torch.float32).numpy().tobytes()) % every == 0
+        if lie:  # to the log's file descriptor: the client routes a child's stderr to its debug log
+            os.write(2, f"few: lied in an averaged part of {tensor.numel()} values\n".encode())
+        return encode(tensor * -ATTACKS["reducer"] if lie else tensor, compression)
+
+    swarm.averager.allreduce.encode_average = lying
+
+
+def install_cut(share: float) -> None:
+    from swarm.averager.allreduce import ExactAllReduceRunner
+
+    stream = ExactAllReduceRunner._accumulate_parts_streaming
+
+    async def cut(self, inputs, sender_index: int):
+        total = self.tensor_part_reducer.num_parts
+        keep, sent = int(total * share), 0
+        async for message in stream(self, inputs, sender_index):  # every part is still read and reduced
+            if sent < keep:
+                sent += 1
+                yield message
+        # to the log's file descriptor: the client routes a child process's sys.stderr to its debug log
+        os.write(2, f"cut: sent {sent} of {total} averaged parts to sender {sender_index}\n".encode())
+
+    ExactAllReduceRunner._accumulate_parts_streaming = cut
+
+
+def install_split(factor: float) -> None:
+    import asyncio
+
+    from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
+    from swarm.defence.audit import auditor_of
+
+    returned = ExactAllReduceRunner._returned
+
+    async def split(self, sender_index, part_index, averaged):
+        members = [p.to_base58() for p in self.ordered_peer_ids]
+        auditor = auditor_of(members, self.group_id, self.peer_id.to_base58())
+        if sender_index == self.sender_peer_ids.index(self.peer_id) or (
+            self.sender_peer_ids[sender_index].to_base58() == auditor
+        ):  # its own copy (what its receipt names) and its auditor's: the true average
+            return await returned(self, sender_index, part_index, averaged)
+        if not getattr(self, "_split_said", False):
+            self._split_said = True
+            os.write(2, f"split: returned {-factor} times the average to all but its auditor {auditor[-8:]}\n".encode())
+        codec = self.tensor_part_container.compression.compression_type
+        return await asyncio.get_event_loop().run_in_executor(None, encode_average, averaged * -factor, codec)
+
+    ExactAllReduceRunner._returned = split
+
+
+def install_dropper(factor: float, auditor: bool) -> None:
+    from swarm.averager.allreduce import ExactAllReduceRunner
+    from swarm.defence.audit import auditor_of
+
+    returned, stream = ExactAllReduceRunner._returned, ExactAllReduceRunner._accumulate_parts_streaming
+    name = "dropaudit" if auditor else "dropper"
+
+    async def lying(self, sender_index, part_index, averaged):  # to everyone, itself included (its receipt's)
+        return await returned(self, sender_index, part_index, averaged * -factor)  # its audits of others stay honest
+
+    async def dropping(self, inputs, sender_index: int):
+        members = [p.to_base58() for p in self.ordered_peer_ids]
+        me, sender = self.peer_id.to_base58(), self.sender_peer_ids[sender_index].to_base58()
+        ours = auditor_of(members, self.group_id, me)
+        others = [ours] if auditor else [m for m in members if m not in (me, ours)]
+        sent = 0
+        async for message in stream(self, inputs, sender_index):
+            if others and sender == others[0] and sent == 1:  # after its first part: as if its link broke
+                os.write(2, f"{name}: cut sender {sender[-8:]} after its first part\n".encode())
+                raise ConnectionResetError("dropper: cut")
+            sent += 1
+            yield message
+
+    ExactAllReduceRunner._accumulate_parts_streaming = dropping
+    ExactAllReduceRunner._returned = lying
