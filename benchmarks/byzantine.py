@@ -125,6 +125,12 @@ def spawn(
     return proc, log
 
 
+def _target_group(args: argparse.Namespace) -> int:
+    """The largest group the run forms: ``averaging.target_group_size`` if set, else every peer."""
+    sizes = [int(v) for k, _, v in (s.partition("=") for s in args.sets) if k == "averaging.target_group_size"]
+    return sizes[-1] if sizes else args.peers
+
+
 def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: int = 1) -> dict:
     attack, aggregation = scenario.split("#")[0].split("/")
     aggregation, _, variant = aggregation.partition("+")
@@ -202,6 +208,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     liar = _peer_id(procs[-1][1]) if attack and not absent else None
     # the round the liar first averaged in (with anyone): it lies from that round on
     liar_rounds = [r["epoch"] - 1 for r in _rounds(workdir / f"peer{args.peers - 1}.jsonl") if r["averaged"]]
+    liar_averaged = bool(liar_rounds)  # with an honest peer: every other peer is one
     # or, where the liar never closed a round of its own (dropped, it waits out the merge of the swarm's average
     # past its grace), the first round an honest peer averaged in a group of every peer (the liar's included)
     liar_rounds = liar_rounds or [
@@ -259,9 +266,12 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         checked_reducers=variant != "unchecked",
         audit_parts=audit_parts,  # 0: every part
         liar=liar,
-        # whether an honest peer ever averaged in a group of every peer, the liar in it (None: no liar)
-        # (None too for ``sybil`` and ``outvote``: their lie is in their keys' votes, not in a group)
+        # whether an honest peer ever averaged in a group of every peer, the liar in it; where groups are smaller
+        # than the run (``--set averaging.target_group_size``), whether the liar averaged at all (every other peer
+        # is honest): before, such a run was retried for a group it could never form. None: no liar; None too for
+        # ``sybil`` and ``outvote`` (their lie is in their keys' votes, not in a group)
         liar_met=any(n == args.peers for h in honest for n in h["group_sizes"])
+        or (liar_averaged and _target_group(args) < args.peers)
         if liar and attack not in ("sybil", "outvote")
         else None,
         attempt=attempt,

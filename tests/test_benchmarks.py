@@ -640,3 +640,15 @@ def test_a_killed_benchmark_takes_its_peers_with_it():
         for child in (tied, loose):
             if child.is_running():
                 child.kill()
+
+
+def test_byzantine_counts_a_liar_met_in_groups_smaller_than_the_run():
+    """With ``--set averaging.target_group_size=N`` below the run's peers no group holds every peer: the liar is met
+    once it averaged at all (before, every such scenario was run three times for a group it could never form)."""
+    import argparse
+
+    from benchmarks.byzantine import _target_group
+
+    five = argparse.Namespace(peers=5, sets=["averaging.min_group_size=2", "averaging.target_group_size=3"])
+    assert _target_group(five) == 3
+    assert _target_group(argparse.Namespace(peers=3, sets=["averaging.min_group_size=2"])) == 3
