@@ -10,6 +10,7 @@ an honest runner that waits for the liar's slice never finishes, and the test's 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.held import Dropped, check_parts, decode_into
 from swarm.defence.receipts import digest_of
+from swarm.defence.robust import RefusedPart
 from swarm.defence.statements import Statement, vouches
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
@@ -123,7 +125,20 @@ class TwoWeights(ExactAllReduceRunner):
             yield message
 
 
-@pytest.mark.parametrize("liar_type", [Unsigned, ForgedStatement, TwoWeights], ids=lambda t: t.__name__)
+class NaNWeightLater(ExactAllReduceRunner):
+    """Declares its weight for its first part to each reducer, and NaN for the rest (kept for a receipt, a weight no
+    audit could pass would frame its honest reducer)."""
+
+    async def _record_sent(self, peer_index, stream):
+        first = True
+        async for message in super()._record_sent(peer_index, stream):
+            if not first:
+                message.weight = float("nan")
+            first = False
+            yield message
+
+
+@pytest.mark.parametrize("liar_type", [Unsigned, ForgedStatement, TwoWeights, NaNWeightLater], ids=lambda t: t.__name__)
 def test_a_sender_whose_statement_or_weight_does_not_say_what_it_sent_is_refused(liar_type):
     """Every reducer keeps, for its receipt, each sender's signed statement of the digest and weight it sent
     (``swarm.defence.statements``); a sender without one that says what it sent is refused, as one whose weight
@@ -144,7 +159,8 @@ def test_a_sender_whose_statement_or_weight_does_not_say_what_it_sent_is_refused
         me, counts, full = runner.peer_id.to_base58(), runner.counted_parts(), runner.tensor_part_reducer.num_parts
         for index, sender in enumerate(runner.sender_peer_ids):
             if sender == liar.peer_id:  # refused at the part that lied: its statement then counted none after it
-                assert counts[index] < len(runner.input_digests[index]) and counts[index] < full
+                assert counts[index] < full and math.isfinite(runner.input_weights[index])
+                assert len(runner.input_digests[index]) <= counts[index] + 1
                 continue
             assert counts[index] == full  # every part of the honest senders, in the average
             if sender == runner.peer_id:
@@ -153,3 +169,36 @@ def test_a_sender_whose_statement_or_weight_does_not_say_what_it_sent_is_refused
             statement = runner.statement_of(index, counts[index])
             assert vouches(statement, sender.to_base58(), b"refusal-test", me, digest, runner.weight, full)
     assert torch.equal(results[0], results[1])  # the honest pair still ends on the same bits
+
+
+def test_a_second_stream_from_one_sender_is_refused_before_anything_of_it_is_kept():
+    """hivemind lets a sender open two streams to a reducer; their parts interleaved would make the digests we keep
+    run ahead of the parts counted (and a statement under our receipt go missing). The second is refused, and the
+    sender with it."""
+
+    async def run():
+        p2ps, keys = await keyed_p2ps(2)
+        try:
+            peers = [p.peer_id for p in p2ps]
+            runner = ExactAllReduceRunner(
+                p2p=p2ps[0], servicer_type=ExactAllReduceRunner, prefix=None, group_id=b"refusal-test",
+                tensors=[torch.zeros(100)], ordered_peer_ids=peers, peer_fractions=(1.0, 1.0),
+                aggregation=Aggregation.mean, signing_key=keys[0],
+            )  # fmt: skip
+            index = runner.sender_peer_ids.index(peers[1])
+            runner._streaming.add(index)  # its first stream is open
+
+            async def nothing():
+                return
+                yield
+
+            with pytest.raises(RefusedPart):
+                async for _ in runner._accumulate_parts_streaming(nothing(), index):
+                    pass
+            return runner, peers[1], index
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in p2ps))
+
+    runner, sender, index = asyncio.run(run())
+    assert runner.refused_senders == {sender} and runner.input_digests[index] == []
+    assert runner.tensor_part_reducer.sender_failed_after[index] == 0

@@ -55,11 +55,13 @@ def peer_of(key: RSAPrivateKey) -> str:
     return name
 
 
-def statements_for(reducer: str, names, inputs, weights, group_id: bytes) -> tuple[bytes, ...]:
-    """Each sender's signed statement of what it sent ``reducer``, as honest senders make them (none for itself)."""
+def statements_for(reducer: str, names, inputs, weights, group_id: bytes, counts=None) -> tuple[bytes, ...]:
+    """Each sender's signed statement of what it sent ``reducer`` (``counts`` parts each; 2 if not given), as honest
+    senders make them (none for itself)."""
+    counts = counts or [2] * len(names)
     return tuple(
-        b"" if name == reducer or name not in KEY_OF else Statement(group_id, reducer, digest, w, 2).sign(KEY_OF[name])
-        for name, digest, w in zip(names, inputs, weights)
+        b"" if name == reducer or name not in KEY_OF else Statement(group_id, reducer, digest, w, k).sign(KEY_OF[name])
+        for name, digest, w, k in zip(names, inputs, weights, counts)
     )
 
 
@@ -94,9 +96,12 @@ def honest_round(codec: str, senders: int = 3, lie=None):
 def receipt_for(key, names, served, weights, output, group_id=b"g" * 20) -> Receipt:
     inputs = tuple(digest_parts(parts) for parts in served)
     reducer = peer_of(key)
-    statements = statements_for(reducer, names, inputs, weights, group_id)
+    counts = tuple(len(parts) for parts in served)
+    statements = statements_for(reducer, names, inputs, weights, group_id, counts)
     vouched = tuple(map(statement_hash, statements))
-    receipt = Receipt(group_id, reducer, tuple(names), tuple(weights), inputs, digest_parts(output), vouched)
+    receipt = Receipt(
+        group_id, reducer, tuple(names), tuple(weights), inputs, digest_parts(output), vouched, b"", counts
+    )
     return with_statements(receipt, list(statements))  # served beside it, as the reducer serves them
 
 
@@ -261,7 +266,8 @@ def test_a_receipt_for_a_big_slice_still_fits_an_accusation(keys):
     digest = digest_parts([part] * 2000)
     statement = Statement(b"g" * 20, names[0], digest, 1.0, 2000).sign(keys[1])
     vouched = (b"",) + (statement_hash(statement),) * 63
-    receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest, vouched)
+    receipt = Receipt(b"g" * 20, names[0], tuple(names), (1.0,) * 64, (digest,) * 64, digest, vouched, b"n" * 16,
+                      (2000,) * 64)  # fmt: skip
     assert len(receipt.sign(keys[0])) < 16384
     # an accusation of forgery carries the receipt and one statement under it: it fits too
     assert len(receipt.sign(keys[0])) + len(statement) + 64 < 16384

@@ -23,6 +23,7 @@ from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound
 from swarm.averager.auditing import Auditing
 from swarm.averager.held import Dropped
+from swarm.averager.repair import RepairFailure
 from swarm.defence.audit import Verdict, auditor_of, judge, recompute
 from swarm.defence.proofs import forgery_proof, proves_forgery
 from swarm.defence.receipts import (
@@ -71,7 +72,7 @@ def dropped_round(keys, kept: int, lie=None, claimed: int | None = None):
     return names, served, output, with_statements(open_receipt(blob), statements), blob, dict(zip(names, listed))
 
 
-def check(names, served, output, receipt, indices=None, listed=None, completed=()):
+def check(names, served, output, receipt, indices=None, listed=None, returned=None):
     """The audit as the reducer's auditor makes it: each sender's parts among those checked, as it fetched them
     (of the one whose stream broke, those the receipt counts)."""
     counts = receipt.counted(len(NUMELS))
@@ -79,7 +80,7 @@ def check(names, served, output, receipt, indices=None, listed=None, completed=(
     sample = {n: [parts[i] for i in indices_ if i < k] for n, parts, k in zip(names, served, counts)}
     encode = lambda v: encode_average(v, CODEC_TYPES["fp16"])  # noqa: E731
     return judge(receipt, output, sample, NUMELS, Aggregation.centered_clip, encode, indices, listed,
-                 completed=completed)  # fmt: skip
+                 returned=returned)  # fmt: skip
 
 
 @pytest.mark.parametrize("kept", [0, 1, 4])
@@ -104,9 +105,10 @@ def test_a_dropped_senders_parts_that_do_not_match_its_signed_statement_leave_th
 
 
 def test_a_receipt_whose_counts_its_statements_or_digests_do_not_fit_is_refused_or_proven_forged(keys):
-    # it says the auditor's own stream broke, when the auditor's whole average came back: withheld, as before
+    # it counts two parts of the auditor, which had three parts of its average back: withheld (its own evidence)
     names, served, output, receipt, _, _ = dropped_round(keys, 2)
-    assert check(names, served, output, receipt, completed=[names[2]]) == Verdict.withheld
+    assert check(names, served, output, receipt, returned={names[2]: 3}) == Verdict.withheld
+    assert check(names, served, output, receipt, returned={names[2]: 2}) == Verdict.passed  # as many as it counts
     # it counts two parts but lists the statement of three: a lie the signed pair proves to anyone
     names, served, output, receipt, blob, _ = dropped_round(keys, 2)
     three = Statement(GROUP, names[0], digest_of(part_digest(p) for p in served[2][:3]), 8.0, 3).sign(keys[2])
@@ -117,22 +119,27 @@ def test_a_receipt_whose_counts_its_statements_or_digests_do_not_fit_is_refused_
     assert proves_forgery(forgery_proof(forged.sign(keys[0]), forged)) == names[0]
     # a count past the slice, or a digest with no parts counted: its receipt cannot be checked as it stands
     names, served, output, receipt, _, _ = dropped_round(keys, 2, claimed=len(NUMELS) + 1)
-    assert check(names, served, output, receipt) in (Verdict.withheld, Verdict.forged)
+    assert check(names, served, output, receipt) == Verdict.withheld
     names, served, output, receipt, _, _ = dropped_round(keys, 2)
     empty = Receipt(
         **{**receipt.__dict__, "inputs": (*receipt.inputs[:2], b""), "vouched": (*receipt.vouched[:2], b"")}
     )
     assert check(names, served, output, with_statements(empty, [*receipt.statements[:2], b""])) == Verdict.withheld
-    none = Receipt(**{**receipt.__dict__, "counts": (6, 6, 0)})  # no part counted, under a statement of two
-    assert check(names, served, output, with_statements(none, receipt.statements)) == Verdict.forged
+    none = Receipt(**{**receipt.__dict__, "counts": (6, 6, 0)})  # no part counted, under a digest of two
+    assert check(names, served, output, with_statements(none, receipt.statements)) == Verdict.withheld
+    # a digest with no statement under it: uncheckable, and proves no forgery (an empty statement hashes to b"")
+    bare = Receipt(**{**receipt.__dict__, "vouched": (*receipt.vouched[:2], b"")})
+    bare = with_statements(bare, [*receipt.statements[:2], b""])
+    assert check(names, served, output, bare) == Verdict.withheld
+    assert forgery_proof(bare.sign(keys[0]), bare) is None
 
 
-def test_a_receipt_without_counts_counts_every_part_of_each_sender_with_a_digest(keys):
-    names, served, output, receipt, _, _ = dropped_round(keys, len(NUMELS))
-    legacy = with_statements(Receipt(**{**receipt.__dict__, "counts": ()}), receipt.statements)
-    assert legacy.counted(6) == (6, 6, 6) and not legacy.dropped(6)
-    assert check(names, served, output, legacy) == Verdict.passed
-    for counts in ([1, 2], [6, 6, -1], [6, 6, True], [6, 6, 2**21]):  # another length, or not a count
+def test_a_receipt_must_count_every_sender(keys):
+    """A receipt without counts would read as counting every sender with a digest whole: a reducer that cut one
+    after a part could then list that part's statement and leave its audit inconclusive. It is refused unread."""
+    names, served, output, receipt, _, _ = dropped_round(keys, 1)
+    assert open_receipt(receipt.sign(keys[0])) == receipt
+    for counts in ([], [1, 2], [6, 6, -1], [6, 6, True], [6, 6, 2**21]):  # none, another length, or not a count
         bad = Receipt(**{**receipt.__dict__, "counts": tuple(counts)})
         assert open_receipt(bad.sign(keys[0])) is None, counts
 
@@ -246,14 +253,15 @@ class Group(Auditing):
         record.verdicts.update(self.heard)
 
 
-def group_round(me: str, liar: str, heard: dict) -> tuple[Group, list, list]:
-    """Three members, each reducing a slice of two parts; our copy of ``liar``'s slice lost its last part."""
+def group_round(me: str, liar: str, heard: dict, counted=(2, 2, 2)) -> tuple[Group, list, list]:
+    """Three members, each reducing a slice of two parts; our copy of ``liar``'s slice lost its last part. ``counted``:
+    the parts of each sender our own average holds."""
     members = ["a", "b", "c"]
     held = [[part(i, 300) for i in range(6)]]
     held[0][2 * members.index(liar) + 1] = Dropped(300)
     container = SimpleNamespace(num_parts_by_peer=[2, 2, 2], compression=NoCompression())
     runner = SimpleNamespace(group_id=GROUP_OF[(me, liar)], tensor_part_container=container, refused_senders=set(),
-                             output_statements={})  # fmt: skip
+                             output_statements={}, counted_parts=lambda: list(counted))  # fmt: skip
     auditing = Group(me, liar, heard)
     record = AuditRound(members=members, runner=runner)
     auditing._audit_rounds[runner.group_id] = record
@@ -298,3 +306,57 @@ def test_a_groupmate_whose_copy_came_in_part_hears_the_verdict_and_rechecks_once
     auditing, held, findings = group_round("a", "c", {})
     assert ("audit", "c") not in auditing.calls and findings == []
     assert not any(isinstance(p, Dropped) for p in held[0])
+
+
+def test_a_part_averaged_from_no_more_than_half_the_group_is_too_few_to_check(keys):
+    """A reducer that counts every other sender short (say none of their parts came) makes its average its own
+    part, which a recomputation from its receipt agrees with: no lie shows, so the slice is not taken (dropped for
+    the group, nobody struck). Two senders of three are a majority: the average of an honest break stands."""
+    names, served, output, receipt, blob, _ = dropped_round(keys, 0)
+    assert check(names, served, output, receipt) == Verdict.passed  # two of three counted in every part
+    own = [encode_average(check_values, CODEC_TYPES["fp16"]) for check_values in _values(served[0])]
+    alone = Receipt(**{**receipt.__dict__, "counts": (6, 0, 0), "output": digest_parts(own),
+                       "inputs": (receipt.inputs[0], b"", b""), "vouched": (b"", b"", b"")})  # fmt: skip
+    alone = with_statements(alone, [b"", b"", b""])
+    assert check(names, served, own, alone) == Verdict.too_few
+    assert check(names, served, own, alone, [2]) == Verdict.too_few  # a sample too
+
+
+def _values(parts):
+    from swarm.defence.audit import _decode
+
+    return [_decode(p) for p in parts]
+
+
+class FailingRepair(Group):
+    async def _repair_slice(self, record, reducer, deadline):
+        self.calls.append(("repair", reducer))
+        return RepairFailure.withheld
+
+
+def test_a_slice_we_audit_that_cannot_be_had_again_is_tried_once_struck_once_and_told():
+    """A repair that fails for a reducer we audit is not tried again later in the round: one strike a round (two in
+    a row ban), and the group hears at once that it withheld its average."""
+    auditing = FailingRepair("b", "c", {})
+    members = ["a", "b", "c"]
+    held = [[part(i, 300) for i in range(6)]]
+    held[0][5] = Dropped(300)
+    container = SimpleNamespace(num_parts_by_peer=[2, 2, 2], compression=NoCompression())
+    runner = SimpleNamespace(group_id=GROUP_OF[("b", "c")], tensor_part_container=container, refused_senders=set(),
+                             output_statements={}, counted_parts=lambda: [2, 2, 2])  # fmt: skip
+    record = AuditRound(members=members, runner=runner)
+    _, _, findings, failures = asyncio.run(auditing._audit_group(runner, record, held))
+    assert auditing.calls.count(("repair", "c")) == 1 and ("audit", "c") not in auditing.calls
+    assert ("tell", "c", Verdict.withheld) in auditing.calls
+    assert auditing._unanswered == {"c": 1} and [f["peer"] for f in failures] == ["c"]
+    assert [(f["peer"], f["banned"], f["discarded"]) for f in findings] == []  # struck, not banned: the slice drops
+    assert all(isinstance(p, Dropped) for p in held[0][4:])
+
+
+def test_a_reducer_whose_average_holds_too_few_senders_drops_its_own_slice_as_its_auditor_will():
+    """An honest reducer whose groupmates' streams broke early holds a slice its auditor cannot check (``too_few``):
+    the group drops it, so the reducer drops it too rather than end the round apart from them."""
+    _, held, _ = group_round("a", "c", {}, counted=(2, 0, 1))  # "a" reduces parts 0-1: only its own part in them
+    assert all(isinstance(p, Dropped) for p in held[0][:2])
+    _, held, _ = group_round("a", "c", {}, counted=(2, 2, 1))  # two of three in every part: kept
+    assert not any(isinstance(p, Dropped) for p in held[0][:4])

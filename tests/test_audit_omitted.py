@@ -1,7 +1,8 @@
-"""A receipt that lists a sender as dropped mid-way while that sender's whole average came back to it: the reducer
-held every part (it returns a part's average only once it holds the part), so the receipt omits a sender that sent
-everything, or that sender lies. Either way the slice is dropped for the whole group, and nobody is struck on a
-sender's word. The averager's requests are replaced by fakes: what is tested is the rule, over real records."""
+"""A receipt that counts a sender short (its stream broke) while more of the reducer's average came back to that
+sender than the receipt counts of it: the reducer counted at least as many of its parts as it returned averages of
+(it returns a part's average only once it counted the part), so the receipt omits parts a sender sent, or that sender
+lies. Either way the slice is dropped for the whole group, and nobody is struck on a sender's word. The averager's
+requests are replaced by fakes: what is tested is the rule, over real records."""
 
 from __future__ import annotations
 
@@ -22,36 +23,37 @@ A, B, C = (PeerID(bytes([0x12, 0x20, i]) + bytes(32)) for i in (1, 2, 3))
 
 
 class Served(AuditServing):
-    """The serving side: a round in which our whole average from ``B`` came back, and ``C``'s did not."""
+    """The serving side: a round in which our whole average from ``B`` came back (3 parts), and 1 part of ``C``'s."""
 
     serializer = MSGPackSerializer
 
     def __init__(self):
         members = [A.to_base58(), B.to_base58(), C.to_base58()]
         self.record = AuditRound(members=members, runner=SimpleNamespace(group_id=GROUP), done=True)
-        self.record.completed = {B.to_base58()}
+        self.record.returned = {B.to_base58(): 3, C.to_base58(): 1}
         self._audit_rounds, self._audit_timeout = {GROUP: self.record}, 1.0
 
     def _admitted(self, request, context):
         return MSGPackSerializer.loads(request.metadata)
 
 
-def ask(served: Served, asker: PeerID, reducer: PeerID) -> bool | None:
-    fields = dict(group_id=GROUP, what=AuditRequest.completed.value, reducer=reducer.to_base58())
+def ask(served: Served, asker: PeerID, reducer: PeerID) -> int | None:
+    fields = dict(group_id=GROUP, what=AuditRequest.returned.value, reducer=reducer.to_base58())
     request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields))
 
     async def first():
         async for message in served.rpc_audit_fetch(request, SimpleNamespace(remote_id=asker)):
-            return MSGPackSerializer.loads(message.metadata)["completed"]
+            return MSGPackSerializer.loads(message.metadata)["returned"]
         return None
 
     return asyncio.run(first())
 
 
-def test_a_groupmate_says_whether_a_reducers_whole_average_came_back_to_it():
+def test_a_groupmate_says_how_much_of_a_reducers_average_came_back_to_it():
     served = Served()
-    assert ask(served, A, B) is True
-    assert ask(served, A, C) is False
+    assert ask(served, A, B) == 3
+    assert ask(served, A, C) == 1
+    assert ask(served, A, A) == 0  # a reducer it holds nothing of
     outsider = PeerID(bytes([0x12, 0x20, 9]) + bytes(32))
     assert ask(served, outsider, B) is None  # only groupmates of the round are answered
 
@@ -64,7 +66,7 @@ class Asking(Auditing):
         self.answers, self.asked = answers, []
         self._unanswered = {}
 
-    async def _fetch_completed(self, record, sender, reducer):
+    async def _fetch_returned(self, record, sender, reducer):
         self.asked.append(sender)
         answer = self.answers[sender]
         if isinstance(answer, Exception):
@@ -72,28 +74,29 @@ class Asking(Auditing):
         return answer
 
 
-def receipt(inputs) -> Receipt:
+def receipt(counts) -> Receipt:
     senders = ("me", "reducer", "s1", "s2")
-    return Receipt(GROUP, "reducer", senders, (1.0,) * 4, tuple(inputs), b"o" * 32, (b"",) * 4)
+    inputs = tuple(b"d" * 32 if k else b"" for k in counts)
+    return Receipt(GROUP, "reducer", senders, (1.0,) * 4, inputs, b"o" * 32, (b"",) * 4, b"n" * 16, tuple(counts))
 
 
-def says(auditing: Asking, inputs) -> bool:
+def says(auditing: Asking, counts) -> bool:
     record = AuditRound(members=["me", "reducer", "s1", "s2"], runner=SimpleNamespace(group_id=GROUP))
-    record.outputs["reducer"] = [None] * 3  # its slice's parts, as they came (only their count is read)
-    return asyncio.run(auditing._a_dropped_sender_says_it_sent_all(record, receipt(inputs), 1e12))
+    return asyncio.run(auditing._a_sender_had_more_back(record, receipt(counts), 3, 1e12))
 
 
-def test_only_senders_listed_as_dropped_are_asked_and_one_yes_is_enough():
-    d = b"d" * 32
-    auditing = Asking({"s1": False, "s2": True})
-    assert says(auditing, [d, d, b"", b""]) and sorted(auditing.asked) == ["s1", "s2"]
-    auditing = Asking({"s1": False, "s2": False})
-    assert not says(auditing, [d, d, b"", d]) and auditing.asked == ["s1"]  # s2 has its digest: not asked
+def test_only_senders_counted_short_are_asked_and_one_that_had_more_back_is_enough():
+    auditing = Asking({"s1": 0, "s2": 3})
+    assert says(auditing, [3, 3, 0, 2]) and sorted(auditing.asked) == ["s1", "s2"]  # s2: 3 back, counted for 2
+    auditing = Asking({"s1": 1, "s2": 2})
+    assert not says(auditing, [3, 3, 1, 2])  # as many back as counted: a real break (or a cut we cannot tell)
+    auditing = Asking({"s1": 0})
+    assert not says(auditing, [3, 3, 0, 3]) and auditing.asked == ["s1"]  # s2 counted whole: not asked
     auditing = Asking({"s1": ConnectionResetError("gone")})
-    assert not says(auditing, [d, d, b"", d])  # a sender that is gone says nothing: a real drop, inconclusive
+    assert not says(auditing, [3, 3, 1, 3])  # a sender that is gone says nothing: a real drop
     assert len(auditing.asked) > 1  # asked again within the deadline before it is given up
     auditing = Asking({})
-    assert not says(auditing, [b"", b"", d, d]) and auditing.asked == []  # ourselves and the reducer: never asked
+    assert not says(auditing, [0, 1, 3, 3]) and auditing.asked == []  # ourselves and the reducer: never asked
 
 
 class Rechecking(Auditing):

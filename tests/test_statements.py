@@ -112,14 +112,19 @@ def test_a_sender_left_without_a_digest_is_checked_as_counted_for_no_part(keys):
     served, weights, numels, output = honest_round("fp16")
     honest = receipt_for(keys[0], names, served, weights, output)
     omitted = dataclasses.replace(
-        honest, inputs=(honest.inputs[0], b"", honest.inputs[2]), vouched=(b"", b"", honest.vouched[2])
-    )
+        honest, inputs=(honest.inputs[0], b"", honest.inputs[2]), vouched=(b"", b"", honest.vouched[2]),
+        counts=(honest.counts[0], 0, honest.counts[2]),
+    )  # fmt: skip
     omitted = with_statements(omitted, [b"", b"", honest.statements[2]])
     # its receipt says the average holds none of that sender's parts (``Receipt.counts``): recomputed without them,
     # it is not the average the reducer returned (before the counts, this was "inconclusive": nothing was dropped)
     assert audit(omitted, served, weights, numels, output, names) == Verdict.wrong_average
     # the sender itself had every part's average back from the reducer, so the reducer held every part
-    assert audit(omitted, served, weights, numels, output, names, completed=[names[1]]) == Verdict.withheld
+    assert audit(omitted, served, weights, numels, output, names, returned={names[1]: 2}) == Verdict.withheld
+    # with its digest listed but counted for no part, or counted without a digest: uncheckable as it stands
+    for counts in [(2, 2, 2), (2, 0, 2)]:
+        odd = dataclasses.replace(honest if counts[1] == 0 else omitted, counts=counts)
+        assert audit(odd, served, weights, numels, output, names) == Verdict.withheld, counts
 
 
 def test_one_accusation_with_its_proof_bans_for_every_reader_and_others_do_not(tmp_path, keys):

@@ -126,6 +126,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.nonce = os.urandom(16)  # in our receipt and every ``Output`` of this run (``audit.Receipt.nonce``)
         self._encoded: dict[int, asyncio.Future] = {}  # our slice's averaged parts, each encoded once
         self._declared: dict[int, float] = {}  # sender index -> the weight its first part declared
+        self._streaming: set[int] = set()  # sender indices whose stream to us has opened (one each)
         # senders whose parts we refused as a reducer (non-finite, wrong size, undecodable, another codec): an honest
         # client never sends such a part, and we saw it on the sender's own authenticated stream
         self.refused_senders: set[PeerID] = set()
@@ -304,6 +305,11 @@ class ExactAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         part_index, returned = 0, []
         ours = self.tensor_part_container.compression.compression_type
+        if sender_index in self._streaming:  # one stream a sender: a second would interleave its parts' digests
+            self._refuse(self.sender_peer_ids[sender_index])
+            await self._ban_sender(self.sender_peer_ids[sender_index])
+            raise RefusedPart("a sender opened a second stream to us")
+        self._streaming.add(sender_index)
         try:
             async for tensor_part, weight, message, statement in amap_in_executor(
                 lambda numbered: (*decode_part(*numbered, compression=ours), numbered[0].peer_id),
@@ -315,12 +321,12 @@ class ExactAllReduceRunner(AllReduceRunner):
                         raise RefusedPart(f"a sender used compression {message.compression}, not the run's {ours}")
                     if isinstance(tensor_part, RefusedPart):
                         raise tensor_part
-                    if self._declared.setdefault(sender_index, weight) != weight and math.isfinite(weight):
+                    if not (isinstance(weight, float | int) and math.isfinite(weight) and weight >= 0):
+                        raise RefusedPart(f"a sender's weight is {weight!r}")  # before it is kept for our receipt
+                    if self._declared.setdefault(sender_index, weight) != weight:
                         # a receipt lists one weight a sender; one part counted with another would fail the audit
                         raise RefusedPart("a sender declared another weight for one of its parts")
-                    declared = weight
-                    if math.isfinite(weight):  # any other is refused as it is (``check_part``)
-                        weight = min(weight, self.max_weight)
+                    declared, weight = weight, min(weight, self.max_weight)
                     self._received_from(sender_index, message, weight)
                     self._check_statement(sender_index, statement, declared)
                     averaged_part = await self.tensor_part_reducer.accumulate_part(

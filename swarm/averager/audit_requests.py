@@ -81,15 +81,16 @@ class AuditRequests:
             break
         return None, None, {}
 
-    async def _fetch_completed(self, record: AuditRound, sender: str, reducer: str) -> bool:
-        """``sender``'s word that its whole average from ``reducer`` came back to it (False if it says no, or
-        says nothing we can read)."""
-        request = dict(group_id=record.runner.group_id, what=AuditRequest.completed.value, reducer=reducer)
+    async def _fetch_returned(self, record: AuditRound, sender: str, reducer: str) -> int:
+        """``sender``'s word of how many parts of ``reducer``'s average came back to it before its stream broke, if it
+        did (0 if it says nothing we can read)."""
+        request = dict(group_id=record.runner.group_id, what=AuditRequest.returned.value, reducer=reducer)
         stream = await self._request(sender, request)
         async for message in stream:
             reply = self.serializer.loads(message.metadata)
-            return isinstance(reply, dict) and reply.get("completed") is True
-        return False
+            returned = reply.get("returned") if isinstance(reply, dict) else None
+            return returned if isinstance(returned, int) and not isinstance(returned, bool) and returned >= 0 else 0
+        return 0
 
     async def _fetch_parts(
         self,

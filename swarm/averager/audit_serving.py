@@ -34,7 +34,7 @@ class AuditRequest(enum.StrEnum):
     receipt = "receipt"  # our signed receipt as a reducer, with the per-part digests under it
     parts = "parts"  # the parts we sent a reducer: all of them, or those ``indices`` (an audit of a sample)
     output = "output"  # our own slice's average again, as we signed it (a groupmate whose copy came in part)
-    completed = "completed"  # whether a reducer's whole average came back to us (its receipt lists us as dropped)
+    returned = "returned"  # how many parts of a reducer's average came back to us (its receipt counts us short)
 
 
 # An honest groupmate asks us, in one round, for our receipt and our repair at most once each and for the parts we
@@ -65,7 +65,7 @@ class AuditRound:
     listed: list[list[bytes]] = field(default_factory=list)  # ours: each sender's per-part digests, receipt order
     statements: list[bytes] = field(default_factory=list)  # ours: each sender's signed statement, receipt order
     outputs: dict[str, list[HeldPart]] = field(default_factory=dict)  # each reducer's average as received
-    completed: set[str] = field(default_factory=set)  # reducers whose whole average came back to us (as received)
+    returned: dict[str, int] = field(default_factory=dict)  # reducer -> parts of its average that came to us first
     own_output: list[HeldPart] | None = None  # our own slice's average, for a groupmate whose copy came in part
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # reducer -> what its auditor told us
     accused: dict[str, list[int]] = field(default_factory=dict)  # reducer -> the parts its accuser checked
@@ -148,9 +148,9 @@ class AuditServing:
                 if record.receipt is not None:
                     reply = dict(receipt=record.receipt, listed=record.listed, statements=record.statements)
                     yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
-            case AuditRequest.completed:  # a reducer whose receipt lists us as dropped mid-way: did it return all?
+            case AuditRequest.returned:  # a reducer whose receipt counts us short: how much of its average came back?
                 await self._until_final(record)
-                reply = dict(completed=str(fields.get("reducer")) in record.completed)
+                reply = dict(returned=record.returned.get(str(fields.get("reducer")), 0))
                 yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(reply))
             case AuditRequest.output:  # our own slice's average again, as we signed it in the receipt
                 await self._until_final(record)

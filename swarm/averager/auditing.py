@@ -39,6 +39,7 @@ from swarm.defence.audit import (
     sample_parts,
     served_as_signed,
     suspect_parts,
+    too_few,
 )
 from swarm.defence.proofs import equivocation_proof, equivocations, forgery_proof
 from swarm.defence.receipts import Receipt, digest_of, digest_parts, lists_every_sender, open_receipt, statement_hash
@@ -66,25 +67,32 @@ class Auditing(AuditServing, SliceRepair):
         that came in part and could not be repaired (``AllReduceOutcome.repair_failures``)."""
         owner = self._index_slices(runner, record, held)
         me = self.peer_id.to_base58()
+        own = 0
         if record.outputs.get(me) and not any(isinstance(p, Dropped) for p in record.outputs[me]):
             await self._sign_receipt(runner, record)
+            if too_few(runner.counted_parts(), range(len(record.outputs[me]))):  # as our auditor will find it: the
+                own = drop_slice(held, owner, me)  # group drops our slice, and so do we (kept, we would end apart)
         record.done = True
         deadline = time.monotonic() + self._audit_timeout
-        # a slice we audit that came to us in part is fetched again first, and audited: a reducer that cuts its
-        # stream to its auditor is checked, and the group hears the verdict in time
-        ours = [r for r in record.outputs if self._accuser(record, r) == me]
-        early = await self._repair_partial_slices(runner, record, held, owner, deadline, only=ours)
+        # a slice we audit that came to us in part is fetched again, audited and its verdict told, beside our audits
+        # of the others: a reducer that cuts its stream to its auditor is checked, and the group hears it in time
+        refused = {p.to_base58() for p in runner.refused_senders}
+        partial = slices_to_repair(record.outputs, me, refused)
+        ours = [r for r in partial if self._accuser(record, r) == me]
+        (early, early_failures, early_found), found = await asyncio.gather(
+            self._repair_then_audit(runner, record, held, owner, ours, deadline),
+            self._audit_ours(record, _whole(record), deadline),
+        )
+        found += early_found
         reducers = _whole(record)
-        found = early[3] + await self._audit_ours(record, reducers, deadline)
-        await self._tell_unrepaired(record, early[1], deadline)
         # a slice that came in part is fetched again below: its auditor's verdict is heard like the others'
-        partial = slices_to_repair(record.outputs, me, {p.to_base58() for p in runner.refused_senders})
-        waiting = self._verdicts_to_wait_for(record, reducers, partial)
+        waiting = self._verdicts_to_wait_for(record, reducers, [r for r in partial if r not in ours])
         await self._hear_verdicts(record, waiting + self._our_auditor_present(record, reducers), deadline)
         found += await self._split_averages(record, found)
         recheck_deadline = time.monotonic() + self._audit_timeout
+        rest = [r for r in partial if r not in ours]
         dropped, repair_failures, _, withheld = await self._repair_partial_slices(
-            runner, record, held, owner, recheck_deadline
+            runner, record, held, owner, recheck_deadline, only=rest
         )
         found += withheld
         proven = {peer for peer, verdict, *_ in found if verdict == Verdict.equivocated}
@@ -95,7 +103,7 @@ class Auditing(AuditServing, SliceRepair):
         findings, more = self._apply(found, held, owner)
         record.outputs.clear()
         self._keep_round(runner.group_id)
-        return held, early[0] + dropped + more, findings, early[1] + repair_failures
+        return held, own + early + dropped + more, findings, early_failures + repair_failures
 
     def _index_slices(self, runner: ExactAllReduceRunner, record: AuditRound, held: list[list[HeldPart]]) -> dict:
         """Which groupmate reduced each held part, ``(tensor, part) -> reducer``; and each reducer's average as
@@ -107,8 +115,8 @@ class Auditing(AuditServing, SliceRepair):
             for t, j in flat[offset : offset + count]:
                 owner[(t, j)] = members[index]
             record.outputs[members[index]] = [held[t][j] for t, j in flat[offset : offset + count]]
-            if not any(isinstance(p, Dropped) for p in record.outputs[members[index]]):
-                record.completed.add(members[index])
+            # the parts of its average that came back before its stream broke, if it did: a prefix, in order
+            record.returned[members[index]] = sum(not isinstance(p, Dropped) for p in record.outputs[members[index]])
             offset += count
         return owner
 
@@ -166,6 +174,25 @@ class Auditing(AuditServing, SliceRepair):
             for reducer, proof in found.items()
             if reducer in record.members and reducer != me and reducer not in known
         ]
+
+    async def _repair_then_audit(
+        self,
+        runner: ExactAllReduceRunner,
+        record: AuditRound,
+        held: list,
+        owner: dict,
+        ours: list[str],
+        deadline: float,
+    ) -> tuple[int, list[dict], list[Found]]:
+        """The slices we audit that came to us in part: fetched again, then audited and told; one that cannot be had
+        again is told at once (``_tell_unrepaired``). The values dropped, the failures, and what was found."""
+        if not ours:
+            return 0, [], []
+        dropped, failures, restored, found = await self._repair_partial_slices(
+            runner, record, held, owner, deadline, only=ours
+        )
+        await self._tell_unrepaired(record, failures, deadline)
+        return dropped, failures, found + await self._audit_ours(record, restored, deadline)
 
     def _verdicts_to_wait_for(self, record: AuditRound, reducers: list[str], partial: list[str] = ()) -> list[str]:
         """The reducers (whole, or ``partial``: to fetch again) audited by another groupmate that is still with us
@@ -287,7 +314,7 @@ class Auditing(AuditServing, SliceRepair):
             i = others.index(reducer)  # or served other bytes without an error (errors were retried above) is
             parts = fetched[i]  # fetched once more before that is said
             if not isinstance(parts, BaseException) and not served_as_signed(
-                receipt, reducer, parts, wanted[reducer], count, listed.get(reducer)
+                receipt, reducer, parts, wanted[reducer], len(wanted[reducer]), listed.get(reducer)
             ):
                 logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
                 again = _retried(lambda: fetch(reducer), deadline)
@@ -301,19 +328,19 @@ class Auditing(AuditServing, SliceRepair):
                 logger.debug("%s's audit parts are out of bounds: not served", sender)
             else:
                 served[sender] = parts
-        # a reducer returns a part's average only once it holds our part: its whole average as it came (not
-        # fetched again) says our stream reached it whole
-        completed = [me] if reducer in record.completed else []
+        returned = {me: record.returned.get(reducer, 0)}  # as it first came, not fetched again
 
         def check() -> Verdict:
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
                 lambda values: encode_average(values, compression), indices=checked, listed=listed,
-                max_weight=record.runner.max_weight, completed=completed,
+                max_weight=record.runner.max_weight, returned=returned,
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
-        if verdict == Verdict.inconclusive and await self._a_dropped_sender_says_it_sent_all(record, receipt, deadline):
+        if verdict in (Verdict.inconclusive, Verdict.passed) and await self._a_sender_had_more_back(
+            record, receipt, count, deadline
+        ):
             verdict = Verdict.omitted
         if verdict == Verdict.forged:  # published with the statement its receipt does not keep to, when one does not
             blob = forgery_proof(blob, receipt) or blob
@@ -325,16 +352,15 @@ class Auditing(AuditServing, SliceRepair):
         )  # fmt: skip
         return verdict, blob, [] if len(checked) == count else checked
 
-    async def _a_dropped_sender_says_it_sent_all(self, record: AuditRound, receipt: Receipt, deadline: float) -> bool:
-        """Whether a sender the receipt lists as dropped mid-way says its whole average from the reducer
-        came back to it, which a reducer sends only for parts it holds: then the reducer or that sender lies."""
-        me = self.peer_id.to_base58()
-        parts = len(record.outputs.get(receipt.reducer) or ())
-        dropped = [s for s in receipt.senders if s in receipt.dropped(parts) and s not in (me, receipt.reducer)]
-        asked = lambda sender: self._fetch_completed(record, sender, receipt.reducer)  # noqa: E731
-        asks = (_retried(lambda s=s: asked(s), deadline) for s in dropped)
-        said = await asyncio.gather(*asks, return_exceptions=True)
-        return any(answer is True for answer in said)
+    async def _a_sender_had_more_back(self, record: AuditRound, receipt: Receipt, parts: int, deadline: float) -> bool:
+        """Whether a sender the receipt counts short (its stream broke) says more parts of the reducer's average came
+        back to it than the receipt counts of it, which an honest reducer never does (it returns a part's average
+        once it counted the sender's part): then the reducer or that sender lies. A sender that is gone says 0."""
+        me, counts = self.peer_id.to_base58(), dict(zip(receipt.senders, receipt.counted(parts)))
+        short = [s for s in receipt.senders if s in receipt.dropped(parts) and s not in (me, receipt.reducer)]
+        asked = lambda sender: self._fetch_returned(record, sender, receipt.reducer)  # noqa: E731
+        said = await asyncio.gather(*(_retried(lambda s=s: asked(s), deadline) for s in short), return_exceptions=True)
+        return any(isinstance(n, int) and n > counts[s] for s, n in zip(short, said))
 
     def _strike(self, reducer: str, verdict: Verdict) -> int:
         """Our audits of ``reducer`` in a row it could not be checked in (unanswered or withheld), this one

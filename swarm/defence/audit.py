@@ -62,7 +62,9 @@ class Verdict(enum.StrEnum):
     withheld = "withheld its own parts"  # it signed a receipt (it is alive) but did not serve its own part as signed
     inconclusive = "inconclusive"  # a sender's bytes did not match the receipt: sender or reducer lies
     forged = "forged a sender's digest or weight"  # its signed receipt lists what no sender signed: it proves the lie
-    omitted = "omitted a sender that sent everything"  # a digest left empty whose sender says its stream came back
+    omitted = "omitted a sender that sent everything"  # counted short, by a sender that had more of its average back
+    # fewer senders than a majority of the group in a part of its average: one liar could make that average its own
+    too_few = "averaged too few senders to be checked"
 
 
 GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
@@ -72,7 +74,7 @@ GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
 UNCHECKABLE = frozenset({Verdict.withheld})
 # the reducer or the sender lies (the sender's word that its stream to the reducer came back whole is not proof):
 # the slice is dropped, as a vanished reducer's, and nobody is struck
-DROP_ONLY = frozenset({Verdict.omitted})
+DROP_ONLY = frozenset({Verdict.omitted, Verdict.too_few})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
 
@@ -176,6 +178,12 @@ def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | N
     return valid and digest_of(listed) == digest
 
 
+def too_few(counts: Sequence[int], indices: Iterable[int]) -> bool:
+    """Whether a part among ``indices`` was averaged from no more than half the senders (``counts``: the parts of
+    each in the average). Its reducer drops its own slice then, as its auditor does (``Verdict.too_few``)."""
+    return any(sum(k > i for k in counts) <= len(counts) // 2 for i in indices)
+
+
 def coherent(receipt: Receipt, parts: int) -> bool:
     """Whether a receipt's counts fit its slice of ``parts`` and its digests: a digest for every sender it counted
     a part of (and a statement hash, the reducer's own excepted), none for one it counted none of."""
@@ -200,8 +208,8 @@ def vouching(receipt: Receipt, max_weight: float | None = math.inf) -> Verdict |
         if sender == receipt.reducer or not digest:
             continue
         statement = receipt.statements[index]
-        if statement_hash(statement) != receipt.vouched[index]:
-            return Verdict.withheld
+        if not statement or statement_hash(statement) != receipt.vouched[index]:
+            return Verdict.withheld  # none under a digest, or not the one it signed for: it cannot be checked
         if not statement_vouches(receipt, index, statement, max_weight):
             return Verdict.forged
     return None
@@ -217,31 +225,34 @@ def judge(
     indices: Sequence[int] | None = None,
     listed: dict[str, Sequence[bytes]] | None = None,
     max_weight: float = math.inf,
-    completed: Iterable[str] = (),
+    returned: dict[str, int] | None = None,
 ) -> Verdict:
     """Audit one reducer: ``received_output`` is its average as this peer received it (every part), ``numels``
     each part's size, ``encode`` the run's codec for an average. ``served`` is each sender's parts for it as
     fetched (this peer's own included): all of them, or the parts ``indices`` only, a sample checked against the
-    per-part digests the reducer ``listed`` for each sender under its receipt. ``completed`` are senders known, on
-    the auditor's own evidence, to have sent the reducer every part (its own stream to the reducer came back
-    whole: a reducer returns a part's average only once it holds the part). A sender whose stream broke is checked
-    in the parts the receipt counts of it (``Receipt.counts``), under its signed statement of them: ``served`` holds
-    those of its parts that are checked."""
+    per-part digests the reducer ``listed`` for each sender under its receipt. ``returned``: how many parts of its
+    average came back to a sender, on the auditor's own evidence (its own, as first received): a reducer returns a
+    part's average only once it counted the sender's part, so it counted at least that many. A sender whose stream
+    broke is checked in the parts the receipt counts of it (``Receipt.counts``), under its signed statement of them:
+    ``served`` holds those of its parts that are checked. A part averaged from no more than half the group's senders
+    is ``too_few``: with one liar among them it could be anything, and nobody's lie is shown."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
     if len(received_output) != len(numels):
         return Verdict.wrong_average  # another count of parts than it was sent
     if any(not w <= max_weight for w in receipt.weights):
         return Verdict.wrong_average  # it counted a sender for more samples than a round holds
+    if not coherent(receipt, len(numels)):
+        return Verdict.withheld  # it signed counts that its digests or statements do not fit: uncheckable
     unvouched = vouching(receipt, max_weight)
     if unvouched is not None:
         return unvouched  # a digest or weight no sender signed (forged), or statements it hides (withheld)
     counts = receipt.counted(len(numels))
-    if not coherent(receipt, len(numels)):
-        return Verdict.withheld  # it signed counts that its digests or statements do not fit: uncheckable
-    if receipt.dropped(len(numels)) & set(completed):
-        return Verdict.withheld  # it says a sender dropped that we know sent it everything: its slice is dropped
-    indices = range(len(numels)) if indices is None else indices
+    if any(k < (returned or {}).get(s, 0) for s, k in zip(receipt.senders, counts)):
+        return Verdict.withheld  # it counts fewer parts of ours than it returned us averages of: its slice is dropped
+    indices = sorted(range(len(numels)) if indices is None else indices)
+    if too_few(counts, indices):
+        return Verdict.too_few  # its word alone (with a minority): nobody's lie shown, the slice is not taken
     # each sender's parts among those checked: its first ``count`` (a sender whose stream broke sent only those)
     wanted = {s: [i for i in indices if i < k] for s, k in zip(receipt.senders, counts)}
     if len(indices) < len(numels) and not all(

@@ -38,8 +38,10 @@ def forgery_proof(blob: bytes, receipt: Receipt) -> bytes | None:
         if sender == receipt.reducer or not digest or index >= len(receipt.statements):
             continue
         statement = receipt.statements[index]
-        if statement_hash(statement) == receipt.vouched[index] and not statement_vouches(
-            receipt, index, statement, None
+        if (
+            statement
+            and statement_hash(statement) == receipt.vouched[index]
+            and not statement_vouches(receipt, index, statement, None)
         ):
             return MSGPackSerializer.dumps([PROOF_VERSION, blob, index, statement])
     return None
@@ -54,6 +56,8 @@ def proves_forgery(proof: bytes) -> str | None:
         if receipt is None or not isinstance(index, int) or not 0 <= index < len(receipt.senders):
             return None
         if receipt.senders[index] == receipt.reducer or not receipt.inputs[index] or not isinstance(statement, bytes):
+            return None
+        if not statement:  # no statement under a digest: the receipt cannot be checked as it stands, but proves nothing
             return None
         if statement_hash(statement) != receipt.vouched[index] or statement_vouches(receipt, index, statement, None):
             return None

@@ -59,7 +59,7 @@ class Receipt:
     # it averaged in before cannot pair the two runs' signatures (``proofs``)
     nonce: bytes = b""
     # how many parts of each sender its average holds: all of its slice's for one that finished, the first few for
-    # one whose stream broke (its statement of those is the one listed). Empty: all for a listed digest, else none
+    # one whose stream broke (its statement of those is the one listed). Every signed receipt lists one a sender
     counts: tuple[int, ...] = ()
     # the statements themselves, served beside the receipt (so that it stays small enough for an accusation) and
     # checked against ``vouched``; not part of what the reducer signs
@@ -71,7 +71,8 @@ class Receipt:
         return MSGPackSerializer.dumps(fields)
 
     def counted(self, parts: int) -> tuple[int, ...]:
-        """``counts``, or for a receipt that lists none, all ``parts`` of each sender with a digest."""
+        """``counts`` (a receipt that lists none is refused unread: ``open_receipt``; built in process without them,
+        all ``parts`` of each sender with a digest)."""
         return self.counts or tuple(parts if digest else 0 for digest in self.inputs)
 
     def dropped(self, parts: int) -> set[str]:
@@ -101,7 +102,7 @@ def open_receipt(blob: bytes) -> Receipt | None:
             return None
         if not (isinstance(inputs, list) and isinstance(vouched, list) and _digests(inputs) and _digests(vouched)):
             return None
-        if not (isinstance(counts, list) and all(_count(k) for k in counts) and len(counts) in (0, len(senders))):
+        if not (isinstance(counts, list) and all(_count(k) for k in counts) and len(counts) == len(senders)):
             return None
         if peer_id_of_owner(b"[owner:" + public_key + b"]") != reducer:
             return None
