@@ -55,7 +55,8 @@ it claims, is replaced:
   each one, and its receipt names the true average its auditor received: its auditor's check passes, and the rest
   of the group would apply the lie;
 - ``dropper``: honest as a sender, but as a reducer it cuts the stream of one groupmate other than its auditor after
-  that groupmate's first part (so its receipt lists it as dropped mid-way, as a link cut does), and returns ``-factor``
+  the first part of its average it returned that groupmate (so its receipt counts one or two of its parts, as after a
+  link cut), and returns ``-factor``
   times its slice's average (default 4) to everyone, signing for it: an audit that cannot check a slice with a
   dropped sender would pass it (the groupmate it cut fetches the average again, as signed);
 - ``dropaudit``: the same, but the groupmate whose stream it cuts is its auditor (whose copy of the average then

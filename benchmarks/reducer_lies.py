@@ -89,8 +89,8 @@ def install_dropper(factor: float, auditor: bool) -> None:
         others = [ours] if auditor else [m for m in members if m not in (me, ours)]
         sent = 0
         async for message in stream(self, inputs, sender_index):
-            if others and sender == others[0] and sent == 1:  # after its first part: as if its link broke
-                os.write(2, f"{name}: cut sender {sender[-8:]} after its first part\n".encode())
+            if others and sender == others[0] and sent == 1:  # after one averaged part: as if its link broke
+                os.write(2, f"{name}: cut sender {sender[-8:]} after one averaged part\n".encode())
                 raise ConnectionResetError("dropper: cut")
             sent += 1
             yield message

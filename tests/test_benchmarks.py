@@ -113,7 +113,7 @@ def test_wan_smoke(tmp_path: Path):
     assert set(record["figures"]) == {"fp16", "fp4-overlap"}
     theory = record["sizes"]["theory_bytes_per_round"]
     assert theory["fp16"] == pytest.approx(2 / (0.5 + 1 / 1024) * theory["fp4-overlap"])
-    for phases in record["figures"].values():
+    for mode, phases in record["figures"].items():
         assert [p["rate_mbit"] for p in phases] == [None, 20.0]
         for phase in phases:
             assert phase["rounds"] >= 2 and phase["averaged_rounds"] >= 1
@@ -123,8 +123,11 @@ def test_wan_smoke(tmp_path: Path):
             assert phase["seconds"]["allreduce"] > 0 and phase["seconds"]["matchmaking"] > 0
             assert phase["seconds"]["landing"] >= 0  # the average ready, until the host took it
             assert positive_finite(phase["payload_sent_bytes"]) and positive_finite(phase["wire_tx_bytes"])
-            # the payload is the butterfly's, give or take headers; the wire carries at least the payload
-            assert 0.8 < phase["payload_sent_bytes_averaged"] / phase["theory_bytes"] < 1.3
+            # the payload is the butterfly's, give or take headers; the wire carries at least the payload. fp4's
+            # codes are deflated below the theory's 0.501 bytes a value (to 0.3-0.55 a parameter, as below): a CI run
+            # sent 0.7998 of it, so its floor is the deflate's, 0.3 / 0.501
+            floor = 0.59 if mode.startswith("fp4") else 0.8
+            assert floor < phase["payload_sent_bytes_averaged"] / phase["theory_bytes"] < 1.3
             assert phase["wire_tx_bytes"] >= 0.9 * phase["payload_sent_bytes"]
     for mode, phases in record["figures"].items():
         goodput = phases[1]["goodput_share_of_link"]  # timed only where the loop waits for the all-reduce
@@ -287,8 +290,8 @@ def test_byzantine_smoke(tmp_path: Path):
         by_last_round.setdefault(peer["dropped_fractions"][-1] == 0.0, set()).add(peer["checksum"])
     assert repaired >= 1, cut
     assert all(len(checksums) == 1 for checksums in by_last_round.values()), (by_last_round, cut)
-    # a reducer that cuts one groupmate's stream after its first part (so its receipt counts one part of it) and
-    # returns -4x its average to all: its slice is checked all the same, with that groupmate's first part under its
+    # a reducer that cuts one groupmate's stream after one averaged part (so its receipt counts one or two parts of
+    # it) and returns -4x its average to all: its slice is checked all the same, with that groupmate's parts under its
     # signed statement; both honest peers ban it for a wrong average in the first round they met it, and nobody else
     said = dropper["liar_said"]
     assert dropper["liar_met"] and any(line.startswith("dropper: cut sender") for line in said), dropper
