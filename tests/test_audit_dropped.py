@@ -360,3 +360,21 @@ def test_a_reducer_whose_average_holds_too_few_senders_drops_its_own_slice_as_it
     assert all(isinstance(p, Dropped) for p in held[0][:2])
     _, held, _ = group_round("a", "c", {}, counted=(2, 2, 1))  # two of three in every part: kept
     assert not any(isinstance(p, Dropped) for p in held[0][:4])
+
+
+def test_a_reducer_we_audit_whose_parts_we_refused_is_left_to_each_groupmates_own_check():
+    """We refused its parts as their reducer, so its slice is dropped on purpose here and we never audit it; the group
+    is told at once that it could not be checked by us, so each groupmate audits it itself instead of waiting out our
+    verdict and keeping whatever it returned (a liar could send only its auditor bad parts, and lie to the rest)."""
+    auditing = Group("b", "c", {})
+    members = ["a", "b", "c"]
+    held = [[part(i, 300) for i in range(6)]]
+    held[0][4:] = [Dropped(300), Dropped(300)]  # cancelled when we refused its parts
+    container = SimpleNamespace(num_parts_by_peer=[2, 2, 2], compression=NoCompression())
+    runner = SimpleNamespace(group_id=GROUP_OF[("b", "c")], tensor_part_container=container,
+                             refused_senders=[SimpleNamespace(to_base58=lambda: "c")], output_statements={},
+                             counted_parts=lambda: [2, 2, 2])  # fmt: skip
+    record = AuditRound(members=members, runner=runner)
+    asyncio.run(auditing._audit_group(runner, record, held))
+    assert ("tell", "c", Verdict.withheld) in auditing.calls
+    assert ("repair", "c") not in auditing.calls and ("audit", "c") not in auditing.calls

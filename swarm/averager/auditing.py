@@ -79,9 +79,14 @@ class Auditing(AuditServing, SliceRepair):
         refused = {p.to_base58() for p in runner.refused_senders}
         partial = slices_to_repair(record.outputs, me, refused)
         ours = [r for r in partial if self._accuser(record, r) == me]
-        (early, early_failures, early_found), found = await asyncio.gather(
+        # one we audit whose parts we refused (its slice dropped on purpose, and never audited by us): each groupmate
+        # checks it itself rather than wait out our verdict (it could send only us bad parts, then lie to the rest)
+        unaudited = [r for r in record.outputs if r in refused and r != me and self._accuser(record, r) == me]
+        tell = (self._tell_group(record, r, Verdict.withheld, [], deadline) for r in unaudited)
+        (early, early_failures, early_found), found, _ = await asyncio.gather(
             self._repair_then_audit(runner, record, held, owner, ours, deadline),
             self._audit_ours(record, _whole(record), deadline),
+            asyncio.gather(*tell),
         )
         found += early_found
         reducers = _whole(record)
