@@ -61,6 +61,8 @@ it claims, is replaced:
   dropped sender would pass it (the groupmate it cut fetches the average again, as signed);
 - ``dropaudit``: the same, but the groupmate whose stream it cuts is its auditor (whose copy of the average then
   comes in part, so that it would not audit it at all);
+- ``spoil``: its first part to its own auditor declares a value too many (the auditor refuses it, and with it this
+  peer's slice, unaudited), and as a reducer it returns ``-factor`` times its average to everyone (default 4);
 - ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
   (``benchmarks.liar_records``).
 
@@ -99,6 +101,7 @@ ATTACKS = {
     "split": 4.0,
     "dropper": 4.0,
     "dropaudit": 4.0,
+    "spoil": 4.0,
     "baddonor": -4.0,
     "undying": 2.0,
     "sybil": 1.0,
@@ -137,6 +140,9 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         return
     if attack == "split":
         reducer_lies.install_split(factor)
+        return
+    if attack == "spoil":
+        reducer_lies.install_spoil(factor)
         return
     if attack in ("dropper", "dropaudit"):
         reducer_lies.install_dropper(factor, auditor=attack == "dropaudit")

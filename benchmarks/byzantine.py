@@ -76,7 +76,7 @@ NAME = "byzantine"
 # a liar banned in its first round (or no liar): the honest peers must go on without it, so rounds need one fewer
 BANNED_OR_ABSENT = (
     *("reducer", "few", "hide", "nonfinite", "oversized", "absent"),
-    *("forge", "omit", "withhold", "partial", "accuse", "split", "dropper", "dropaudit"),
+    *("forge", "omit", "withhold", "partial", "accuse", "split", "dropper", "dropaudit", "spoil"),
     *("undying", "sybil"),  # gone after two rounds; or its record says it is two epochs ahead: no group waits for it
     # its lie is in its keys' votes; with them the peers' estimate of the swarm's size splits first-stage matchmaking
     # into two keys (groups of 3: five keys), and a key holding one or two of three could never reach a whole group

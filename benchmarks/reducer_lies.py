@@ -97,3 +97,30 @@ def install_dropper(factor: float, auditor: bool) -> None:
 
     ExactAllReduceRunner._accumulate_parts_streaming = dropping
     ExactAllReduceRunner._returned = lying
+
+
+def install_spoil(factor: float) -> None:
+    """``spoil``: as a sender, the first part it sends its own auditor declares one value too many (its auditor, as
+    that part's reducer, refuses it, and drops this peer's slice unaudited); as a reducer, ``-factor`` times its
+    slice's average to everyone, signed."""
+    from swarm.averager.allreduce import ExactAllReduceRunner
+    from swarm.defence.audit import auditor_of
+
+    returned, record_sent = ExactAllReduceRunner._returned, ExactAllReduceRunner._record_sent
+
+    async def lying(self, sender_index, part_index, averaged):
+        return await returned(self, sender_index, part_index, averaged * -factor)
+
+    async def spoiling(self, peer_index, stream):
+        members = [p.to_base58() for p in self.ordered_peer_ids]
+        to_auditor = members[peer_index] == auditor_of(members, self.group_id, self.peer_id.to_base58())
+        first = True
+        async for message in record_sent(self, peer_index, stream):
+            if to_auditor and first:
+                message.tensor_part.size[0] += 1  # out of bounds: refused before a byte is decoded
+                os.write(2, f"spoil: sent its auditor {members[peer_index][-8:]} a malformed part\n".encode())
+            first = False
+            yield message
+
+    ExactAllReduceRunner._returned = lying
+    ExactAllReduceRunner._record_sent = spoiling
