@@ -12,6 +12,8 @@ from types import SimpleNamespace
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.averager.audit_serving import AuditRequest, AuditRound, AuditServing
 from swarm.averager.auditing import Auditing
@@ -148,3 +150,16 @@ def test_a_reducer_that_counts_its_auditor_short_and_leaves_us_unable_to_check_l
 
 async def _said(verdict, blob):
     return verdict, blob, []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=256), st.builds(MSGPackSerializer.dumps, st.dictionaries(
+    st.sampled_from(["returned", "completed", "x"]),
+    st.one_of(st.integers(-(2**63), 2**64 - 1), st.booleans(), st.floats(), st.binary(max_size=8), st.none()),
+))))  # fmt: skip
+def test_a_returned_count_from_another_machine_is_a_small_count_or_zero_and_never_raises(metadata):
+    from swarm.averager.audit_requests import returned_count
+
+    count = returned_count(metadata)
+    assert isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 2**31
+    assert returned_count(MSGPackSerializer.dumps(dict(returned=7))) == 7

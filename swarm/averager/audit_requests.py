@@ -15,6 +15,7 @@ import typing
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
@@ -49,6 +50,18 @@ async def _retried(request: typing.Callable[[], typing.Awaitable], deadline: flo
     async for attempt in retrying:
         with attempt:
             return await asyncio.wait_for(request(), _left(deadline))
+
+
+def returned_count(metadata: bytes) -> int:
+    """A groupmate's reply to ``AuditRequest.returned``: the parts it says came back, or 0 for anything else that
+    its bytes hold (never raises)."""
+    try:
+        reply = MSGPackSerializer.loads(metadata)
+    except Exception:  # another machine's bytes
+        logger.debug("an unreadable reply to a returned-count request", exc_info=True)
+        return 0
+    returned = reply.get("returned") if isinstance(reply, dict) else None
+    return returned if isinstance(returned, int) and not isinstance(returned, bool) and 0 <= returned < 2**31 else 0
 
 
 class AuditRequests:
@@ -87,9 +100,7 @@ class AuditRequests:
         request = dict(group_id=record.runner.group_id, what=AuditRequest.returned.value, reducer=reducer)
         stream = await self._request(sender, request)
         async for message in stream:
-            reply = self.serializer.loads(message.metadata)
-            returned = reply.get("returned") if isinstance(reply, dict) else None
-            return returned if isinstance(returned, int) and not isinstance(returned, bool) and returned >= 0 else 0
+            return returned_count(message.metadata)
         return 0
 
     async def _fetch_parts(
