@@ -305,13 +305,14 @@ def test_a_group_id_we_averaged_in_is_refused_and_a_rounds_record_is_never_forgo
 
     serving = AuditServing.__new__(AuditServing)
     closed = []
-    runner = lambda: SimpleNamespace(sent_parts=SimpleNamespace(close=lambda: closed.append(1)))  # noqa: E731
+    spill = lambda name: SimpleNamespace(close=lambda: closed.append(name))  # noqa: E731
+    runner = lambda: SimpleNamespace(sent_parts=spill("sent"), received_parts=spill("received"))  # noqa: E731
     old, new = AuditRound(members=["a"], runner=runner()), AuditRound(members=["a"], runner=runner())
     serving._audit_rounds = {GROUP: new}
     serving._forget_round(GROUP, old)
     assert serving._audit_rounds == {GROUP: new} and closed == []
     serving._forget_round(GROUP, new)
-    assert serving._audit_rounds == {} and closed == [1]
+    assert serving._audit_rounds == {} and closed == ["sent", "received"]  # both files go with the round
 
 
 def test_one_finding_a_groupmate_keeps_the_proof_and_any_drop():

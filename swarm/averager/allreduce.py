@@ -47,10 +47,11 @@ from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
 # what this all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``). 2: receipts
-# of version 4 and signed outputs; 3: a sender's statement with every part, and receipts of version 5. Peers of
+# of version 4 and signed outputs; 3: a sender's statement with every part, and receipts of version 5; 4: a reducer
+# serves its auditor the parts it holds of a sender (``AuditRequest.held``), or is uncheckable. Peers of
 # another version never group with us: it is in the schema hash a leader checks (``process.wire_schema_hash``) and
 # in a second stage's group id (``fixed_group.fixed_group_id``)
-WIRE_VERSION = b"swarm-allreduce/3"
+WIRE_VERSION = b"swarm-allreduce/4"
 
 
 def decode_part(
@@ -116,6 +117,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         # checked reducers (swarm.defence.audit): the exact parts sent to each reducer, by its index in the group, and
         # as a reducer, the digest of each part each sender sent us, and each sender's weight
         self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
+        # as a reducer, each sender's parts as they came (by sender index; on disk too): an auditor fetches from us
+        # the parts of a sender that is gone or will not serve them, checked against that sender's signed statement
+        self.received_parts = SpilledParts()
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
         self._input_hashes = [hashlib.sha256() for _ in self.sender_peer_ids]  # ``digest_of`` each one's so far
         self.input_weights = [0.0 for _ in self.sender_peer_ids]
@@ -135,6 +139,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._awaiting_reducer: dict[PeerID, asyncio.Task] = {}
 
     def _received_from(self, sender_index: int, part: runtime_pb2.Tensor, weight: float) -> None:
+        self.received_parts.append(sender_index, part)
         self.input_digests[sender_index].append(part_digest(part))
         self._input_hashes[sender_index].update(self.input_digests[sender_index][-1])
         self.input_weights[sender_index] = float(weight)

@@ -1,5 +1,6 @@
 """What an auditor asks of its groupmates' averagers (``swarm.averager.audit_serving`` answers): a reducer's signed
-receipt, the parts a sender sent a reducer, a reducer's average again; and its verdict, told to the whole group.
+receipt, the parts a sender sent a reducer (from the sender, or as they came to the reducer), a reducer's average again;
+and its verdict, told to the whole group.
 
 Every request is bounded by a deadline and retried (``_retried``) while tries and time are left, so that one
 broken stream is not taken for a reducer that will not answer.
@@ -19,6 +20,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
+from swarm.averager.bounds import admitted
 from swarm.defence.audit import GUILTY, UNCHECKABLE, Verdict
 from swarm.defence.receipts import Receipt, open_receipt, with_statements
 
@@ -111,10 +113,13 @@ class AuditRequests:
         limit: int,
         what: AuditRequest = AuditRequest.parts,
         indices=None,
+        of: str | None = None,
     ) -> list:
         fields = dict(group_id=record.runner.group_id, what=what.value, reducer=reducer)
         if indices is not None:
             fields["indices"] = list(indices)
+        if of is not None:  # ``AuditRequest.held``: the parts ``of`` sent the reducer, asked of the reducer
+            fields["sender"] = of
         stream = await self._request(sender, fields)
         parts, total = [], 0
         async for message in stream:
@@ -124,6 +129,27 @@ class AuditRequests:
                 raise AllreduceException(f"{sender[-8:]} sent more audit data than it could have sent")
             parts.append(message.tensor_part)
         return parts
+
+    async def _fetch_held(
+        self, record: AuditRound, reducer: str, wanted: dict[str, list[int]], numels: list[int], limit: int,
+        deadline: float,
+    ) -> dict[str, list | None]:  # fmt: skip
+        """From ``reducer``, the parts ``wanted`` of each sender that did not serve them as signed (gone, or other
+        bytes), as they came to it (``AuditRequest.held``); None for a sender's it did not serve within bounds."""
+        compression = record.runner.tensor_part_container.compression.compression_type
+
+        async def held(sender: str) -> list | None:
+            fetch = lambda: self._fetch_parts(  # noqa: E731
+                record, reducer, reducer, limit, AuditRequest.held, wanted[sender], of=sender
+            )
+            try:
+                parts = await _retried(fetch, deadline)
+            except Exception:
+                logger.debug("%s did not serve %s's parts it holds", reducer, sender, exc_info=True)
+                return None
+            return parts if admitted(parts, [numels[i] for i in wanted[sender]], compression) else None
+
+        return dict(zip(wanted, await asyncio.gather(*(held(s) for s in wanted))))
 
     async def _tell_group(
         self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float,

@@ -35,6 +35,9 @@ class AuditRequest(enum.StrEnum):
     parts = "parts"  # the parts we sent a reducer: all of them, or those ``indices`` (an audit of a sample)
     output = "output"  # our own slice's average again, as we signed it (a groupmate whose copy came in part)
     returned = "returned"  # how many parts of a reducer's average came back to us (its receipt counts us short)
+    # as a reducer, the parts a sender sent us (those ``indices``): its auditor checks them against the sender's signed
+    # statement when that sender is gone or serves other bytes, so a lie in our slice needs no sender's help to hide
+    held = "held"
 
 
 # An honest groupmate asks us, in one round, for our receipt and our repair at most once each and for the parts we
@@ -80,6 +83,18 @@ class AuditRound:
     def sent_to(self, reducer: str) -> list[runtime_pb2.Tensor] | None:
         return self.runner.sent_parts.get(self.members.index(reducer)) if reducer in self.members else None
 
+    def held_of(self, sender: str, indices: object) -> list[runtime_pb2.Tensor] | None:
+        """The parts ``indices`` (another machine's list: checked) that ``sender`` sent us as its reducer; None if it
+        sent us none or the indices are not some of them."""
+        senders = [p.to_base58() for p in self.runner.sender_peer_ids]
+        if sender not in senders:
+            return None
+        index = senders.index(sender)
+        count = self.runner.received_parts.count(index)
+        if count is None or not _valid_indices(indices, count):
+            return None
+        return self.runner.received_parts.get(index, indices)
+
 
 class AuditServing:
     """What a groupmate's audit of our round asks of this averager."""
@@ -108,6 +123,7 @@ class AuditServing:
         record = self._audit_rounds.pop(group_id, None)
         if record is not None:
             record.runner.sent_parts.close()
+            record.runner.received_parts.close()
 
     def _audit_limits(self) -> ServingLimits:
         """Per requester, how many audit requests it may have open and start in a minute (``serving_limits``)."""
@@ -156,14 +172,15 @@ class AuditServing:
                 await self._until_final(record)
                 for part in record.own_output or ():
                     yield averaging_pb2.DownloadData(tensor_part=part)
+            case AuditRequest.held:  # a sender's parts as they came to us, its reducer
+                await self._until_final(record)
+                for part in record.held_of(str(fields.get("sender")), fields.get("indices")) or ():
+                    yield averaging_pb2.DownloadData(tensor_part=part)
             case AuditRequest.parts:  # all of them, or those ``indices`` (an audit of a sample)
                 parts = record.sent_to(str(fields.get("reducer")))
                 indices = fields.get("indices")
                 if parts is not None and indices is not None:
-                    valid = isinstance(indices, list) and all(
-                        isinstance(i, int) and 0 <= i < len(parts) for i in indices
-                    )
-                    parts = [parts[i] for i in indices] if valid else None
+                    parts = [parts[i] for i in indices] if _valid_indices(indices, len(parts)) else None
                 logger.debug(
                     "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts),
                     fields.get("reducer"), record.done,
@@ -203,6 +220,15 @@ class AuditServing:
                     record.accused[reducer] = [i for i in parts if isinstance(i, int)]
                 record.news.set()
         return averaging_pb2.DownloadData()
+
+
+def _valid_indices(indices: object, count: int) -> bool:
+    """Whether another machine's ``indices`` are a list of at most ``count`` part indices below ``count``."""
+    return (
+        isinstance(indices, list)
+        and len(indices) <= count
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in indices)
+    )
 
 
 def _keep_signed_outputs(record: AuditRound, sender: str, fields: dict) -> None:

@@ -333,13 +333,21 @@ class Auditing(AuditServing, SliceRepair):
                 logger.debug("%s's audit parts are out of bounds: not served", sender)
             else:
                 served[sender] = parts
+        # a sender that is gone, or serves other bytes than it signed (a liar's accomplice): its parts as the reducer
+        # holds them, checked against the sender's signed statement; a reducer that cannot show them is uncheckable
+        counts = dict(zip(receipt.senders, receipt.counted(count)))
+        unserved = {
+            s: wanted[s] for s in others
+            if s != reducer and not served_as_signed(receipt, s, served.get(s), wanted[s], counts[s], listed.get(s))
+        }  # fmt: skip
+        held = await self._fetch_held(record, reducer, unserved, numels, limit, deadline) if unserved else {}
         returned = {me: record.returned.get(reducer, 0)}  # as it first came, not fetched again
 
         def check() -> Verdict:
             return judge(
                 receipt, record.outputs[reducer], served, numels, self.aggregation,
                 lambda values: encode_average(values, compression), indices=checked, listed=listed,
-                max_weight=record.runner.max_weight, returned=returned,
+                max_weight=record.runner.max_weight, returned=returned, held=held,
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)

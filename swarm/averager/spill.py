@@ -1,4 +1,5 @@
-"""The parts a peer sent each reducer, kept for that reducer's auditor, on disk rather than in memory.
+"""The parts a peer sent each reducer (and, as a reducer, those each sender sent it), kept for the auditors, on disk
+rather than in memory.
 
 A checked round (``swarm.defence.audit``) must be able to serve, for a few seconds after it, every
 part this peer sent: a whole pseudo-gradient as it went on the wire (2 bytes per parameter
@@ -18,7 +19,8 @@ from hivemind.proto import runtime_pb2
 
 
 class SpilledParts:
-    """Serialized parts by reducer index, appended in the order they were sent. One event loop uses it."""
+    """Serialized parts by a groupmate's index (the reducer they went to, or the sender they came from), appended in
+    the order they were sent. One event loop uses it."""
 
     def __init__(self) -> None:
         self._file = None  # opened on the first part: a runner that never sends anything touches no disk
@@ -38,12 +40,18 @@ class SpilledParts:
         """Mark that parts go to this reducer (even if none is appended yet): ``get`` then returns a list."""
         self._where.setdefault(reducer_index, [])
 
-    def get(self, reducer_index: int) -> list[runtime_pb2.Tensor] | None:
-        """The parts sent to that reducer so far, read back; None if we never sent it anything."""
+    def get(self, reducer_index: int, indices: list[int] | None = None) -> list[runtime_pb2.Tensor] | None:
+        """The parts sent to that reducer so far (or only those ``indices``, which must be in range), read back;
+        None if we never sent it anything."""
         where = self._where.get(reducer_index)
         if where is None:
             return None
-        return list(self._read(where))
+        return list(self._read(where if indices is None else [where[i] for i in indices]))
+
+    def count(self, reducer_index: int) -> int | None:
+        """How many parts were sent to that reducer (None: never any)."""
+        where = self._where.get(reducer_index)
+        return None if where is None else len(where)
 
     def _read(self, where: list[tuple[int, int]]) -> Iterator[runtime_pb2.Tensor]:
         for offset, size in where:

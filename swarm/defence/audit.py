@@ -226,6 +226,7 @@ def judge(
     listed: dict[str, Sequence[bytes]] | None = None,
     max_weight: float = math.inf,
     returned: dict[str, int] | None = None,
+    held: dict[str, Sequence[runtime_pb2.Tensor] | None] | None = None,
 ) -> Verdict:
     """Audit one reducer: ``received_output`` is its average as this peer received it (every part), ``numels``
     each part's size, ``encode`` the run's codec for an average. ``served`` is each sender's parts for it as
@@ -235,7 +236,11 @@ def judge(
     part's average only once it counted the sender's part, so it counted at least that many. A sender whose stream
     broke is checked in the parts the receipt counts of it (``Receipt.counts``), under its signed statement of them:
     ``served`` holds those of its parts that are checked. A part averaged from no more than half the group's senders
-    is ``too_few``: with one liar among them it could be anything, and nobody's lie is shown."""
+    is ``too_few``: with one liar among them it could be anything, and nobody's lie is shown. ``held``: the parts of
+    a sender that did not serve them as signed (gone, or other bytes) as the reducer served them, asked of it (None:
+    it served none): under the sender's signed statement they are as good as the sender's own, and a reducer that
+    cannot show what it signed for is uncheckable (``withheld``). Only a sender whose parts nobody serves and were
+    not asked of the reducer leaves the audit ``inconclusive``."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
     if len(received_output) != len(numels):
@@ -261,18 +266,22 @@ def judge(
         if k
     ):
         return Verdict.withheld  # the reducer signed its receipt but lists other digests under it: uncheckable
+    served, held = dict(served), held or {}
     for sender, count in zip(receipt.senders, counts):
+        mine = (listed or {}).get(sender)
+        if not wanted[sender] or served_as_signed(receipt, sender, served.get(sender), wanted[sender], count, mine):
+            continue
+        if sender in held and served_as_signed(receipt, sender, held[sender], wanted[sender], count, mine):
+            served[sender] = held[sender]  # the sender's parts as it signed them, from its reducer
+            continue
         parts = served.get(sender)
-        if wanted[sender] and not served_as_signed(
-            receipt, sender, parts, wanted[sender], count, (listed or {}).get(sender)
-        ):
-            logger.debug(
-                "%s's parts for %s: %s",
-                sender,
-                receipt.reducer,
-                "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
-            )
-            return Verdict.withheld if sender == receipt.reducer else Verdict.inconclusive
+        logger.debug(
+            "%s's parts for %s: %s",
+            sender,
+            receipt.reducer,
+            "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
+        )
+        return Verdict.withheld if sender == receipt.reducer or sender in held else Verdict.inconclusive
     served = {s: list(served.get(s, []))[: len(wanted[s])] for s in receipt.senders}
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, [numels[i] for i in indices], aggregation)
     if exact is None:

@@ -1,0 +1,224 @@
+"""A sender that is gone, or serves its auditor other bytes than it signed (a lying reducer's accomplice): the audit
+takes that sender's parts from the reducer itself, as they came to it, checked against the sender's signed statement.
+
+Before, such a slice could not be checked (``inconclusive``: nothing dropped, nobody struck), so a lying reducer kept
+its lie whenever one groupmate vanished after sending, or whenever a second key of its own sat in its group and served
+nothing. A reducer cannot forge a sender's parts (the sender signed their digest), and an honest one holds them (it
+averaged them): one that cannot show them is uncheckable (``withheld``: a strike, its slice dropped).
+
+Pure judgements here; then three real all-reduce runners over real libp2p daemons, whose rounds are audited by the
+averager's own code (``Auditing._audit_one``), each groupmate's requests answered by its own serving code
+(``AuditServing``) in this process, one groupmate gone or lying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
+from swarm.averager.audit_serving import AuditRound
+from swarm.averager.auditing import Auditing
+from swarm.defence.audit import Verdict, judge
+from swarm.defence.receipts import Receipt
+from swarm.manifest import Aggregation
+from tests.keyed_p2p import keyed_p2ps
+from tests.test_audit import CODEC_TYPES
+from tests.test_audit_dropped import NUMELS, dropped_round
+
+GROUP = b"h" * 20
+HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return [RSAPrivateKey() for _ in range(4)]
+
+
+def _judge(names, served, output, receipt, held=None, indices=None, listed=None):
+    encode = lambda v: encode_average(v, CODEC_TYPES["fp16"])  # noqa: E731
+    indices_ = range(len(NUMELS)) if indices is None else indices
+    sample = {n: [p[i] for i in indices_] for n, p in served.items()}
+    held = None if held is None else {n: None if p is None else [p[i] for i in indices_] for n, p in held.items()}
+    return judge(receipt, output, sample, NUMELS, Aggregation.centered_clip, encode, indices, listed, held=held)
+
+
+@pytest.mark.parametrize("sample", [None, [1, 4]])
+def test_a_gone_or_lying_senders_parts_are_taken_from_the_reducer_under_its_signed_statement(keys, sample):
+    for lie, expected in [(None, Verdict.passed), (lambda v: -4 * v, Verdict.wrong_average)]:
+        names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS), lie)
+        full = dict(zip(names, served))
+        gone = {n: p for n, p in full.items() if n != names[1]}
+        assert _judge(names, gone, output, receipt, None, sample, listed) == Verdict.inconclusive  # as before
+        assert _judge(names, gone, output, receipt, {names[1]: full[names[1]]}, sample, listed) == expected
+        other = {**full, names[1]: list(reversed(full[names[1]]))}  # it serves other bytes than it signed
+        assert _judge(names, other, output, receipt, {names[1]: full[names[1]]}, sample, listed) == expected
+
+
+def test_a_reducer_that_cannot_show_a_senders_parts_it_signed_for_is_uncheckable(keys):
+    names, served, output, receipt, _, _ = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
+    gone = {n: p for n, p in zip(names, served) if n != names[1]}
+    assert _judge(names, gone, output, receipt, {names[1]: None}) == Verdict.withheld  # it served none
+    forged = [served[2][0], *served[1][1:]]  # a part of another sender's in its place: not what names[1] signed
+    assert _judge(names, gone, output, receipt, {names[1]: forged}) == Verdict.withheld
+
+
+# ---- real runners, audited by the averager's own code ----------------------------------------------------------
+
+
+async def _run(tensors_by_peer):
+    p2ps, identities = await keyed_p2ps(len(tensors_by_peer))
+    peers = [p.peer_id for p in p2ps]
+    runners = []
+    for p2p, key, tensors in zip(p2ps, identities, tensors_by_peer):
+        runner = ExactAllReduceRunner(
+            p2p=p2p, servicer_type=ExactAllReduceRunner, prefix=None, group_id=GROUP,
+            tensors=[t.clone() for t in tensors], ordered_peer_ids=peers, peer_fractions=(1.0,) * len(peers),
+            part_size_bytes=2048, aggregation=Aggregation.centered_clip, signing_key=key,
+        )  # fmt: skip
+        await runner.add_p2p_handlers(p2p)
+        runners.append(runner)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(_held(r) for r in runners)), HANG_GUARD)
+    finally:
+        await asyncio.gather(*(p.shutdown() for p in p2ps))
+    return results, runners, identities
+
+
+async def _held(runner):
+    return [parts async for parts in runner]
+
+
+class Peer(Auditing):
+    """One groupmate's averager, its audit requests answered by the other groupmates' own serving code here."""
+
+    serializer = MSGPackSerializer
+    aggregation = Aggregation.centered_clip
+
+    def __init__(self, runner: ExactAllReduceRunner, members: list[str], group: dict):
+        self.peer_id, self.runner, self.group = runner.peer_id, runner, group
+        self._init_auditing(True, 2.0)
+        self.record = self._open_audit(runner, members)
+        self.record.done = True
+        self.serve_held = True
+
+    def _admitted(self, request, context):
+        fields = MSGPackSerializer.loads(request.metadata)
+        if fields.get("what") == "held" and not self.group[self.peer_id.to_base58()].serve_held:
+            return None  # a reducer that will not show a sender's parts it signed for
+        return fields
+
+    async def _request(self, peer: str, fields: dict):
+        target = self.group[peer]
+        if target is None:
+            raise ConnectionResetError("that groupmate is gone")
+        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields))
+        return target.rpc_audit_fetch(request, SimpleNamespace(remote_id=self.peer_id))
+
+
+class Accomplice(Peer):
+    """Serves every auditor other bytes than it sent: each part's values reversed."""
+
+    async def _serve_audit(self, request, context):
+        async for message in super()._serve_audit(request, context):
+            part = runtime_pb2.Tensor()
+            part.CopyFrom(message.tensor_part)
+            part.buffer = part.buffer[::-1]
+            yield averaging_pb2.DownloadData(tensor_part=part)
+
+
+@contextlib.contextmanager
+def signed_by(key):
+    original = Receipt.sign
+    Receipt.sign = lambda self, _=None: original(self, key)
+    try:
+        yield
+    finally:
+        Receipt.sign = original
+
+
+@pytest.fixture(scope="module")
+def audited_round():
+    torch.manual_seed(5)
+    tensors = [[torch.randn(3000), torch.randn(40, 25)] for _ in range(3)]
+    results, runners, identities = asyncio.run(_run(tensors))
+    yield results, runners, identities
+    for runner in runners:
+        runner.sent_parts.close()
+        runner.received_parts.close()
+
+
+def audit(audited_round, other: str, lie: bool = False, serve_held: bool = True, audit_parts: int = 0):
+    """The reducer (the first member) audited by the second, the third ``other``: "gone", "accomplice" or "honest"."""
+    results, runners, identities = audited_round
+    members = [r.peer_id.to_base58() for r in runners]
+    group: dict = {}
+    kinds = [Peer, Peer, Accomplice if other == "accomplice" else Peer]
+    peers = [kind(r, members, group) for kind, r in zip(kinds, runners)]
+    group.update(zip(members, peers))
+    reducer, auditor = peers[0], peers[1]
+    reducer.serve_held = serve_held
+    auditor._audit_parts = audit_parts
+    for peer, held in zip(peers, results):
+        peer._index_slices(peer.runner, peer.record, held)
+    if lie:  # what the auditor received of the reducer's slice, as the reducer signs it
+        outputs = peers[1].record.outputs[members[0]]
+        codec = runners[0].tensor_part_container.compression.compression_type
+        lied = [encode_average(-4 * torch.ones(tuple(p.size)), codec) for p in outputs]
+        peers[1].record.outputs[members[0]] = reducer.record.outputs[members[0]] = lied
+    with signed_by(identities[0]):
+        asyncio.run(reducer._sign_receipt(reducer.runner, reducer.record))
+    if other == "gone":
+        group[members[2]] = None
+    verdict, _, _ = asyncio.run(auditor._audit_one(auditor.record, members[0], time.monotonic() + 10.0))
+    for peer in peers:
+        peer._audit_rounds.clear()  # the runners' files stay open for the next audit of this round
+    return verdict
+
+
+def test_a_reducer_holds_every_senders_parts_as_they_came_and_serves_only_those_asked():
+    torch.manual_seed(6)
+    results, runners, _ = asyncio.run(_run([[torch.randn(3000), torch.randn(40, 25)] for _ in range(3)]))
+    try:
+        members = [r.peer_id.to_base58() for r in runners]
+        reducer = runners[0]
+        record = AuditRound(members=members, runner=reducer)
+        for i, sender in enumerate(runners):
+            sent = sender.sent_parts.get(sender.ordered_peer_ids.index(reducer.peer_id))
+            index = reducer.sender_peer_ids.index(sender.peer_id)
+            assert [p.SerializeToString() for p in reducer.received_parts.get(index)] == [
+                p.SerializeToString() for p in sent
+            ]
+            count = len(sent)
+            assert [p.SerializeToString() for p in record.held_of(members[i], [count - 1, 0])] == [
+                sent[-1].SerializeToString(),
+                sent[0].SerializeToString(),
+            ]
+            for bad in ([count], [-1], [True], [0] * (count + 1), "0", None, [0.0], [[0]]):
+                assert record.held_of(members[i], bad) is None, bad
+        assert record.held_of("somebody else", [0]) is None
+    finally:
+        for runner in runners:
+            runner.sent_parts.close()
+            runner.received_parts.close()
+
+
+@pytest.mark.parametrize("audit_parts", [0, 2])
+def test_a_lying_reducer_is_caught_though_a_sender_is_gone_or_serves_other_bytes(audited_round, audit_parts):
+    assert audit(audited_round, "honest", audit_parts=audit_parts) == Verdict.passed
+    for other in ("gone", "accomplice"):
+        assert audit(audited_round, other, audit_parts=audit_parts) == Verdict.passed, other
+        assert audit(audited_round, other, lie=True, audit_parts=audit_parts) == Verdict.wrong_average, other
+
+
+def test_a_reducer_that_will_not_show_a_gone_senders_parts_is_uncheckable(audited_round):
+    assert audit(audited_round, "gone", serve_held=False) == Verdict.withheld
+    assert audit(audited_round, "honest", serve_held=False) == Verdict.passed  # never asked: its senders served
