@@ -102,6 +102,8 @@ ATTACKS = {
     "dropper": 4.0,
     "dropaudit": 4.0,
     "spoil": 4.0,
+    "collude": 4.0,
+    "mute": 0.0,
     "baddonor": -4.0,
     "undying": 2.0,
     "sybil": 1.0,
@@ -143,6 +145,12 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         return
     if attack == "spoil":
         reducer_lies.install_spoil(factor)
+        return
+    if attack == "collude":
+        reducer_lies.install_collude(factor)
+        return
+    if attack == "mute":
+        reducer_lies.install_mute()
         return
     if attack in ("dropper", "dropaudit"):
         reducer_lies.install_dropper(factor, auditor=attack == "dropaudit")

@@ -21,6 +21,9 @@ invocation; every peer also scores it after every round (``--eval-every 1``), an
   honest peer banned it, and the loss;
 - ``hide / centered-clip``: the same lying reducer, which also serves no auditor the parts
   of its own slice (it signs its receipt, so it is alive), hoping the slice goes unchecked;
+- ``collude / centered-clip``: the same lying reducer with a second key (``--peers 4``: the peer before the liar,
+  ``mute``, not scored) that serves no auditor the parts it sent, and the liar shows no auditor the parts it holds of
+  a sender; ``mute / centered-clip``: that second key alone, in an honest group (a sender gone for good);
 - ``baddonor / centered-clip``: the liar averages honestly but serves joiners a poisoned state that passes every
   check of its own; honest peers join late (after rounds ``LATE_JOINS``) and must load the honest swarm's state;
   its baseline is ``honest / centered-clip+late``, the same late joiners without a liar;
@@ -76,12 +79,14 @@ NAME = "byzantine"
 # a liar banned in its first round (or no liar): the honest peers must go on without it, so rounds need one fewer
 BANNED_OR_ABSENT = (
     *("reducer", "few", "hide", "nonfinite", "oversized", "absent"),
-    *("forge", "omit", "withhold", "partial", "accuse", "split", "dropper", "dropaudit", "spoil"),
+    *("forge", "omit", "withhold", "partial", "accuse", "split", "dropper", "dropaudit", "spoil", "collude"),
     *("undying", "sybil"),  # gone after two rounds; or its record says it is two epochs ahead: no group waits for it
     # its lie is in its keys' votes; with them the peers' estimate of the swarm's size splits first-stage matchmaking
     # into two keys (groups of 3: five keys), and a key holding one or two of three could never reach a whole group
     "outvote",
 )
+# attacks with a second key of the liar's: it runs this attack, as the peer before the liar, and is not scored
+ACCOMPLICES = {"collude": "mute"}
 LATE_JOINS = (2, 4, 6)  # ``baddonor``: an honest peer joins once the swarm reaches each of these epochs
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
@@ -145,7 +150,8 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         f"averaging.aggregation={aggregation}",
         f"averaging.checked_reducers={'false' if variant == 'unchecked' else 'true'}",
         f"averaging.audit_parts={audit_parts}",
-        f"averaging.min_group_size={args.peers - 1 if attack in BANNED_OR_ABSENT else args.peers}",
+        # (and its second key, which may follow it once it is banned: the honest peers go on by themselves)
+        f"averaging.min_group_size={args.peers - (attack in BANNED_OR_ABSENT) - (attack in ACCOMPLICES)}",
         "averaging.join_rounds_early=false",  # every round is H steps of every peer: runs differ only by the lie
         # a round closes as soon as every peer is in, and a leader waits longer for a late one: on a loaded machine
         # a liar that started seconds after the honest joiner missed its only chance to meet them (CI, 5 s)
@@ -157,6 +163,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     ]
     tail = ["--max-epochs", str(args.rounds), "--eval-sequences", str(args.eval_sequences), "--eval-every", "1"]
     started = time.monotonic()
+    honest_count = args.peers - (1 if attack else 0) - (1 if attack in ACCOMPLICES else 0)  # the first ones
     late: list[tuple[subprocess.Popen, Path]] = []  # honest peers that join mid-run (``baddonor``)
     head = ["start", "--preset", "tiny", *(a for s in sets for a in ("--set", s)), *tail]
     procs = [spawn(0, workdir, head, None, args.verbose_peers)]
@@ -168,9 +175,10 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
             time.sleep(0.3)
         join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"], *tail]
         for i in range(1, args.peers - (1 if absent else 0)):
-            procs.append(spawn(i, workdir, join, attack if i == args.peers - 1 else None, args.verbose_peers))
+            role = attack if i == args.peers - 1 else ACCOMPLICES.get(attack) if i == honest_count else None
+            procs.append(spawn(i, workdir, join, role, args.verbose_peers))
         # each honest peer's whole process tree: an attack on memory shows here (the liar's is not scored)
-        samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[: args.peers - 1]]
+        samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[:honest_count]]
         deadline = time.monotonic() + args.timeout
         for j, at in enumerate(late_joins):
             while _epoch(workdir / "peer0.jsonl") < at and time.monotonic() < deadline and procs[0][0].poll() is None:
@@ -213,12 +221,12 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
     # past its grace), the first round an honest peer averaged in a group of every peer (the liar's included)
     liar_rounds = liar_rounds or [
         r["epoch"] - 1
-        for i in range(args.peers - 1)
+        for i in range(honest_count)
         for r in _rounds(workdir / f"peer{i}.jsonl")
         if r["averaged"] and r["group_size"] == args.peers
     ]
     first_lie = min(liar_rounds) if liar and liar_rounds else None
-    for i in range(args.peers - (1 if attack else 0)):
+    for i in range(honest_count):
         result = workdir / f"peer{i}.result.json"
         data = json.loads(result.read_text()) if result.exists() else {}
         rounds = _rounds(workdir / f"peer{i}.jsonl")
@@ -266,6 +274,7 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         checked_reducers=variant != "unchecked",
         audit_parts=audit_parts,  # 0: every part
         liar=liar,
+        accomplice=_peer_id(procs[honest_count][1]) if attack in ACCOMPLICES else None,  # the liar's second key
         # whether an honest peer ever averaged in a group of every peer, the liar in it; where groups are smaller
         # than the run (``--set averaging.target_group_size``), whether the liar averaged at all (every other peer
         # is honest): before, such a run was retried for a group it could never form. None: no liar; None too for

@@ -1,6 +1,7 @@
 """The lies of ``benchmarks.attacker`` told as a reducer in the all-reduce: in some parts only (``few``), a stream cut
 short (``cut``), another average to all but its auditor (``split``), a groupmate's stream cut after one part
-(``dropper``, ``dropaudit``). Each patches the stock client before it starts; nothing here is part of the product.
+(``dropper``, ``dropaudit``), a liar with a second key that serves its auditor nothing (``collude``, ``mute``). Each
+patches the stock client before it starts; nothing here is part of the product.
 """
 
 from __future__ import annotations
@@ -124,3 +125,49 @@ def install_spoil(factor: float) -> None:
 
     ExactAllReduceRunner._returned = lying
     ExactAllReduceRunner._record_sent = spoiling
+
+
+def install_collude(factor: float) -> None:
+    """``collude``: as a reducer, ``-factor`` times its slice's average to everyone, signed, and it shows no auditor
+    the parts it holds of a sender (``AuditRequest.held``). Its second key, ``mute`` (``byzantine.ACCOMPLICES``),
+    serves no auditor the parts it sent: before, that left every audit of the liar's slice inconclusive."""
+    from swarm.averager.allreduce import ExactAllReduceRunner
+    from swarm.averager.audit_serving import AuditRound
+
+    returned = ExactAllReduceRunner._returned
+
+    async def lying(self, sender_index, part_index, averaged):
+        return await returned(self, sender_index, part_index, averaged * -factor)
+
+    def hiding(self, sender, indices):
+        os.write(2, f"collude: showed no auditor the parts of {sender[-8:]} it holds\n".encode())
+        return None
+
+    ExactAllReduceRunner._returned = lying
+    AuditRound.held_of = hiding
+
+
+def install_mute() -> None:
+    """``mute``: honest in everything but one: it serves no auditor the parts it sent another reducer, as a sender
+    that is gone for good, or a liar's accomplice (``collude``). Those of its own slice it serves: a reducer that
+    hides its own parts is struck as ``withheld`` (the first version of it was banned so in round 2, and with it
+    gone, the liar was caught in round 3)."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from swarm.averager.audit_serving import AuditRequest, AuditServing
+
+    serve = AuditServing._serve_audit
+
+    async def mute(self, request, context):
+        try:
+            fields = MSGPackSerializer.loads(request.metadata)
+            asked, reducer = fields.get("what"), fields.get("reducer")
+        except Exception:
+            asked = reducer = None
+        if asked == AuditRequest.parts.value and reducer != self.peer_id.to_base58():
+            os.write(2, f"mute: served {context.remote_id.to_base58()[-8:]} none of the parts it sent\n".encode())
+            return
+        async for message in serve(self, request, context):
+            yield message
+
+    AuditServing._serve_audit = mute

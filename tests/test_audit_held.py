@@ -4,7 +4,9 @@ takes that sender's parts from the reducer itself, as they came to it, checked a
 Before, such a slice could not be checked (``inconclusive``: nothing dropped, nobody struck), so a lying reducer kept
 its lie whenever one groupmate vanished after sending, or whenever a second key of its own sat in its group and served
 nothing. A reducer cannot forge a sender's parts (the sender signed their digest), and an honest one holds them (it
-averaged them): one that cannot show them is uncheckable (``withheld``: a strike, its slice dropped).
+averaged them): where it does not show them either, its slice is dropped (``unshown``), and nobody is struck, since a
+sender that stalls until the deadline is the likelier cause; the request to the reducer starts early enough that an
+honest reducer has time to answer however long the sender stalls.
 
 Pure judgements here; then three real all-reduce runners over real libp2p daemons, whose rounds are audited by the
 averager's own code (``Auditing._audit_one``), each groupmate's requests answered by its own serving code
@@ -27,7 +29,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound
 from swarm.averager.auditing import Auditing
-from swarm.defence.audit import Verdict, judge
+from swarm.defence.audit import DROP_ONLY, Verdict, judge
 from swarm.defence.receipts import Receipt
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
@@ -36,6 +38,9 @@ from tests.test_audit_dropped import NUMELS, dropped_round
 
 GROUP = b"h" * 20
 HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim
+AUDIT_SECONDS = 4.0  # an audit's deadline here: half of it is kept back for the reducer (``held_reserve``)
+STALL = 30.0
+HELD_LATENCY = 0.3  # seconds
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +68,13 @@ def test_a_gone_or_lying_senders_parts_are_taken_from_the_reducer_under_its_sign
         assert _judge(names, other, output, receipt, {names[1]: full[names[1]]}, sample, listed) == expected
 
 
-def test_a_reducer_that_cannot_show_a_senders_parts_it_signed_for_is_uncheckable(keys):
+def test_a_reducer_that_cannot_show_a_senders_parts_it_signed_for_loses_its_slice(keys):
     names, served, output, receipt, _, _ = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
     gone = {n: p for n, p in zip(names, served) if n != names[1]}
-    assert _judge(names, gone, output, receipt, {names[1]: None}) == Verdict.withheld  # it served none
+    assert _judge(names, gone, output, receipt, {names[1]: None}) == Verdict.unshown  # it served none
     forged = [served[2][0], *served[1][1:]]  # a part of another sender's in its place: not what names[1] signed
-    assert _judge(names, gone, output, receipt, {names[1]: forged}) == Verdict.withheld
+    assert _judge(names, gone, output, receipt, {names[1]: forged}) == Verdict.unshown
+    assert Verdict.unshown in DROP_ONLY  # dropped for the group, nobody struck
 
 
 # ---- real runners, audited by the averager's own code ----------------------------------------------------------
@@ -120,8 +126,19 @@ class Peer(Auditing):
         target = self.group[peer]
         if target is None:
             raise ConnectionResetError("that groupmate is gone")
+        if fields.get("what") == "held":  # a reducer's link: it answers in 0.3 s, not at once
+            await asyncio.sleep(HELD_LATENCY)
         request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields))
         return target.rpc_audit_fetch(request, SimpleNamespace(remote_id=self.peer_id))
+
+
+class Staller(Peer):
+    """Answers every audit request only after ``STALL`` seconds (past any audit's deadline here)."""
+
+    async def _serve_audit(self, request, context):
+        await asyncio.sleep(STALL)
+        async for message in super()._serve_audit(request, context):
+            yield message
 
 
 class Accomplice(Peer):
@@ -157,11 +174,12 @@ def audited_round():
 
 
 def audit(audited_round, other: str, lie: bool = False, serve_held: bool = True, audit_parts: int = 0):
-    """The reducer (the first member) audited by the second, the third ``other``: "gone", "accomplice" or "honest"."""
+    """The reducer (the first member) audited by the second, the third ``other``: "gone", "accomplice", "staller"
+    or "honest"."""
     results, runners, identities = audited_round
     members = [r.peer_id.to_base58() for r in runners]
     group: dict = {}
-    kinds = [Peer, Peer, Accomplice if other == "accomplice" else Peer]
+    kinds = [Peer, Peer, {"accomplice": Accomplice, "staller": Staller}.get(other, Peer)]
     peers = [kind(r, members, group) for kind, r in zip(kinds, runners)]
     group.update(zip(members, peers))
     reducer, auditor = peers[0], peers[1]
@@ -178,7 +196,7 @@ def audit(audited_round, other: str, lie: bool = False, serve_held: bool = True,
         asyncio.run(reducer._sign_receipt(reducer.runner, reducer.record))
     if other == "gone":
         group[members[2]] = None
-    verdict, _, _ = asyncio.run(auditor._audit_one(auditor.record, members[0], time.monotonic() + 10.0))
+    verdict, _, _ = asyncio.run(auditor._audit_one(auditor.record, members[0], time.monotonic() + AUDIT_SECONDS))
     for peer in peers:
         peer._audit_rounds.clear()  # the runners' files stay open for the next audit of this round
     return verdict
@@ -212,13 +230,60 @@ def test_a_reducer_holds_every_senders_parts_as_they_came_and_serves_only_those_
 
 
 @pytest.mark.parametrize("audit_parts", [0, 2])
-def test_a_lying_reducer_is_caught_though_a_sender_is_gone_or_serves_other_bytes(audited_round, audit_parts):
+def test_a_lying_reducer_is_caught_though_a_sender_is_gone_stalls_or_serves_other_bytes(audited_round, audit_parts):
     assert audit(audited_round, "honest", audit_parts=audit_parts) == Verdict.passed
-    for other in ("gone", "accomplice"):
+    for other in ("gone", "accomplice", "staller"):  # a staller: before the reviewed fix, it left the reducer 0.1 s
         assert audit(audited_round, other, audit_parts=audit_parts) == Verdict.passed, other
         assert audit(audited_round, other, lie=True, audit_parts=audit_parts) == Verdict.wrong_average, other
 
 
-def test_a_reducer_that_will_not_show_a_gone_senders_parts_is_uncheckable(audited_round):
-    assert audit(audited_round, "gone", serve_held=False) == Verdict.withheld
+def test_a_reducer_that_will_not_show_a_gone_senders_parts_loses_its_slice(audited_round):
+    assert audit(audited_round, "gone", serve_held=False) == Verdict.unshown
+    assert audit(audited_round, "staller", serve_held=False) == Verdict.unshown
     assert audit(audited_round, "honest", serve_held=False) == Verdict.passed  # never asked: its senders served
+
+
+def test_an_audit_asks_a_reducer_for_a_few_senders_parts_at_a_time_under_its_limits():
+    """Many senders that serve nothing (churn, or keys that never serve): an audit asks the reducer for their parts
+    at most ``HELD_AT_ONCE`` at a time, under the reducer's per-requester limit (over it, it is refused at once,
+    which would read as parts the reducer did not show)."""
+    from swarm.averager.audit_requests import HELD_AT_ONCE
+    from swarm.averager.audit_serving import AUDIT_LIMITS
+
+    assert HELD_AT_ONCE < AUDIT_LIMITS["per_peer"]
+    part = runtime_pb2.Tensor(buffer=b"x" * 8)
+    senders = [f"s{i}" for i in range(20)]
+    receipt = SimpleNamespace(reducer="r")
+    record = SimpleNamespace(sent_to=lambda reducer: [part, part])
+    open_, most = [0], [0]
+
+    class Fetching(Auditing):
+        async def _fetch_parts(self, record, peer, reducer, limit, what=None, indices=None, of=None):
+            if of is None:
+                return []  # a sender that serves nothing
+            open_[0] += 1
+            most[0] = max(most[0], open_[0])
+            await asyncio.sleep(0.01)
+            open_[0] -= 1
+            return [part, part] if of != "s3" else []
+
+    wanted = {s: [0, 1] for s in senders}
+    served, held = asyncio.run(
+        Fetching()._parts_of_senders(
+            record, receipt, senders, wanted, lambda s, p: True, lambda s, p: bool(p), 1 << 20, time.monotonic() + 5
+        )
+    )
+    assert most[0] == HELD_AT_ONCE and set(held) == set(senders)
+    assert held["s3"] == [] and all(held[s] == [part, part] for s in senders if s != "s3")
+    assert all(served[s] == [] for s in senders)  # what each served, kept for the judge
+
+
+def test_a_groupmate_rechecking_an_accusation_that_cannot_see_a_senders_parts_drops_the_slice_and_bans_nobody():
+    """An accuser that also stalls its own parts to every groupmate re-checking it: before the reviewed fix, their
+    checks came out ``withheld`` and, with the accusation, banned the honest reducer in its first round."""
+    from tests.test_audit_omitted import Rechecking
+
+    record = AuditRound(members=["me", "reducer", "accuser"], runner=SimpleNamespace(group_id=GROUP))
+    record.verdicts["reducer"] = Verdict.wrong_average
+    found = asyncio.run(Rechecking(Verdict.unshown)._recheck_accusations(record, ["reducer"], time.monotonic() + 5))
+    assert found == [("reducer", Verdict.unshown, None, True, False)]

@@ -615,6 +615,46 @@ def test_the_few_parts_liar_lies_in_about_one_part_in_16_and_the_same_to_every_g
     assert 800 / 32 < lied < 800 / 8, lied
 
 
+def test_the_colluding_pair_hides_what_an_audit_of_the_liar_needs_and_nothing_else(monkeypatch):
+    """``mute`` (the liar's second key) serves no auditor the parts it sent another reducer, but serves those of its
+    own slice (else it is struck as withheld, and banned); ``collude`` shows no auditor a sender's parts it holds."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from benchmarks import attacker
+    from swarm.averager.allreduce import ExactAllReduceRunner
+    from swarm.averager.audit_serving import AuditRequest, AuditRound, AuditServing
+
+    async def served(self, request, context):
+        yield "served"
+
+    monkeypatch.setattr(AuditServing, "_serve_audit", served)
+    monkeypatch.setattr(AuditRound, "held_of", AuditRound.held_of)  # restored after
+    monkeypatch.setattr(ExactAllReduceRunner, "_returned", ExactAllReduceRunner._returned)
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data))
+    attacker.install("mute", attacker.ATTACKS["mute"])
+    me = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+    auditor = SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: "auditor"))
+
+    def ask(**fields) -> list:
+        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(fields))
+
+        async def run():
+            return [m async for m in AuditServing._serve_audit(me, request, auditor)]
+
+        return asyncio.run(run())
+
+    assert ask(what=AuditRequest.parts.value, reducer="liar") == []
+    assert ask(what=AuditRequest.parts.value, reducer="me") == ["served"]
+    assert ask(what=AuditRequest.receipt.value) == ["served"]
+    assert ask(what=AuditRequest.held.value, sender="x") == ["served"]
+    attacker.install("collude", attacker.ATTACKS["collude"])
+    assert AuditRound.held_of(SimpleNamespace(), "a sender of its", [0]) is None
+
+
 _PARENT = """
 import subprocess, sys, time
 from benchmarks.common import tied_to_us

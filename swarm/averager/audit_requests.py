@@ -20,14 +20,31 @@ from hivemind.utils.serializer import MSGPackSerializer
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
-from swarm.averager.bounds import admitted
 from swarm.defence.audit import GUILTY, UNCHECKABLE, Verdict
 from swarm.defence.receipts import Receipt, open_receipt, with_statements
+from swarm.manifest import SLOWEST_LINK_MBIT
 
 logger = logging.getLogger(__name__)
 
+# a sender's parts are asked of the reducer this long before the audit's deadline at the latest: twice their time at
+# the slowest link allowed, and a few seconds (at most half of the audit's time left), so that a sender that stalls
+# its answer leaves an honest reducer time to show them
+HELD_SLACK = 5.0
+HELD_AT_ONCE = 4  # such requests of one audit open at once: under a reducer's per-requester limit (``AUDIT_LIMITS``)
 FETCH_ATTEMPTS = 3  # tries of one request to a groupmate that raised: a stream cut short on a loaded host or link
 RETRY_PAUSE = 0.25  # seconds between them
+
+
+def held_reserve(size: int, left: float) -> float:
+    """Seconds kept back, of ``left``, to fetch ``size`` bytes of a sender's parts from the reducer."""
+    return min(left / 2, HELD_SLACK + 2 * size * 8 / (SLOWEST_LINK_MBIT * 1e6))
+
+
+def _fitting(task: asyncio.Future, sender: str, fits: typing.Callable[[str, list], bool]) -> list | None:
+    """A finished fetch's parts, if they fit their bounds; None for one that raised, was cancelled or is not done."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return None
+    return task.result() if fits(sender, task.result()) else None
 
 
 def _left(deadline: float) -> float:
@@ -130,26 +147,49 @@ class AuditRequests:
             parts.append(message.tensor_part)
         return parts
 
-    async def _fetch_held(
-        self, record: AuditRound, reducer: str, wanted: dict[str, list[int]], numels: list[int], limit: int,
+    async def _parts_of_senders(
+        self, record: AuditRound, receipt: Receipt, senders: list[str], wanted: dict[str, list[int]],
+        fits: typing.Callable[[str, list], bool], shows: typing.Callable[[str, list], bool], limit: int,
         deadline: float,
-    ) -> dict[str, list | None]:  # fmt: skip
-        """From ``reducer``, the parts ``wanted`` of each sender that did not serve them as signed (gone, or other
-        bytes), as they came to it (``AuditRequest.held``); None for a sender's it did not serve within bounds."""
-        compression = record.runner.tensor_part_container.compression.compression_type
+    ) -> tuple[dict[str, list], dict[str, list | None]]:  # fmt: skip
+        """Each of ``senders``' parts ``wanted`` for the audit of ``receipt.reducer`` that ``fits`` its bounds, as that
+        sender serves them; and, for one that has not served parts that ``shows`` (they are what it signed) by the
+        time kept back for it (``held_reserve``: it is gone, stalls, or serves other bytes), as they came to the
+        reducer (``AuditRequest.held``; None where the reducer did not show them in bounds). A sender that stalls
+        cannot use up the reducer's time: the request to the reducer starts by then however long the sender's runs."""
+        reducer, ours = receipt.reducer, record.sent_to(receipt.reducer) or []
+        at_once = asyncio.Semaphore(HELD_AT_ONCE)
 
-        async def held(sender: str) -> list | None:
-            fetch = lambda: self._fetch_parts(  # noqa: E731
-                record, reducer, reducer, limit, AuditRequest.held, wanted[sender], of=sender
+        async def one(sender: str) -> tuple[list | None, list | None, bool]:
+            indices = None if len(wanted[sender]) == len(ours) else wanted[sender]  # None: all of its parts
+            own = asyncio.ensure_future(
+                _retried(lambda: self._fetch_parts(record, sender, reducer, limit, indices=indices), deadline)
             )
+            size = sum(len(ours[i].buffer) for i in wanted[sender] if i < len(ours))  # as large as ours
+            hedge = deadline - held_reserve(size, deadline - time.monotonic())
+            await asyncio.wait({own}, timeout=max(0.0, hedge - time.monotonic()))
+            if own.done() and shows(sender, _fitting(own, sender, fits)):
+                return _fitting(own, sender, fits), None, False
+            held = None
             try:
-                parts = await _retried(fetch, deadline)
-            except Exception:
-                logger.debug("%s did not serve %s's parts it holds", reducer, sender, exc_info=True)
-                return None
-            return parts if admitted(parts, [numels[i] for i in wanted[sender]], compression) else None
+                async with at_once:  # under the reducer's per-requester limit (``AUDIT_LIMITS``)
+                    held = await _retried(
+                        lambda: self._fetch_parts(record, reducer, reducer, limit, AuditRequest.held, wanted[sender],
+                                                  of=sender),
+                        deadline,
+                    )  # fmt: skip
+            except Exception:  # every try raised: it did not show them
+                logger.debug("%s did not show %s's parts it holds", reducer, sender, exc_info=True)
+            held = held if held is not None and fits(sender, held) else None
+            if not shows(sender, held) and not own.done():  # the sender's own may still come in time
+                await asyncio.wait({own}, timeout=max(0.0, deadline - time.monotonic()))
+            own.cancel()
+            return _fitting(own, sender, fits), held, True
 
-        return dict(zip(wanted, await asyncio.gather(*(held(s) for s in wanted))))
+        results = await asyncio.gather(*(one(s) for s in senders))
+        served = {s: own for s, (own, _, _) in zip(senders, results) if own is not None}
+        held = {s: from_reducer for s, (_, from_reducer, asked) in zip(senders, results) if asked}
+        return served, held
 
     async def _tell_group(
         self, record: AuditRound, reducer: str, verdict: Verdict, checked: list[int], deadline: float,

@@ -310,37 +310,35 @@ class Auditing(AuditServing, SliceRepair):
         wanted = {s: [i for i in checked if i < k] for s, k in zip(receipt.senders, receipt.counted(count))}
         indices = lambda s: None if len(wanted[s]) == count else wanted[s]  # noqa: E731 (None: all its parts)
         limit = 4 * sum(numels[i] for i in checked) + (1 << 16)
-        others = [s for s in receipt.senders if s != me and wanted[s]]
-        fetch = lambda sender: self._fetch_parts(record, sender, reducer, limit, indices=indices(sender))  # noqa: E731
-        fetched = await asyncio.gather(
-            *(_retried(lambda s=s: fetch(s), deadline) for s in others), return_exceptions=True
-        )
-        if reducer in others:  # its own parts decide "withheld", which drops its slice: a stream that ended short
-            i = others.index(reducer)  # or served other bytes without an error (errors were retried above) is
-            parts = fetched[i]  # fetched once more before that is said
-            if not isinstance(parts, BaseException) and not served_as_signed(
-                receipt, reducer, parts, wanted[reducer], len(wanted[reducer]), listed.get(reducer)
-            ):
-                logger.debug("%s's own parts did not match its receipt: fetching them once more", reducer)
-                again = _retried(lambda: fetch(reducer), deadline)
-                fetched[i] = (await asyncio.gather(again, return_exceptions=True))[0]
-        served = {me: [ours[i] for i in wanted.get(me, []) if i < len(ours)]}
+        others = [s for s in receipt.senders if s not in (me, reducer) and wanted[s]]
         compression = record.runner.tensor_part_container.compression.compression_type
-        for sender, parts in zip(others, fetched):
-            if isinstance(parts, BaseException):
-                logger.debug("no audit parts from %s: %r", sender, parts)
-            elif not admitted(parts, [numels[i] for i in wanted[sender]], compression):
-                logger.debug("%s's audit parts are out of bounds: not served", sender)
-            else:
-                served[sender] = parts
-        # a sender that is gone, or serves other bytes than it signed (a liar's accomplice): its parts as the reducer
-        # holds them, checked against the sender's signed statement; a reducer that cannot show them is uncheckable
+        fits = lambda s, parts: admitted(parts, [numels[i] for i in wanted[s]], compression)  # noqa: E731
         counts = dict(zip(receipt.senders, receipt.counted(count)))
-        unserved = {
-            s: wanted[s] for s in others
-            if s != reducer and not served_as_signed(receipt, s, served.get(s), wanted[s], counts[s], listed.get(s))
-        }  # fmt: skip
-        held = await self._fetch_held(record, reducer, unserved, numels, limit, deadline) if unserved else {}
+        shows = lambda s, parts: served_as_signed(receipt, s, parts, wanted[s], counts[s], listed.get(s))  # noqa: E731
+
+        async def its_own() -> list | None:  # its own parts decide "withheld", which drops its slice: a stream that
+            fetch = lambda: self._fetch_parts(record, reducer, reducer, limit, indices=indices(reducer))  # noqa: E731
+            for _ in range(2):  # ended short or served other bytes without an error (errors are retried) is fetched
+                try:  # once more before that is said
+                    parts = await _retried(fetch, deadline)
+                except Exception as e:
+                    logger.debug("no audit parts from %s: %r", reducer, e)
+                    return None
+                if fits(reducer, parts) and shows(reducer, parts):
+                    break
+                logger.debug("%s's own parts did not match its receipt", reducer)
+            return parts if fits(reducer, parts) else None
+
+        # a sender that is gone, stalls, or serves other bytes than it signed (a liar's accomplice): its parts as the
+        # reducer holds them, checked against the sender's signed statement (``judge``'s ``held``)
+        (served, held), own, more_back = await asyncio.gather(
+            self._parts_of_senders(record, receipt, others, wanted, fits, shows, limit, deadline),
+            its_own() if wanted[reducer] else asyncio.sleep(0),
+            self._a_sender_had_more_back(record, receipt, count, deadline),  # beside the fetches: its own time
+        )
+        served[me] = [ours[i] for i in wanted.get(me, []) if i < len(ours)]
+        if own is not None:
+            served[reducer] = own
         returned = {me: record.returned.get(reducer, 0)}  # as it first came, not fetched again
 
         def check() -> Verdict:
@@ -351,9 +349,7 @@ class Auditing(AuditServing, SliceRepair):
             )  # fmt: skip
 
         verdict = await asyncio.get_event_loop().run_in_executor(None, check)
-        if verdict in (Verdict.inconclusive, Verdict.passed) and await self._a_sender_had_more_back(
-            record, receipt, count, deadline
-        ):
+        if verdict in (Verdict.inconclusive, Verdict.passed) and more_back:
             verdict = Verdict.omitted
         if verdict == Verdict.forged:  # published with the statement its receipt does not keep to, when one does not
             blob = forgery_proof(blob, receipt) or blob

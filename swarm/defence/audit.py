@@ -65,6 +65,10 @@ class Verdict(enum.StrEnum):
     omitted = "omitted a sender that sent everything"  # counted short, by a sender that had more of its average back
     # fewer senders than a majority of the group in a part of its average: one liar could make that average its own
     too_few = "averaged too few senders to be checked"
+    # a sender's parts that the sender did not serve as it signed (gone, stalling, or other bytes) and the reducer did
+    # not show as they came to it either (``held``): its slice cannot be checked. Dropped, nobody struck: a sender
+    # that stalls is the likelier cause than a reducer that lies, and a strike would let one frame an honest reducer
+    unshown = "did not show a sender's parts it averaged"
 
 
 GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
@@ -74,7 +78,7 @@ GUILTY = frozenset({Verdict.wrong_average, Verdict.equivocated, Verdict.forged})
 UNCHECKABLE = frozenset({Verdict.withheld})
 # the reducer or the sender lies (the sender's word that its stream to the reducer came back whole is not proof):
 # the slice is dropped, as a vanished reducer's, and nobody is struck
-DROP_ONLY = frozenset({Verdict.omitted, Verdict.too_few})
+DROP_ONLY = frozenset({Verdict.omitted, Verdict.too_few, Verdict.unshown})
 FALSE_ACCUSATION = "false accusation"  # an auditor accused a reducer that every check of ours found honest
 MALFORMED = "sent malformed parts"  # non-finite, wrong-size or undecodable parts, refused by us as a reducer
 
@@ -238,9 +242,9 @@ def judge(
     ``served`` holds those of its parts that are checked. A part averaged from no more than half the group's senders
     is ``too_few``: with one liar among them it could be anything, and nobody's lie is shown. ``held``: the parts of
     a sender that did not serve them as signed (gone, or other bytes) as the reducer served them, asked of it (None:
-    it served none): under the sender's signed statement they are as good as the sender's own, and a reducer that
-    cannot show what it signed for is uncheckable (``withheld``). Only a sender whose parts nobody serves and were
-    not asked of the reducer leaves the audit ``inconclusive``."""
+    it served none): under the sender's signed statement they are as good as the sender's own; where the reducer did
+    not show them either, its slice is ``unshown`` (dropped). Only a sender whose parts nobody serves and were not
+    asked of the reducer leaves the audit ``inconclusive``."""
     if digest_parts(received_output) != receipt.output:
         return Verdict.equivocated
     if len(received_output) != len(numels):
@@ -281,7 +285,9 @@ def judge(
             receipt.reducer,
             "missing" if parts is None else f"other bytes ({len(parts)} parts, {[len(x.buffer) for x in parts]})",
         )
-        return Verdict.withheld if sender == receipt.reducer or sender in held else Verdict.inconclusive
+        if sender == receipt.reducer:
+            return Verdict.withheld
+        return Verdict.unshown if sender in held else Verdict.inconclusive
     served = {s: list(served.get(s, []))[: len(wanted[s])] for s in receipt.senders}
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, [numels[i] for i in indices], aggregation)
     if exact is None:
