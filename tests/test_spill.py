@@ -41,3 +41,16 @@ def test_the_bytes_are_in_a_file_with_no_name_and_it_is_closed_with_the_round():
     assert os.fstat(fd).st_nlink == 0  # unlinked: nothing is left on disk if the process is killed
     spill.close()
     assert spill._file is None and spill.get(0) is None
+
+
+def test_selected_parts_are_read_back_and_a_round_nobody_audits_writes_nothing():
+    spill = SpilledParts()
+    parts = [part(i) for i in range(4)]
+    for p in parts:
+        spill.append(3, p)
+    assert spill.count(3) == 4 and spill.count(0) is None
+    assert [p.SerializeToString() for p in spill.get(3, [2, 0])] == [parts[2].SerializeToString(),
+                                                                     parts[0].SerializeToString()]  # fmt: skip
+    off = SpilledParts(keep=False)  # audits off (``averaging.checked_reducers = false``)
+    off.append(3, parts[0])
+    assert off._file is None and off.get(3) == [] and off.count(3) == 0

@@ -99,6 +99,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         aggregation: Aggregation = Aggregation.centered_clip,
         max_weight: float = math.inf,
         signing_key: RSAPrivateKey | None = None,
+        keep_parts: bool = True,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -116,10 +117,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_sent = self.bytes_received = 0
         # checked reducers (swarm.defence.audit): the exact parts sent to each reducer, by its index in the group, and
         # as a reducer, the digest of each part each sender sent us, and each sender's weight
-        self.sent_parts = SpilledParts()  # on disk until an auditor asks: a whole pseudo-gradient's bytes
+        self.sent_parts = SpilledParts(keep_parts)  # on disk until an auditor asks: a whole pseudo-gradient's bytes
         # as a reducer, each sender's parts as they came (by sender index; on disk too): an auditor fetches from us
         # the parts of a sender that is gone or will not serve them, checked against that sender's signed statement
-        self.received_parts = SpilledParts()
+        self.received_parts = SpilledParts(keep_parts)
         self.input_digests: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
         self._input_hashes = [hashlib.sha256() for _ in self.sender_peer_ids]  # ``digest_of`` each one's so far
         self.input_weights = [0.0 for _ in self.sender_peer_ids]

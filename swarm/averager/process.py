@@ -156,6 +156,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self.aggregation,
             max_weight=self._max_weights[group_id in self._fixed_group_ids],
+            keep_parts=self._audit_enabled,  # for auditors only: with audits off, nothing is written to disk
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
@@ -167,7 +168,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         try:
             held = [parts async for _, parts in azip(as_aiter(*tensors), runner)]
         except BaseException:
-            self._audit_rounds.pop(group_id, None)  # nothing to audit: let the parts we sent go now
+            self._forget_round(group_id, record)  # nothing to audit: the parts we sent and received go now
             raise
         findings, repair_failures, discarded, audit_started = [], [], 0, time.monotonic()
         if record is not None:  # before anything is written: a caught reducer's slice is dropped, for everyone

@@ -22,12 +22,16 @@ class SpilledParts:
     """Serialized parts by a groupmate's index (the reducer they went to, or the sender they came from), appended in
     the order they were sent. One event loop uses it."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self._keep = keep  # False: nothing is written (a round nobody audits), and every list read back is empty
         self._file = None  # opened on the first part: a runner that never sends anything touches no disk
         self._where: dict[int, list[tuple[int, int]]] = {}
         self._end = 0
 
     def append(self, reducer_index: int, part: runtime_pb2.Tensor) -> None:
+        if not self._keep:
+            self._where.setdefault(reducer_index, [])
+            return
         data = part.SerializeToString()
         if self._file is None:
             self._file = tempfile.TemporaryFile(prefix="swarm-sent-")
