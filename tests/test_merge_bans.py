@@ -58,3 +58,20 @@ def test_a_liar_a_second_stage_caught_is_kept_for_the_ban_and_none_of_its_record
     assert [r.delegate for r in merger._read(state, now=0.0)] == [HONEST]
     assert groups.result_of(merger._read(state, now=0.0), 3) is None  # the liar's swarm's average is not taken
     assert groups.result_of(records, 3) is not None  # as it was before
+
+
+def test_a_second_stage_the_merge_discards_is_never_written_into_a_delegates_buffers():
+    """Seen with four peers (byzantine ``collude``): a delegate that caught the liar in the second stage discarded it
+    (a slice dropped), went on from its group's own average, and stepped apart from its members, once a round, with
+    the discarded merge still in its buffers. The merge and the averager now read one rule (``partial_merge``): the
+    try the merge discards is the one the averager does not write (nor keep as the epoch's update)."""
+    import inspect
+
+    from swarm.averager import process
+    from swarm.averager.fixed_group import partial_merge
+    from swarm.round import merge
+
+    assert partial_merge(0.25, 0) and partial_merge(0.0, 1) and not partial_merge(0.0, 0)
+    assert "partial_merge(outcome.dropped_fraction, outcome.excluded_senders)" in inspect.getsource(merge)
+    source = inspect.getsource(process.PseudoGradientAverager)
+    assert "partial_merge(dropped, len(runner.banned_senders))" in source and "if not partial:" in source

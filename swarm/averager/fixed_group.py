@@ -32,6 +32,14 @@ from swarm.averager.allreduce import WIRE_VERSION
 GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
 
 
+def partial_merge(dropped_fraction: float, excluded_senders: int) -> bool:
+    """Whether a second stage's all-reduce is no swarm's average: it dropped a slice (a caught or vanished delegate's)
+    or left a delegate's group out. ``swarm.round.merge`` discards it (tries again without them, or goes on from the
+    group's own average), so the averager neither writes it into the buffers nor keeps it as the epoch's update: the
+    buffers keep the group's own average, as its members' do, and a second try averages those."""
+    return dropped_fraction > 0 or excluded_senders > 0
+
+
 def fixed_group_id(label: str, members: Sequence[str]) -> bytes:
     """The id every member computes for the same group: its label (run, epoch, attempt), its sorted members and the
     wire version (a delegate of another finds no group of that id here: absent from the try, left out of the next)."""

@@ -32,7 +32,7 @@ from swarm.averager import heap
 from swarm.averager.allreduce import WIRE_VERSION, ExactAllReduceRunner
 from swarm.averager.auditing import Auditing
 from swarm.averager.codecs import codec
-from swarm.averager.fixed_group import FixedGroups
+from swarm.averager.fixed_group import FixedGroups, partial_merge
 from swarm.averager.handle import AllReduceOutcome, Averaging
 from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.refusals import Refusals
@@ -187,14 +187,19 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
             for tensor, parts in zip(tensors, held):
                 decode_into(tensor, parts)
 
-        await asyncio.get_event_loop().run_in_executor(None, commit)
         total = max(1, runner.tensor_part_container.total_size)
+        dropped = (runner.tensor_part_container.failed_size + discarded) / total
+        # a second stage that is no swarm's average keeps our group's (``fixed_group.partial_merge``): written, the
+        # buffers held the discarded merge, which a delegate then stepped with, apart from its group
+        partial = group_id in self._fixed_group_ids and partial_merge(dropped, len(runner.banned_senders))
+        if not partial:
+            await asyncio.get_event_loop().run_in_executor(None, commit)
         self._round_stats[group_id] = (
-            (runner.tensor_part_container.failed_size + discarded) / total,
+            dropped,
             tuple(sorted(p.to_base58() for p in runner.banned_senders)),
             runner.bytes_sent,
             runner.bytes_received,
-            held,
+            None if partial else held,  # nor is it kept as the epoch's update (``keep_pending``)
             tuple(findings),
             audit_seconds,
             record.fetched_bytes if record is not None else 0,

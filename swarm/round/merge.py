@@ -16,7 +16,7 @@ import logging
 import time
 
 from swarm.averager.codecs import codec
-from swarm.averager.fixed_group import fixed_group_id
+from swarm.averager.fixed_group import fixed_group_id, partial_merge
 from swarm.averager.handle import AllReduceOutcome
 from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.transfer import read_update
@@ -192,7 +192,7 @@ class Merger:
         # register theirs (its slice dropped), would have taken
         state.findings += outcome.findings
         state.caught |= {f["peer"] for f in outcome.findings if f.get("banned")}
-        if outcome.dropped_fraction > 0 or outcome.excluded_senders > 0:
+        if partial_merge(outcome.dropped_fraction, outcome.excluded_senders):  # (not written into our buffers)
             # a delegate of the group we started did not take part (it saw other groups, or none): its slice is
             # zeros and its group's work is missing, yet the group names it. Not a swarm's average: try again with
             # the groups registered now, or take the one the others made
