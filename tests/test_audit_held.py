@@ -270,7 +270,7 @@ def test_an_audit_asks_a_reducer_for_a_few_senders_parts_at_a_time_under_its_lim
     wanted = {s: [0, 1] for s in senders}
     served, held = asyncio.run(
         Fetching()._parts_of_senders(
-            record, receipt, senders, wanted, lambda s, p: True, lambda s, p: bool(p), 1 << 20, time.monotonic() + 5
+            record, receipt, senders, wanted, 2, lambda s, p: True, lambda s, p: bool(p), 1 << 20, time.monotonic() + 5
         )
     )
     assert most[0] == HELD_AT_ONCE and set(held) == set(senders)
@@ -287,3 +287,50 @@ def test_a_groupmate_rechecking_an_accusation_that_cannot_see_a_senders_parts_dr
     record.verdicts["reducer"] = Verdict.wrong_average
     found = asyncio.run(Rechecking(Verdict.unshown)._recheck_accusations(record, ["reducer"], time.monotonic() + 5))
     assert found == [("reducer", Verdict.unshown, None, True, False)]
+
+
+def test_a_reducer_that_sends_nothing_is_audited_from_its_senders_parts_alone(keys):
+    """A reducer in AUX mode (it reduces a slice and sends none of its own): its receipt lists only the others. Before
+    the reviewed fix the audit raised (``KeyError``), the auditor's whole round of audits failed, and the slice stood
+    unaudited for everyone."""
+    from swarm.defence.audit import recompute
+    from swarm.defence.receipts import digest_of, digest_parts, part_digest, statement_hash, with_statements
+    from swarm.defence.statements import Statement
+    from tests.test_audit import peer_of, sender_parts
+
+    names = [peer_of(k) for k in keys[:3]]  # the reducer, us, the other sender
+    parts = {n: sender_parts("fp16", seed, NUMELS) for seed, n in enumerate(names[1:])}
+    weights = (10.0, 12.0)
+    codec = CODEC_TYPES["fp16"]
+    for lie, expected in [(1.0, Verdict.passed), (-4.0, Verdict.wrong_average)]:
+        exact = recompute([parts[n] for n in names[1:]], weights, NUMELS, Aggregation.centered_clip)
+        output = [encode_average(v * lie, codec) for v in exact]
+        inputs = tuple(digest_of([part_digest(p) for p in parts[n]]) for n in names[1:])
+        statements = [Statement(GROUP, names[0], d, w, len(NUMELS)).sign(k)
+                      for k, d, w in zip(keys[1:3], inputs, weights)]  # fmt: skip
+        receipt = Receipt(GROUP, names[0], tuple(names[1:]), weights, inputs, digest_parts(output),
+                          tuple(map(statement_hash, statements)), b"n" * 16, (len(NUMELS),) * 2)  # fmt: skip
+        receipt = with_statements(receipt, statements)
+
+        class Auditor(Auditing):
+            serializer, aggregation = MSGPackSerializer, Aggregation.centered_clip
+
+            signed = receipt
+
+            async def _fetch_receipt(self, record, reducer):
+                return self.signed, b"blob", {}
+
+            async def _fetch_parts(self, record, peer, reducer, limit, what=None, indices=None, of=None):
+                return parts[peer] if of is None else []
+
+        auditor = Auditor()
+        auditor.peer_id = SimpleNamespace(to_base58=lambda: names[1])
+        auditor._init_auditing(True, 2.0)
+        container = SimpleNamespace(compression=SimpleNamespace(compression_type=codec))
+        runner = SimpleNamespace(group_id=GROUP, tensor_part_container=container, max_weight=1e9,
+                                 sender_peer_ids=[SimpleNamespace(to_base58=lambda n=n: n) for n in names[1:]],
+                                 sent_parts=SimpleNamespace(get=lambda index: parts[names[1]]))  # fmt: skip
+        record = AuditRound(members=list(names), runner=runner)
+        record.outputs[names[0]] = output
+        verdict, _, _ = asyncio.run(auditor._audit_one(record, names[0], time.monotonic() + AUDIT_SECONDS))
+        assert verdict == expected

@@ -148,11 +148,12 @@ class AuditRequests:
         return parts
 
     async def _parts_of_senders(
-        self, record: AuditRound, receipt: Receipt, senders: list[str], wanted: dict[str, list[int]],
+        self, record: AuditRound, receipt: Receipt, senders: list[str], wanted: dict[str, list[int]], count: int,
         fits: typing.Callable[[str, list], bool], shows: typing.Callable[[str, list], bool], limit: int,
         deadline: float,
     ) -> tuple[dict[str, list], dict[str, list | None]]:  # fmt: skip
-        """Each of ``senders``' parts ``wanted`` for the audit of ``receipt.reducer`` that ``fits`` its bounds, as that
+        """Each of ``senders``' parts ``wanted`` (of the slice's ``count``) for the audit of ``receipt.reducer`` that
+        ``fits`` its bounds, as that
         sender serves them; and, for one that has not served parts that ``shows`` (they are what it signed) by the
         time kept back for it (``held_reserve``: it is gone, stalls, or serves other bytes), as they came to the
         reducer (``AuditRequest.held``; None where the reducer did not show them in bounds). A sender that stalls
@@ -161,10 +162,16 @@ class AuditRequests:
         at_once = asyncio.Semaphore(HELD_AT_ONCE)
 
         async def one(sender: str) -> tuple[list | None, list | None, bool]:
-            indices = None if len(wanted[sender]) == len(ours) else wanted[sender]  # None: all of its parts
+            indices = None if len(wanted[sender]) == count else wanted[sender]  # None: all of its parts
             own = asyncio.ensure_future(
                 _retried(lambda: self._fetch_parts(record, sender, reducer, limit, indices=indices), deadline)
             )
+            try:  # however the audit ends (cancelled with its round), the sender's request ends with it
+                return await from_either(sender, own)
+            finally:
+                own.cancel()
+
+        async def from_either(sender: str, own: asyncio.Future) -> tuple[list | None, list | None, bool]:
             size = sum(len(ours[i].buffer) for i in wanted[sender] if i < len(ours))  # as large as ours
             hedge = deadline - held_reserve(size, deadline - time.monotonic())
             await asyncio.wait({own}, timeout=max(0.0, hedge - time.monotonic()))
@@ -183,7 +190,6 @@ class AuditRequests:
             held = held if held is not None and fits(sender, held) else None
             if not shows(sender, held) and not own.done():  # the sender's own may still come in time
                 await asyncio.wait({own}, timeout=max(0.0, deadline - time.monotonic()))
-            own.cancel()
             return _fitting(own, sender, fits), held, True
 
         results = await asyncio.gather(*(one(s) for s in senders))
