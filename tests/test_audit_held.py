@@ -25,6 +25,8 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound
@@ -270,7 +272,15 @@ def test_an_audit_asks_a_reducer_for_a_few_senders_parts_at_a_time_under_its_lim
     wanted = {s: [0, 1] for s in senders}
     served, held = asyncio.run(
         Fetching()._parts_of_senders(
-            record, receipt, senders, wanted, 2, lambda s, p: True, lambda s, p: bool(p), 1 << 20, time.monotonic() + 5
+            record,
+            receipt,
+            senders,
+            wanted,
+            lambda s: None,
+            lambda s, p: True,
+            lambda s, p: bool(p),
+            1 << 20,
+            time.monotonic() + 5,
         )
     )
     assert most[0] == HELD_AT_ONCE and set(held) == set(senders)
@@ -334,3 +344,41 @@ def test_a_reducer_that_sends_nothing_is_audited_from_its_senders_parts_alone(ke
         record.outputs[names[0]] = output
         verdict, _, _ = asyncio.run(auditor._audit_one(record, names[0], time.monotonic() + AUDIT_SECONDS))
         assert verdict == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sender=st.one_of(st.text(max_size=60), st.sampled_from(["s0", "s1", "s2"])),
+    indices=st.one_of(
+        st.none(), st.booleans(), st.integers(), st.text(max_size=8), st.binary(max_size=8),
+        st.lists(st.one_of(st.integers(-(2**70), 2**70), st.integers(-1, 3), st.booleans(), st.floats()), max_size=6),
+        st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+    ),
+)  # fmt: skip
+def test_a_held_request_from_another_machine_reads_only_parts_we_hold_or_nothing(sender, indices):
+    """Whatever sender name and indices a groupmate's ``AuditRequest.held`` carries, it gets those of a sender's parts
+    we hold (never more parts than we hold) or nothing, and nothing raises."""
+    from swarm.averager.spill import SpilledParts
+
+    spill = SpilledParts()
+    sent = {0: [runtime_pb2.Tensor(buffer=bytes([i]) * 4) for i in range(3)], 2: []}
+    for index, parts in sent.items():
+        spill.start(index)
+        for part in parts:
+            spill.append(index, part)
+    runner = SimpleNamespace(
+        sender_peer_ids=[SimpleNamespace(to_base58=lambda n=n: n) for n in ("s0", "s1", "s2")], received_parts=spill
+    )
+    got = AuditRound(members=["s0", "s1", "s2"], runner=runner).held_of(sender, indices)
+    if got is not None:
+        parts = sent[int(sender[1])]
+        assert len(got) == len(indices) <= len(parts)
+        assert [p.buffer for p in got] == [parts[i].buffer for i in indices]
+    else:
+        held = len(sent[int(sender[1])]) if sender in ("s0", "s2") else None
+        assert held is None or not (
+            isinstance(indices, list)
+            and len(indices) <= held
+            and all(type(i) is int and 0 <= i < held for i in indices)
+        )
+    spill.close()

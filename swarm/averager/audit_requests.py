@@ -148,23 +148,23 @@ class AuditRequests:
         return parts
 
     async def _parts_of_senders(
-        self, record: AuditRound, receipt: Receipt, senders: list[str], wanted: dict[str, list[int]], count: int,
-        fits: typing.Callable[[str, list], bool], shows: typing.Callable[[str, list], bool], limit: int,
-        deadline: float,
+        self, record: AuditRound, receipt: Receipt, senders: list[str], wanted: dict[str, list[int]],
+        indices: typing.Callable[[str], list[int] | None], fits: typing.Callable[[str, list], bool],
+        shows: typing.Callable[[str, list], bool], limit: int, deadline: float,
     ) -> tuple[dict[str, list], dict[str, list | None]]:  # fmt: skip
-        """Each of ``senders``' parts ``wanted`` (of the slice's ``count``) for the audit of ``receipt.reducer`` that
-        ``fits`` its bounds, as that
-        sender serves them; and, for one that has not served parts that ``shows`` (they are what it signed) by the
-        time kept back for it (``held_reserve``: it is gone, stalls, or serves other bytes), as they came to the
-        reducer (``AuditRequest.held``; None where the reducer did not show them in bounds). A sender that stalls
-        cannot use up the reducer's time: the request to the reducer starts by then however long the sender's runs."""
+        """Each of ``senders``' parts ``wanted`` for the audit of ``receipt.reducer`` (asked as ``indices`` gives them:
+        None for all) that ``fits`` its bounds, as that sender serves them; and, for one that has not served parts
+        that ``shows`` (they are what it signed) by the time kept back for it (``held_reserve``: it is gone, stalls,
+        or serves other bytes), as they came to the reducer (``AuditRequest.held``; None where the reducer did not
+        show them in bounds). A sender that stalls cannot use up the reducer's time: the request to the reducer
+        starts by then however long the sender's runs."""
         reducer, ours = receipt.reducer, record.sent_to(receipt.reducer) or []
         at_once = asyncio.Semaphore(HELD_AT_ONCE)
 
         async def one(sender: str) -> tuple[list | None, list | None, bool]:
-            indices = None if len(wanted[sender]) == count else wanted[sender]  # None: all of its parts
+            asked = indices(sender)
             own = asyncio.ensure_future(
-                _retried(lambda: self._fetch_parts(record, sender, reducer, limit, indices=indices), deadline)
+                _retried(lambda: self._fetch_parts(record, sender, reducer, limit, indices=asked), deadline)
             )
             try:  # however the audit ends (cancelled with its round), the sender's request ends with it
                 return await from_either(sender, own)
@@ -175,8 +175,8 @@ class AuditRequests:
             size = sum(len(ours[i].buffer) for i in wanted[sender] if i < len(ours))  # as large as ours
             hedge = deadline - held_reserve(size, deadline - time.monotonic())
             await asyncio.wait({own}, timeout=max(0.0, hedge - time.monotonic()))
-            if own.done() and shows(sender, _fitting(own, sender, fits)):
-                return _fitting(own, sender, fits), None, False
+            if shows(sender, parts := _fitting(own, sender, fits)):
+                return parts, None, False
             held = None
             try:
                 async with at_once:  # under the reducer's per-requester limit (``AUDIT_LIMITS``)

@@ -332,7 +332,7 @@ class Auditing(AuditServing, SliceRepair):
         # a sender that is gone, stalls, or serves other bytes than it signed (a liar's accomplice): its parts as the
         # reducer holds them, checked against the sender's signed statement (``judge``'s ``held``)
         (served, held), own, more_back = await asyncio.gather(  # (a reducer that sent nothing, AUX: none of its own)
-            self._parts_of_senders(record, receipt, others, wanted, count, fits, shows, limit, deadline),
+            self._parts_of_senders(record, receipt, others, wanted, indices, fits, shows, limit, deadline),
             its_own() if wanted.get(reducer) else asyncio.sleep(0),
             self._a_sender_had_more_back(record, receipt, count, deadline),  # beside the fetches: its own time
         )
