@@ -156,8 +156,7 @@ class Peer:
         return self._steps.inner_step
 
     @property
-    def flight(self) -> Flight | None:
-        """The overlapped round in the air while the loop trains (its identity marks take-off and landing)."""
+    def flight(self) -> Flight | None:  # the overlapped round in the air while the loop trains (take-off, landing)
         return self._flight
 
     @property
@@ -226,6 +225,7 @@ class Peer:
             publish=lambda accusations: self._presence.update(accusations=accusations, publish_now=True),
             refuse=self.averager.set_bans,
             announce=lambda ban: self._emit(Banned(ban)),
+            check=self.averager.check_average_proof,  # a wrong average, shown by its accuser
         )
         self._early_end = EarlyEnd(m, self.peer_id, lambda: self._rounds.waiting_view())  # joining rounds early
         self._connected = True

@@ -114,6 +114,8 @@ class Peer(Auditing):
     def __init__(self, runner: ExactAllReduceRunner, members: list[str], group: dict):
         self.peer_id, self.runner, self.group = runner.peer_id, runner, group
         self._init_auditing(True, 2.0)
+        self.allreduce_kwargs = dict(compression=runner.tensor_part_container.compression, part_size_bytes=2048)
+        self._averaged_tensors = runner.tensor_part_container.local_tensors
         self.record = self._open_audit(runner, members)
         self.record.done = True
         self.serve_held = True
@@ -199,6 +201,7 @@ def audit(audited_round, other: str, lie: bool = False, serve_held: bool = True,
     if other == "gone":
         group[members[2]] = None
     verdict, _, _ = asyncio.run(auditor._audit_one(auditor.record, members[0], time.monotonic() + AUDIT_SECONDS))
+    audit.proofs = dict(auditor._proofs)  # what it keeps to show others (``proof_serving``)
     for peer in peers:
         peer._audit_rounds.clear()  # the runners' files stay open for the next audit of this round
     return verdict
@@ -237,6 +240,7 @@ def test_a_lying_reducer_is_caught_though_a_sender_is_gone_stalls_or_serves_othe
     for other in ("gone", "accomplice", "staller"):  # a staller: before the reviewed fix, it left the reducer 0.1 s
         assert audit(audited_round, other, audit_parts=audit_parts) == Verdict.passed, other
         assert audit(audited_round, other, lie=True, audit_parts=audit_parts) == Verdict.wrong_average, other
+        assert len(audit.proofs) == 1, other  # a proof any peer can check, from the parts it checked
 
 
 def test_a_reducer_that_will_not_show_a_gone_senders_parts_loses_its_slice(audited_round):

@@ -27,6 +27,7 @@ from swarm.averager.audit_serving import AuditRound, AuditServing
 from swarm.averager.bounds import admitted
 from swarm.averager.findings import Found, one_a_peer
 from swarm.averager.held import Dropped, HeldPart
+from swarm.averager.proof_serving import AverageProofs
 from swarm.averager.repair import UNANSWERED_STRIKES, SliceRepair, drop_slice, slices_to_repair
 from swarm.defence.audit import (
     DROP_ONLY,
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 STRIKES = frozenset({Verdict.unanswered, *UNCHECKABLE})  # verdicts that leave a reducer unchecked: a strike each
 
 
-class Auditing(AuditServing, SliceRepair):
+class Auditing(AuditServing, SliceRepair, AverageProofs):
     """Checked reducers, in the averager process: our audits of our reducers (serving our groupmates' audits:
     ``AuditServing``; fetching a slice that came in part again: ``SliceRepair``)."""
 
@@ -58,6 +59,7 @@ class Auditing(AuditServing, SliceRepair):
         self._audit_parts = audit_parts  # parts of each reducer's slice an audit checks (0: all)
         self._audit_rounds: OrderedDict[bytes, AuditRound] = OrderedDict()
         self._unanswered: dict[str, int] = {}  # reducer -> our audits of it in a row it left unanswered
+        self._init_proofs()
 
     # ---- one round's audits, phase by phase -----------------------------------------------------------------
 
@@ -355,6 +357,9 @@ class Auditing(AuditServing, SliceRepair):
             blob = forgery_proof(blob, receipt) or blob
         elif verdict == Verdict.equivocated:  # and with the digest it signed for the average it returned us
             blob = equivocation_proof([blob, record.runner.output_statements.get(reducer, b"")]) or blob
+        elif verdict == Verdict.wrong_average:  # kept to show any peer that reads our accusation (``proof_serving``)
+            shown = {s: p for s, p in held.items() if p} | {s: p for s, p in served.items() if s not in held}
+            await self._prove(blob, receipt, record.outputs[reducer], shown, wanted, listed)
         logger.debug(
             "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
             len(receipt.senders), len(checked), len(numels),

@@ -7,7 +7,10 @@ decode). It then publishes an accusation in its progress record, with the reduce
 receipt inside when there is one. An accusation that carries its proof is applied by every peer that
 reads it (``proven_bans``): a reducer's signed receipt listing a digest or a weight that the sender's
 statement it signed for does not give, or two digests of one group's average that it signed
-(``swarm.defence.proofs``), rest on the accused's own signature.
+(``swarm.defence.proofs``), rest on the accused's own signature. An accusation of a wrong average carries the
+receipt, and its accuser serves the rest of the proof (one part of the slice, the parts it was averaged from, and the
+digests binding them to the receipt): a reader fetches it, recomputes that part, and bans only if the reducer's
+signed average is not what the parts make (``swarm.defence.proof_checks``).
 Any other accusation is shown (``accused``; "quorum" when ``QUORUM`` groupmates of the accused, each
 named as a sender in its own receipt, accuse it), never applied: keys are free, so two keys that
 joined an honest reducer's group could otherwise get it banned by every peer, those whose own audit
@@ -33,12 +36,14 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from swarm.defence.audit import FALSE_ACCUSATION, MALFORMED, Verdict
+from swarm.defence.proof_checks import Claim, ProofChecks, claims
 from swarm.defence.proofs import proves_equivocation, proves_forgery
 from swarm.defence.receipts import open_receipt
 from swarm.dht.records import PeerEntry, ProgressRecord
@@ -222,11 +227,16 @@ class Guard:
         publish: Callable[[list[dict]], None],
         refuse: Callable[[Iterable[str]], None],
         announce: Callable[[Ban], None],
+        check: Callable[[str, bytes], bool] | None = None,
     ):
+        """``check(accuser, receipt)``: whether the accuser serves a proof that the receipt's reducer averaged wrong
+        (``swarm.averager.proof_serving``); without it, such accusations are only shown."""
         self.bans, self.own_peer_id = bans, own_peer_id
         self._publish, self._refuse, self._announce = publish, refuse, announce
         self.accusations: list[dict] = []
         self._epoch: int | None = None  # the latest round we had findings for
+        self._lock = threading.Lock()  # bans come from the reader's thread, the rounds' and the proof checks'
+        self._checks = None if check is None else ProofChecks(check, self._on_proof)
         if bans.bans:
             refuse(bans.bans)
 
@@ -253,9 +263,19 @@ class Guard:
             if ban.peer_id != self.own_peer_id and ban.peer_id not in self.bans and not lifted:
                 epoch = ban.epoch if self._epoch is None else min(ban.epoch, self._epoch)  # no ban from the future
                 self._ban(replace(ban, epoch=epoch))
+        if self._checks is not None:  # a wrong average, whose proof the accuser serves: fetched, checked, then applied
+            self._checks.offer(claims((e.record for e in entries), self.own_peer_id, self.bans))
         return [e for e in entries if e.record.peer_id not in self.bans]
 
+    def _on_proof(self, claim: Claim) -> None:
+        epoch = claim.epoch if self._epoch is None else min(claim.epoch, self._epoch)  # no ban from the future
+        if self._epoch is None or epoch + BAN_ROUNDS > self._epoch:
+            self._ban(Ban(claim.accused, BanReason.wrong_average, epoch, (claim.accuser,), time.time()))
+
     def _ban(self, ban: Ban) -> None:
-        if self.bans.add(ban):
-            self._refuse(list(self.bans.bans))
-            self._announce(ban)
+        with self._lock:
+            if not self.bans.add(ban):
+                return
+            banned = list(self.bans.bans)
+        self._refuse(banned)
+        self._announce(ban)

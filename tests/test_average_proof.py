@@ -1,0 +1,274 @@
+"""A wrong average proven to peers that never met the liar.
+
+An auditor that caught a reducer averaging wrong keeps one part of its slice, the parts it was averaged from, and the
+per-part digests binding them to the reducer's signed receipt, and serves them; a peer that reads its accusation
+fetches them, checks every digest against the receipt, recomputes that one part, and bans the reducer only if its
+signed average is not what the parts make. The accuser's word counts for nothing: any change to what it serves, or a
+proof against an honest reducer, is refused.
+
+Pure rules first; then two real libp2p daemons, one serving a proof with the averager's own code
+(``proof_serving.AverageProofs``) and the other fetching and checking it; then the host's side (``Guard`` with
+``ProofChecks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.p2p import ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.averager.allreduce import encode_average
+from swarm.averager.bounds import admitted
+from swarm.averager.proof_serving import AverageProofs
+from swarm.defence.average_proof import AverageProof, find_proof, from_wire, proves_wrong_average
+from swarm.defence.bans import BanList, BanReason, Guard, accusation_entry
+from swarm.defence.proof_checks import CHECKS_PER_MINUTE, ProofChecks, claims
+from swarm.manifest import Aggregation
+from tests.keyed_p2p import keyed_p2ps
+from tests.test_audit import CODEC_TYPES, record
+from tests.test_audit_dropped import NUMELS, dropped_round
+
+FP16 = CODEC_TYPES["fp16"]
+NONE = runtime_pb2.CompressionType.NONE
+INT64 = st.integers(-(2**63), 2**63 - 1)
+HANG_GUARD = 60.0  # seconds: a bound on the test, not a speed claim
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return [RSAPrivateKey() for _ in range(4)]
+
+
+def encode(values: torch.Tensor) -> runtime_pb2.Tensor:
+    return encode_average(values, FP16)
+
+
+def fits(parts):
+    numel = int(parts[0].size[0])
+    return numel if numel <= max(NUMELS) and admitted(list(parts), [numel] * len(parts), FP16) else None
+
+
+def shows(receipt):
+    return lambda proof: proves_wrong_average(receipt, proof, Aggregation.centered_clip, encode, fits)
+
+
+def proof_of(names, served, output, receipt, listed, indices=None, kept=None):
+    """What an auditor that checked ``indices`` (all: None) keeps, as ``Auditing._prove`` finds it."""
+    counts = receipt.counted(len(NUMELS))
+    checked = range(len(NUMELS)) if indices is None else indices
+    wanted = {n: [i for i in checked if i < k] for n, k in zip(names, counts)}
+    sample = {n: [parts[i] for i in wanted[n]] for n, parts in zip(names, served)}
+    return find_proof(receipt, output, sample, wanted, listed, shows(receipt))
+
+
+@pytest.mark.parametrize("kept", [len(NUMELS), 2])
+@pytest.mark.parametrize("indices", [None, [1, 4]])
+def test_a_wrong_average_is_proven_by_one_part_and_an_honest_one_never_is(keys, kept, indices):
+    names, served, output, receipt, _, listed = dropped_round(keys, kept)
+    assert proof_of(names, served, output, receipt, listed, indices) is None  # nothing to show of an honest one
+    for lie in (lambda v: -4 * v, lambda v: v * 1.5):
+        names, served, output, receipt, _, listed = dropped_round(keys, kept, lie)
+        proof = proof_of(names, served, output, receipt, listed, indices)
+        assert proof is not None and proof.index in (indices or range(len(NUMELS)))
+        assert shows(receipt)(proof)
+        # a sender whose stream broke before that part is not in it, and the proof still holds without it
+        assert (proof.parts[2] is None) == (proof.index >= kept)
+        # as it goes on the wire and comes back
+        metadata, tensors = proof.to_wire()
+        back = from_wire(receipt, metadata, tensors)
+        assert back is not None and shows(receipt)(back)
+
+
+def test_an_accuser_cannot_change_a_byte_of_what_it_shows(keys):
+    names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
+    proof = proof_of(names, served, output, receipt, listed)
+    other = serialize_torch_tensor(torch.randn(NUMELS[0]), FP16)
+    changes = [
+        replace(proof, output=other),  # another average than the reducer signed
+        replace(proof, parts=(other, *proof.parts[1:])),  # another part than the sender sent
+        replace(proof, parts=(proof.parts[0], None, proof.parts[2])),  # a sender left out
+        replace(proof, outputs=proof.outputs[::-1]),  # other per-part digests under the signed one
+        replace(proof, listed=(proof.listed[1], proof.listed[0], proof.listed[2])),
+        replace(proof, index=(proof.index + 1) % len(NUMELS)),  # another part's index
+    ]
+    assert all(not shows(receipt)(change) for change in changes)
+    # the reducer's own receipt of an honest round, with a lying part of the accuser's choosing: refused
+    names, served, output, honest, _, listed = dropped_round(keys, len(NUMELS))
+    forged = AverageProof(proof.index, proof.outputs, proof.listed, proof.parts, proof.output)
+    assert not shows(honest)(forged)
+    # the averager's bounds: a part that declares more values than a part of this run holds, or parts of other sizes
+    # or codecs, are refused before anything is decoded
+    bounds = ProofPeer(None)
+    assert bounds._fits([proof.output, *proof.parts]) == NUMELS[0]
+    big = serialize_torch_tensor(torch.zeros(4 * max(NUMELS)), FP16)
+    assert bounds._fits([big]) is None and bounds._fits([proof.output, big]) is None
+    assert bounds._fits([proof.output, serialize_torch_tensor(torch.zeros(NUMELS[0]), NONE)]) is None
+
+
+def test_a_part_averaged_from_too_few_senders_is_no_proof(keys):
+    # the third sender's stream broke after 0 parts: every part holds two of three senders, a majority; after 1 part,
+    # with another sender counted short too, a part of one sender is "too few", which proves nobody's lie
+    names, served, output, receipt, _, listed = dropped_round(keys, 0, lambda v: -4 * v)
+    assert proof_of(names, served, output, receipt, listed) is not None
+    thin = replace(receipt, counts=(len(NUMELS), 1, 0))
+    proof = proof_of(names, served, output, receipt, listed)
+    assert not shows(thin)(proof)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    metadata=st.one_of(
+        st.binary(max_size=64),
+        st.builds(
+            lambda *f: MSGPackSerializer.dumps(list(f)),
+            st.integers(-2, 3),
+            st.one_of(st.integers(-(2**40), 2**40), st.booleans(), st.text(max_size=4)),
+            st.lists(st.binary(max_size=40), max_size=8),
+            st.lists(st.one_of(st.lists(st.binary(max_size=40), max_size=8), INT64), max_size=4),
+        ),
+    ),
+    count=st.integers(0, 5),
+)
+def test_any_served_bytes_are_a_proof_or_refused_and_never_prove_an_honest_reducer(keys, metadata, count):
+    names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS))
+    tensors = [served[i % 3][i % len(NUMELS)] for i in range(count)]
+    proof = from_wire(receipt, metadata, tensors)
+    assert proof is None or not shows(receipt)(proof)
+
+
+# ---- two real daemons: one serves, the other fetches and checks ---------------------------------------------------
+
+
+class ProofPeer(AverageProofs, ServicerBase):
+    """The proof side of a peer's averager, over a real libp2p daemon."""
+
+    serializer = MSGPackSerializer
+    aggregation = Aggregation.centered_clip
+    prefix = "test-proofs"
+    _secret = None
+
+    def __init__(self, p2p):
+        self._p2p = p2p
+        self._init_proofs()
+        self.allreduce_kwargs = dict(compression=SimpleNamespace(compression_type=FP16), part_size_bytes=1 << 19)
+        self._averaged_tensors = [torch.zeros(max(NUMELS))]
+
+    def _admitted(self, request, context):
+        return MSGPackSerializer.loads(request.metadata)
+
+    def _max_values(self) -> int:
+        return max(NUMELS)
+
+
+async def _served_and_checked(keys, keep: dict, ask: list[bytes]) -> list[bool]:
+    p2ps, _ = await keyed_p2ps(2)
+    try:
+        accuser, reader = ProofPeer(p2ps[0]), ProofPeer(p2ps[1])
+        await accuser.add_p2p_handlers(p2ps[0], namespace=accuser.prefix)
+        for blob, proof in keep.items():
+            accuser._keep_proof(blob, proof)
+        checks = (reader._fetch_and_check(p2ps[0].peer_id.to_base58(), blob) for blob in ask)
+        return await asyncio.wait_for(asyncio.gather(*checks), HANG_GUARD)
+    finally:
+        await asyncio.gather(*(p.shutdown() for p in p2ps))
+
+
+def test_a_reader_fetches_the_proof_from_its_accuser_and_checks_it(keys):
+    names, served, output, receipt, blob, listed = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
+    proof = proof_of(names, served, output, receipt, listed)
+    *_, honest, honest_blob, _ = dropped_round(keys, len(NUMELS))
+    lying = replace(proof, output=proof.parts[0])  # what a false accuser could serve against an honest reducer
+    other = dropped_round(keys, 3, lambda v: -2 * v)[4]  # a liar's receipt whose proof this accuser does not keep
+    results = asyncio.run(_served_and_checked(keys, {blob: proof, honest_blob: lying}, [blob, honest_blob, other]))
+    assert results == [True, False, False]
+
+
+# ---- the host: claims worth a fetch, one fetch each, a ban only on a proof that holds --------------------------------
+
+
+def _accusation(keys, lie, epoch=3):
+    names, served, output, receipt, blob, listed = dropped_round(keys, len(NUMELS), lie)
+    entry = accusation_entry(dict(peer=names[0], verdict="wrong average", banned=True, receipt=blob), epoch)
+    return names, blob, entry
+
+
+def test_only_accusations_of_live_peers_by_their_groupmates_with_the_accuseds_receipt_are_fetched(keys):
+    reducer, sender, other, outsider = keys
+    names, blob, entry = _accusation(keys, lambda v: -4 * v)
+    records = [record(sender, [entry]), record(reducer)]
+    found = claims(records, "us", set())
+    assert [(c.accuser, c.accused, c.receipt) for c in found] == [(names[1], names[0], blob)]
+    assert claims(records, "us", {names[0]}) == []  # banned already
+    assert claims(records, names[0], set()) == []  # an accusation of ourselves: we know our own average
+    assert claims([record(sender, [entry])], "us", set()) == []  # the accused is gone: nothing to ban
+    assert claims([record(outsider, [entry]), record(reducer)], "us", set()) == []  # not a sender in that receipt
+    for reason in (BanReason.withheld, BanReason.unanswered, BanReason.malformed, BanReason.false_accusation):
+        assert claims([record(sender, [dict(entry, verdict=reason.value)]), record(reducer)], "us", set()) == []
+    forged = dict(entry, receipt=dropped_round(keys, len(NUMELS))[3].sign(sender))  # not signed by the accused
+    assert claims([record(sender, [forged]), record(reducer)], "us", set()) == []
+
+
+def _entries(*records):
+    return [SimpleNamespace(record=r, expiration=time.time() + 60) for r in records]
+
+
+def _until(condition, timeout=HANG_GUARD):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_peer_bans_on_a_proof_it_checked_and_never_on_one_that_fails(tmp_path, keys):
+    reducer, sender, _, _ = keys
+    names, blob, entry = _accusation(keys, lambda v: -4 * v)
+    asked = []
+
+    def check(accuser, receipt):
+        asked.append((accuser, receipt))
+        return verdicts.pop(0)
+
+    verdicts = []
+    for proven in (False, True):
+        verdicts.append(proven)
+        refused = []
+        path = tmp_path / f"bans-{proven}.json"
+        guard = Guard(BanList(path), "us", publish=print, refuse=refused.append, announce=print, check=check)
+        guard.on_findings([], 4)
+        for _ in range(3):  # the records are read again and again: one fetch
+            kept = guard.filter(_entries(record(sender, [entry]), record(reducer)))
+        assert _until(lambda: not verdicts)
+        time.sleep(0.2)
+        assert asked[-1] == (names[1], blob) and len([a for a in asked if a == asked[-1]]) == (2 if proven else 1)
+        assert (names[0] in guard.bans) == proven
+        if proven:
+            ban = guard.bans.bans[names[0]]
+            assert ban.reason == BanReason.wrong_average and ban.by == (names[1],) and ban.epoch == 3
+            assert refused == [[names[0]]]
+            assert names[0] not in [e.record.peer_id for e in guard.filter(_entries(record(reducer)))]
+        else:
+            assert refused == [] and names[0] in [e.record.peer_id for e in kept]
+
+
+def test_checks_are_paced_and_each_claim_is_fetched_once(keys):
+    started = []
+    checks = ProofChecks(lambda accuser, receipt: started.append(time.monotonic()) or False, lambda claim: None)
+    names, blob, entry = _accusation(keys, lambda v: -4 * v)
+    found = claims([record(keys[1], [entry]), record(keys[0])], "us", set())
+    many = [replace(found[0], receipt=found[0].receipt + bytes([i])) for i in range(CHECKS_PER_MINUTE + 2)]
+    checks.offer(many)
+    checks.offer(many)  # offered again: not fetched again
+    assert _until(lambda: len(started) >= CHECKS_PER_MINUTE)
+    time.sleep(0.5)
+    assert len(started) == CHECKS_PER_MINUTE  # the rest wait for the minute to pass
