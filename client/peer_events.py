@@ -69,7 +69,8 @@ def describe(event: PeerEvent) -> tuple[str, str] | None:
         case ReplayFailed(epoch=epoch, reason=reason):
             return "download_failed", f"replay stopped at epoch {epoch} ({reason}): downloading the state"
         case Banned(ban=ban):
-            who = "our audit" if ban.by == ("self",) else f"{len(ban.by)} of its groupmates"
+            accusers = ", ".join(b[-8:] for b in ban.by)
+            who = "our audit" if ban.by == ("self",) else f"the proof in {accusers}'s accusation"
             until = ban.epoch + BAN_ROUNDS
             return "banned", f"banned peer {ban.peer_id[-8:]} until epoch {until}: {ban.reason} (caught by {who})"
         case CheckpointUnusable(path=path, reason=reason):

@@ -95,6 +95,8 @@ def test_lines_name_what_the_volunteer_needs():
         "banned",
         f"banned peer 12345678 until epoch {4 + BAN_ROUNDS}: wrong average (caught by our audit)",
     )
+    proven = Banned(ban=dataclasses.replace(VALUES["ban"], by=("QmAccuserPeerIdAbCdEf87654321",)))
+    assert describe(proven)[1].endswith("wrong average (caught by the proof in 87654321's accusation)")
     assert describe(event_of(ReplayFailed))[0] == "download_failed"
 
 
