@@ -32,7 +32,8 @@ from swarm.averager.allreduce import ExactAllReduceRunner, encode_average
 from swarm.averager.audit_serving import AuditRound
 from swarm.averager.auditing import Auditing
 from swarm.defence.audit import DROP_ONLY, Verdict, judge
-from swarm.defence.receipts import Receipt
+from swarm.defence.average_proof import from_wire, proves_wrong_average
+from swarm.defence.receipts import Receipt, open_receipt
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
 from tests.test_audit import CODEC_TYPES
@@ -200,11 +201,28 @@ def audit(audited_round, other: str, lie: bool = False, serve_held: bool = True,
         asyncio.run(reducer._sign_receipt(reducer.runner, reducer.record))
     if other == "gone":
         group[members[2]] = None
-    verdict, _, _ = asyncio.run(auditor._audit_one(auditor.record, members[0], time.monotonic() + AUDIT_SECONDS))
-    audit.proofs = dict(auditor._proofs)  # what it keeps to show others (``proof_serving``)
+
+    async def audited():
+        found = await auditor._audit_one(auditor.record, members[0], time.monotonic() + AUDIT_SECONDS)
+        await asyncio.gather(*auditor._proving)  # the proof it makes beside the rest of the audit
+        return found
+
+    verdict, blob, _ = asyncio.run(audited())
+    audit.proofs = {blob: proof for blob, proof in auditor._proofs.items()}  # kept to show others (``proof_serving``)
+    audit.shown = [_shows(auditor, blob, *kept) for kept in auditor._proofs.values()]  # as a reader checks each
     for peer in peers:
         peer._audit_rounds.clear()  # the runners' files stay open for the next audit of this round
     return verdict
+
+
+def _shows(auditor, blob, metadata, parts) -> bool:
+    """Whether a reader holding the accusation's receipt ``blob`` finds the proof served as ``metadata`` and ``parts``
+    to hold (``proof_serving._fetch_and_check``'s check, without the fetch)."""
+    receipt = open_receipt(blob)
+    proof = from_wire(receipt, metadata, parts)
+    return proof is not None and proves_wrong_average(
+        receipt, proof, auditor.aggregation, auditor._encoder(), auditor._fits
+    )
 
 
 def test_a_reducer_holds_every_senders_parts_as_they_came_and_serves_only_those_asked():
@@ -239,8 +257,9 @@ def test_a_lying_reducer_is_caught_though_a_sender_is_gone_stalls_or_serves_othe
     assert audit(audited_round, "honest", audit_parts=audit_parts) == Verdict.passed
     for other in ("gone", "accomplice", "staller"):  # a staller: before the reviewed fix, it left the reducer 0.1 s
         assert audit(audited_round, other, audit_parts=audit_parts) == Verdict.passed, other
+        assert not audit.proofs, other  # nothing to show of an honest reducer
         assert audit(audited_round, other, lie=True, audit_parts=audit_parts) == Verdict.wrong_average, other
-        assert len(audit.proofs) == 1, other  # a proof any peer can check, from the parts it checked
+        assert audit.shown == [True], other  # a proof any peer can check, from the parts it checked (or the reducer's)
 
 
 def test_a_reducer_that_will_not_show_a_gone_senders_parts_loses_its_slice(audited_round):

@@ -14,6 +14,7 @@ Pure rules first; then two real libp2p daemons, one serving a proof with the ave
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -31,13 +32,16 @@ from hypothesis import strategies as st
 from swarm.averager.allreduce import encode_average
 from swarm.averager.bounds import admitted
 from swarm.averager.proof_serving import AverageProofs
-from swarm.defence.average_proof import AverageProof, find_proof, from_wire, proves_wrong_average
-from swarm.defence.bans import BanList, BanReason, Guard, accusation_entry
-from swarm.defence.proof_checks import CHECKS_PER_MINUTE, ProofChecks, claims
+from swarm.defence import average_proof, proof_checks
+from swarm.defence.audit import Verdict, _listed_as_signed
+from swarm.defence.average_proof import MIN_MOVED, AverageProof, find_proof, from_wire, proves_wrong_average
+from swarm.defence.bans import BAN_ROUNDS, BanList, BanReason, Guard, accusation_entry
+from swarm.defence.proof_checks import CHECKS_PER_MINUTE, PER_ACCUSER, TRIES, Claim, ProofChecks, claims
+from swarm.defence.receipts import digest_of, part_digest
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
 from tests.test_audit import CODEC_TYPES, record
-from tests.test_audit_dropped import NUMELS, dropped_round
+from tests.test_audit_dropped import NUMELS, check, dropped_round
 
 FP16 = CODEC_TYPES["fp16"]
 NONE = runtime_pb2.CompressionType.NONE
@@ -69,7 +73,7 @@ def proof_of(names, served, output, receipt, listed, indices=None, kept=None):
     checked = range(len(NUMELS)) if indices is None else indices
     wanted = {n: [i for i in checked if i < k] for n, k in zip(names, counts)}
     sample = {n: [parts[i] for i in wanted[n]] for n, parts in zip(names, served)}
-    return find_proof(receipt, output, sample, wanted, listed, shows(receipt))
+    return find_proof(receipt, output, [sample], wanted, listed, shows(receipt))
 
 
 @pytest.mark.parametrize("kept", [len(NUMELS), 2])
@@ -90,6 +94,16 @@ def test_a_wrong_average_is_proven_by_one_part_and_an_honest_one_never_is(keys, 
         assert back is not None and shows(receipt)(back)
 
 
+def resplit(names, served, output, receipt, listed, j=1):
+    """A false accuser's proof against an honest reducer: its true per-part digests cut and joined again so that
+    ``digest_of`` is unchanged (b"" first), index ``j`` then naming the average's part ``j - 1``, beside each sender's
+    true part ``j``: every digest would hash to what the reducer signed (found by review, fixed by requiring whole
+    SHA-256 digests)."""
+    outs = tuple(part_digest(p) for p in output)
+    shifted = (b"", *outs)
+    return AverageProof(j, shifted, tuple(tuple(listed[n]) for n in names), tuple(p[j] for p in served), output[j - 1])
+
+
 def test_an_accuser_cannot_change_a_byte_of_what_it_shows(keys):
     names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
     proof = proof_of(names, served, output, receipt, listed)
@@ -103,12 +117,8 @@ def test_an_accuser_cannot_change_a_byte_of_what_it_shows(keys):
         replace(proof, index=(proof.index + 1) % len(NUMELS)),  # another part's index
     ]
     assert all(not shows(receipt)(change) for change in changes)
-    # the reducer's own receipt of an honest round, with a lying part of the accuser's choosing: refused
-    names, served, output, honest, _, listed = dropped_round(keys, len(NUMELS))
-    forged = AverageProof(proof.index, proof.outputs, proof.listed, proof.parts, proof.output)
-    assert not shows(honest)(forged)
-    # the averager's bounds: a part that declares more values than a part of this run holds, or parts of other sizes
-    # or codecs, are refused before anything is decoded
+    # the bounds the averager checks before anything is decoded: a part that declares more values than a part of this
+    # run holds, or parts of other sizes or codecs
     bounds = ProofPeer(None)
     assert bounds._fits([proof.output, *proof.parts]) == NUMELS[0]
     big = serialize_torch_tensor(torch.zeros(4 * max(NUMELS)), FP16)
@@ -116,14 +126,51 @@ def test_an_accuser_cannot_change_a_byte_of_what_it_shows(keys):
     assert bounds._fits([proof.output, serialize_torch_tensor(torch.zeros(NUMELS[0]), NONE)]) is None
 
 
-def test_a_part_averaged_from_too_few_senders_is_no_proof(keys):
-    # the third sender's stream broke after 0 parts: every part holds two of three senders, a majority; after 1 part,
-    # with another sender counted short too, a part of one sender is "too few", which proves nobody's lie
+def test_an_honest_reducers_digests_cut_and_joined_again_prove_nothing(keys):
+    names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS))
+    forged = resplit(names, served, output, receipt, listed)
+    assert digest_of(forged.outputs) == receipt.output  # the cut would pass the signed digest
+    assert not shows(receipt)(forged)
+    metadata, tensors = forged.to_wire()
+    assert from_wire(receipt, metadata, tensors) is None  # refused as it comes, too
+    # the same cut inside one sender's per-part digests, mixing its parts of two indices
+    joined = (b"", *listed[names[1]])
+    mixed = replace(
+        proof_of(names, served, output, receipt, listed) or forged,
+        listed=(tuple(listed[names[0]]), joined, tuple(listed[names[2]])),
+    )
+    assert not shows(receipt)(mixed)
+    # an audit's sample whose listed digests are cut so is refused there too: a liar cannot dodge its auditor with it
+    assert not _listed_as_signed(receipt, names[1], list(joined), len(joined))
+
+
+def test_one_value_on_a_rounding_boundary_is_no_proof(keys):
+    """A few values of a small part that another machine rounds one level apart fail ``close_enough`` (more than a
+    thousandth of 300 values) and so fail an audit, but prove nothing to others: an accuser could pick such a part."""
+
+    def flip(count):
+        def lie(values):
+            values = values.clone()
+            for i in range(count):  # one fp16 level up
+                values[i] = torch.nextafter(values[i].half(), torch.tensor(float("inf")).half()).float()
+            return values
+
+        return lie
+
+    names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS), flip(1))
+    assert check(names, served, output, receipt) == Verdict.wrong_average  # its auditor's own evidence
+    assert proof_of(names, served, output, receipt, listed) is None
+    names, served, output, receipt, _, listed = dropped_round(keys, len(NUMELS), flip(MIN_MOVED))
+    assert proof_of(names, served, output, receipt, listed) is not None  # as many as a lie moves: a proof
+
+
+def test_a_part_averaged_from_too_few_senders_is_no_proof(keys, monkeypatch):
     names, served, output, receipt, _, listed = dropped_round(keys, 0, lambda v: -4 * v)
-    assert proof_of(names, served, output, receipt, listed) is not None
-    thin = replace(receipt, counts=(len(NUMELS), 1, 0))
     proof = proof_of(names, served, output, receipt, listed)
-    assert not shows(thin)(proof)
+    assert proof is not None and shows(receipt)(proof)
+    seen = []
+    monkeypatch.setattr(average_proof, "too_few", lambda counts, indices: seen.append(list(counts)) or True)
+    assert not shows(receipt)(proof) and seen == [list(receipt.counted(len(NUMELS)))]
 
 
 @settings(max_examples=200, deadline=None)
@@ -188,10 +235,11 @@ def test_a_reader_fetches_the_proof_from_its_accuser_and_checks_it(keys):
     names, served, output, receipt, blob, listed = dropped_round(keys, len(NUMELS), lambda v: -4 * v)
     proof = proof_of(names, served, output, receipt, listed)
     *_, honest, honest_blob, _ = dropped_round(keys, len(NUMELS))
-    lying = replace(proof, output=proof.parts[0])  # what a false accuser could serve against an honest reducer
+    h_names, h_served, h_output, _, _, h_listed = dropped_round(keys, len(NUMELS))
+    lying = resplit(h_names, h_served, h_output, honest, h_listed)  # a false accuser's, against an honest reducer
     other = dropped_round(keys, 3, lambda v: -2 * v)[4]  # a liar's receipt whose proof this accuser does not keep
     results = asyncio.run(_served_and_checked(keys, {blob: proof, honest_blob: lying}, [blob, honest_blob, other]))
-    assert results == [True, False, False]
+    assert results == [True, False, None]  # None: it served nothing, asked again later
 
 
 # ---- the host: claims worth a fetch, one fetch each, a ban only on a proof that holds --------------------------------
@@ -261,14 +309,60 @@ def test_a_peer_bans_on_a_proof_it_checked_and_never_on_one_that_fails(tmp_path,
             assert refused == [] and names[0] in [e.record.peer_id for e in kept]
 
 
-def test_checks_are_paced_and_each_claim_is_fetched_once(keys):
+def test_checks_are_paced_each_claim_is_fetched_once_and_no_accuser_fills_the_queue(keys):
     started = []
-    checks = ProofChecks(lambda accuser, receipt: started.append(time.monotonic()) or False, lambda claim: None)
+    checks = ProofChecks(lambda accuser, receipt: started.append(accuser) or False, lambda claim: None)
     names, blob, entry = _accusation(keys, lambda v: -4 * v)
     found = claims([record(keys[1], [entry]), record(keys[0])], "us", set())
-    many = [replace(found[0], receipt=found[0].receipt + bytes([i])) for i in range(CHECKS_PER_MINUTE + 2)]
-    checks.offer(many)
-    checks.offer(many)  # offered again: not fetched again
+    flood = [found[0]] + [replace(found[0], receipt=found[0].receipt + bytes([i])) for i in range(20)]  # one key's
+    many = [replace(found[0], accuser=f"accuser-{i}") for i in range(CHECKS_PER_MINUTE + 2)]
+    checks.offer(flood + many)
+    checks.offer(flood + many)  # offered again: not fetched again
     assert _until(lambda: len(started) >= CHECKS_PER_MINUTE)
     time.sleep(0.5)
     assert len(started) == CHECKS_PER_MINUTE  # the rest wait for the minute to pass
+    assert started.count(found[0].accuser) == PER_ACCUSER  # the flooding key had two places, the others theirs
+    assert claims([record(keys[1], [entry]), record(keys[0])], "us", set(), checks.seen) == []  # not read again
+
+
+def test_a_claim_whose_accuser_served_nothing_is_asked_again_and_a_failing_ban_stops_nothing(keys, monkeypatch):
+    monkeypatch.setattr(proof_checks, "RETRY_AFTER", 0.05)
+    answers, asked, proven = {"a": [None, None, None, None], "b": [None, True], "c": [True]}, [], []
+
+    def check(accuser, receipt):
+        asked.append(accuser)
+        return answers[accuser].pop(0)
+
+    def ban(claim):
+        proven.append(claim.accuser)
+        if claim.accuser == "b":
+            raise RuntimeError("the averager is gone")
+
+    checks = ProofChecks(check, ban)
+    claim = Claim("a", "liar", b"receipt", 3)
+    checks.offer([claim, replace(claim, accuser="b", receipt=b"r2")])
+    assert _until(lambda: proven == ["b"])
+    checks.offer([replace(claim, accuser="c", receipt=b"r3")])  # the thread lived through the failed ban
+    assert _until(lambda: proven == ["b", "c"] and asked.count("a") == TRIES)
+    time.sleep(0.3)
+    assert asked.count("a") == TRIES and asked.count("b") == 2  # asked again while it served nothing, then given up
+
+
+def test_bans_from_many_threads_keep_the_file_and_the_averagers_list_whole(tmp_path):
+    refused = []
+    guard = Guard(BanList(tmp_path / "bans.json"), "us", publish=print, refuse=refused.append, announce=print)
+    guard.on_findings([], 10)
+
+    def prove(start):
+        for i in range(start, start + 50):
+            guard._on_proof(Claim(f"accuser-{i}", f"peer-{i}", b"r", 10))
+
+    threads = [threading.Thread(target=prove, args=(k * 50,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for epoch in range(10, 10 + BAN_ROUNDS + 5, 7):  # lifts, beside the bans
+        guard.on_findings([], epoch)
+    for thread in threads:
+        thread.join(HANG_GUARD)
+    assert [len(r) for r in refused] == sorted(len(r) for r in refused) or refused[-1] == list(guard.bans.bans)
+    assert set(BanList(tmp_path / "bans.json").bans) == set(guard.bans.bans)  # the file holds what is in memory

@@ -229,3 +229,33 @@ def test_a_helpers_own_error_is_reported_even_when_it_arrives_after_its_end_is_s
         start_and_wait(_LateWordHelper(ValueError("reachable but refused us")), "DHT")
     with pytest.raises(HelperError, match="ended"):  # nothing came: it died silently
         start_and_wait(_LateWordHelper(None), "DHT")
+
+
+def test_messages_sent_on_the_averagers_control_pipe_from_many_threads_arrive_whole():
+    """hivemind's control pipe has no lock, and the host calls the averager from several threads (training, the swarm
+    reader, state sync, proof checks): a message over 16 KiB is two writes, so two threads could interleave them.
+    ``LockedSends`` keeps each whole: many threads, large messages, a reader in another process's place."""
+    import threading
+
+    from swarm.hivemind_fixes.pipe import LockedSends
+
+    inner, outer = multiprocessing.Pipe(duplex=True)
+    pipe = LockedSends(outer)
+    senders, each, size = 6, 40, 200_000
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(inner.recv() for _ in range(senders * each)))
+    reader.start()
+
+    def send(k):
+        for i in range(each):
+            pipe.send((k, i, bytes([k]) * size))
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    reader.join(60)
+    assert len(received) == senders * each
+    assert all(blob == bytes([k]) * size for k, _, blob in received)
+    assert pipe.poll is outer.poll or pipe.poll() is False  # the rest is the pipe's own

@@ -357,9 +357,8 @@ class Auditing(AuditServing, SliceRepair, AverageProofs):
             blob = forgery_proof(blob, receipt) or blob
         elif verdict == Verdict.equivocated:  # and with the digest it signed for the average it returned us
             blob = equivocation_proof([blob, record.runner.output_statements.get(reducer, b"")]) or blob
-        elif verdict == Verdict.wrong_average:  # kept to show any peer that reads our accusation (``proof_serving``)
-            shown = {s: p for s, p in held.items() if p} | {s: p for s, p in served.items() if s not in held}
-            await self._prove(blob, receipt, record.outputs[reducer], shown, wanted, listed)
+        elif verdict == Verdict.wrong_average:  # a proof for any peer that reads our accusation, made beside the rest
+            self._prove_later(blob, receipt, list(record.outputs[reducer]), [served, held], wanted, listed)
         logger.debug(
             "audited %s: %s (parts from %d of %d senders, %d of %d parts)", reducer, verdict, len(served),
             len(receipt.senders), len(checked), len(numels),

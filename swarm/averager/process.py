@@ -44,6 +44,7 @@ from swarm.errors import HelperError
 from swarm.hivemind_fixes.helpers import check_alive, start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.pace import pace_matchmaking
+from swarm.hivemind_fixes.pipe import LockedSends
 from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         self._init_refusals()
         free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        self._outer_pipe = LockedSends(self._outer_pipe)  # the host calls it from several threads
         # a leader refuses join requests with another schema hash: a peer that speaks another all-reduce (receipts,
         # statements) never groups with us, where its receipts would read as unanswered audits and get it banned
         self.schema_hash = wire_schema_hash(self.schema_hash)

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 KEPT_PROOFS = 8  # as many as the accusations a progress record shows (``bans.MAX_ACCUSATIONS``)
 KEPT_BYTES = 64 << 20
-PROOF_LIMITS = dict(per_peer=2, total=16, per_minute=30)  # a reader asks once per accusation it has not checked
+PROOF_LIMITS = dict(per_peer=2, total=64, per_minute=30)  # a reader asks once per accusation (a few times if refused)
+MAX_PROOF_SENDERS = 64  # a receipt of a larger group is not fetched for (its proof would take too much memory)
 PROOF_TIMEOUT = 60.0  # seconds a reader's fetch and check may take
 CHUNK_TIMEOUT = 20.0  # seconds between two messages of a proof
 
@@ -47,14 +48,20 @@ class AverageProofs:
 
     def _init_proofs(self) -> None:
         self._proofs: OrderedDict[bytes, tuple[bytes, list[runtime_pb2.Tensor]]] = OrderedDict()
+        self._proving: set[asyncio.Task] = set()
 
     # ---- the accuser's side -----------------------------------------------------------------------------------
 
-    async def _prove(self, blob: bytes, receipt: Receipt, outputs: list, served: dict, wanted: dict, listed: dict):
-        """After our audit found ``receipt``'s reducer's average wrong: keep the proof of it that others can check,
-        if one of the parts we checked makes one."""
+    def _prove_later(self, blob: bytes, receipt: Receipt, outputs: list, sources: list, wanted: dict, listed: dict):
+        """After our audit found ``receipt``'s reducer's average wrong: keep the proof of it that others can check, if
+        one of the parts we checked makes one, in a task of its own (the audit tells its verdict meanwhile)."""
+        task = asyncio.create_task(self._prove(blob, receipt, outputs, sources, wanted, listed))
+        self._proving.add(task)
+        task.add_done_callback(self._proving.discard)
+
+    async def _prove(self, blob: bytes, receipt: Receipt, outputs: list, sources: list, wanted: dict, listed: dict):
         shows = lambda proof: proves_wrong_average(receipt, proof, self.aggregation, self._encoder(), self._fits)  # noqa: E731
-        find = lambda: find_proof(receipt, outputs, served, wanted, listed, shows)  # noqa: E731
+        find = lambda: find_proof(receipt, outputs, sources, wanted, listed, shows)  # noqa: E731
         try:
             proof = await asyncio.get_event_loop().run_in_executor(None, find)
         except Exception:  # the audit's verdict stands without it: the accusation is only shown
@@ -95,32 +102,34 @@ class AverageProofs:
 
     # ---- a reader's side --------------------------------------------------------------------------------------
 
-    def check_average_proof(self, accuser: str, receipt: bytes, timeout: float = PROOF_TIMEOUT + 5) -> bool:
+    def check_average_proof(self, accuser: str, receipt: bytes, timeout: float = PROOF_TIMEOUT + 5) -> bool | None:
         """(From the host.) Whether ``accuser`` serves a proof that the reducer of ``receipt`` (its signed blob)
-        returned a wrong average; False for anything else, a fetch that failed or ran out of time included."""
+        returned a wrong average; False for a proof that does not hold, None where none came (it served nothing, the
+        fetch failed or ran out of time: worth asking again later)."""
         future = MPFuture()
         self._outer_pipe.send(("_check_average_proof", [], dict(accuser=accuser, blob=receipt, future=future)))
         try:
-            return bool(future.result(timeout=timeout))
+            return future.result(timeout=timeout)
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
-            return False
+            return None
 
     async def _check_average_proof(self, accuser: str, blob: bytes, future: MPFuture) -> None:
         try:
             proven = await asyncio.wait_for(self._fetch_and_check(accuser, blob), PROOF_TIMEOUT)
         except Exception as e:  # the accuser's stream or bytes: anything can go wrong with them
             logger.debug("no proof of a wrong average from %s: %r", accuser, e, exc_info=True)
-            proven = False
+            proven = None
         if not future.done():
             future.set_result(proven)
 
-    async def _fetch_and_check(self, accuser: str, blob: bytes) -> bool:
+    async def _fetch_and_check(self, accuser: str, blob: bytes) -> bool | None:
         receipt = open_receipt(blob)
         compression = self._compression_type()
-        if receipt is None or compression is None:
+        if receipt is None or compression is None or len(receipt.senders) > MAX_PROOF_SENDERS:
             return False
-        limit = MAX_METADATA_BYTES + (len(receipt.senders) + 1) * (max_bytes(compression, self._max_values()) + 1024)
+        part_limit = max_bytes(compression, self._max_values()) + 1024  # a part's message: its bytes and header
+        limit = MAX_METADATA_BYTES + (len(receipt.senders) + 1) * part_limit
         target = PeerID.from_base58(accuser)
         fields = dict(receipt=hashlib.sha256(blob).digest())
         if self._secret is not None:
@@ -129,15 +138,19 @@ class AverageProofs:
         stream = await stub.rpc_audit_proof(averaging_pb2.DownloadData(metadata=self.serializer.dumps(fields)))
         metadata, tensors, total = None, [], 0
         async for message in aiter_with_timeout(stream, timeout=CHUNK_TIMEOUT):
-            total += message.ByteSize()
-            if total > limit or len(tensors) > len(receipt.senders) + 1:
+            size = message.ByteSize()
+            total += size
+            too_many = metadata is not None and (size > part_limit or len(tensors) >= len(receipt.senders) + 1)
+            if total > limit or too_many:
                 logger.debug("%s's proof is larger than its receipt allows", accuser)
                 return False
             if metadata is None:
                 metadata = message.metadata
             else:
                 tensors.append(message.tensor_part)
-        proof = from_wire(receipt, metadata, tensors) if metadata is not None else None
+        if metadata is None:
+            return None  # it served nothing (over its limits, or gone for now): asked again later
+        proof = from_wire(receipt, metadata, tensors)
         if proof is None:
             return False
         encode = self._encoder()

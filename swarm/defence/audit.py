@@ -143,16 +143,18 @@ def recompute(
     return results
 
 
-def close_enough(sent: torch.Tensor, exact: torch.Tensor, requantized: torch.Tensor) -> bool:
+def close_enough(
+    sent: torch.Tensor, exact: torch.Tensor, requantized: torch.Tensor, max_fraction: float = MAX_MOVED_FRACTION
+) -> bool:
     """Whether ``sent`` (the average everyone decoded) is ``exact`` (a recomputation) as the codec rounds it:
-    ``requantized`` is ``exact`` through the codec here. Few values may differ, by at most twice the codec's
-    own largest error."""
+    ``requantized`` is ``exact`` through the codec here. Few values (``max_fraction``) may differ, by at most twice
+    the codec's own largest error."""
     if sent.shape != exact.shape:
         return False
     differ = sent != requantized
     if not bool(differ.any()):
         return True
-    if float(differ.float().mean()) > MAX_MOVED_FRACTION:
+    if float(differ.float().mean()) > max_fraction:
         return False
     own_error = float((requantized - exact).abs().max())
     scale = float(exact.abs().max())
@@ -178,8 +180,9 @@ def served_as_signed(
 def _listed_as_signed(receipt: Receipt, sender: str, listed: Sequence[bytes] | None, count: int) -> bool:
     """Whether ``listed`` are ``count`` per-part digests whose digest the receipt signs for ``sender``."""
     digest = receipt.inputs[receipt.senders.index(sender)]
-    valid = isinstance(listed, list | tuple) and len(listed) == count and all(isinstance(d, bytes) for d in listed)
-    return valid and digest_of(listed) == digest
+    valid = isinstance(listed, list | tuple) and len(listed) == count
+    # each a whole SHA-256 digest: ``digest_of`` hashes them end to end, so others could be cut and joined again
+    return valid and all(isinstance(d, bytes) and len(d) == 32 for d in listed) and digest_of(listed) == digest
 
 
 def too_few(counts: Sequence[int], indices: Iterable[int]) -> bool:

@@ -28,11 +28,16 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.defence.audit import _decode, close_enough, recompute, too_few
-from swarm.defence.receipts import MAX_DIGEST, Receipt, digest_of, part_digest
+from swarm.defence.receipts import Receipt, digest_of, part_digest
 from swarm.defence.statements import MAX_PARTS
 from swarm.manifest import Aggregation
 
 PROOF_VERSION = 1
+DIGEST_BYTES = 32  # ``part_digest``: SHA-256
+# a proof must move at least this many values off the codec's grid, where the moved fraction alone is what fails
+# (``close_enough``): in a part of a few hundred values one value on a rounding boundary, which another machine may
+# land one level apart, is already more than that fraction, and an accuser could pick such a part
+MIN_MOVED = 8
 MAX_METADATA_BYTES = 4 << 20  # per-part digests: 32 bytes a part a sender (1000 parts, 64 senders: 2 MiB)
 
 
@@ -81,13 +86,18 @@ def _index(value: object, count: int) -> bool:
 
 
 def _digests(values: object) -> bool:
-    return isinstance(values, list) and all(isinstance(v, bytes) and len(v) <= MAX_DIGEST for v in values)
+    """Whether ``values`` are SHA-256 digests, each exactly ``DIGEST_BYTES``: ``digest_of`` hashes them end to end, so
+    digests of other lengths could be cut and joined again into the same signed digest with other parts under
+    each index (a part of the average moved to another index, against an honest reducer's true receipt)."""
+    return isinstance(values, list | tuple) and all(isinstance(v, bytes) and len(v) == DIGEST_BYTES for v in values)
 
 
 def bound_to(receipt: Receipt, proof: AverageProof) -> bool:
     """Whether every digest and part of ``proof`` is the one the reducer signed for in ``receipt``."""
     n, j = len(proof.outputs), proof.index
     counts = receipt.counted(n)
+    if not _digests(proof.outputs) or not all(_digests(d) for d in proof.listed):
+        return False
     if not _index(j, n) or digest_of(proof.outputs) != receipt.output or part_digest(proof.output) != proof.outputs[j]:
         return False
     if not len(proof.listed) == len(proof.parts) == len(counts) or any(k > n for k in counts):
@@ -121,40 +131,57 @@ def proves_wrong_average(
         exact = recompute(present, receipt.weights, [numel], aggregation)
         if exact is None:  # a part an honest reducer refuses: its auditor's evidence, not a proof to others
             return False
-        sent = _decode(proof.output)
-        return not close_enough(sent, exact[0], _decode(encode(exact[0])))
+        return beyond_rounding(_decode(proof.output), exact[0], _decode(encode(exact[0])))
     except (RuntimeError, ValueError, TypeError):
         return False
+
+
+def beyond_rounding(sent: torch.Tensor, exact: torch.Tensor, requantized: torch.Tensor) -> bool:
+    """Whether ``sent`` is not ``exact`` as the codec rounds it (``requantized``), in a way rounding on another machine
+    cannot explain: ``close_enough`` fails, and not only because fewer than ``MIN_MOVED`` values landed elsewhere."""
+    if close_enough(sent, exact, requantized):
+        return False
+    if sent.shape != exact.shape:
+        return True
+    return int((sent != requantized).sum()) >= MIN_MOVED or not close_enough(sent, exact, requantized, max_fraction=1.0)
 
 
 def find_proof(
     receipt: Receipt,
     outputs: Sequence[runtime_pb2.Tensor],
-    served: Mapping[str, Sequence[runtime_pb2.Tensor]],
+    sources: Sequence[Mapping[str, Sequence[runtime_pb2.Tensor] | None]],
     wanted: Mapping[str, Sequence[int]],
     listed: Mapping[str, Sequence[bytes]],
     shows: Callable[[AverageProof], bool],
 ) -> AverageProof | None:
     """After an audit found a wrong average: the first part it checked that ``shows`` (``proves_wrong_average`` with
-    the run's rule) to be one, from the reducer's ``outputs`` as received, each sender's parts ``served`` (those
-    ``wanted`` of it, in order) and the per-part digests ``listed`` under the receipt (a sender whose every part was
-    served gets them from those parts)."""
-    counts = dict(zip(receipt.senders, receipt.counted(len(outputs))))
-    digests = []
-    for sender in receipt.senders:
-        parts = served.get(sender, [])
-        if len(wanted.get(sender, ())) == counts[sender] == len(parts):
-            digests.append(tuple(part_digest(p) for p in parts))
-        else:
-            digests.append(tuple(listed.get(sender) or ()))
+    the run's rule) to be one, from the reducer's ``outputs`` as received, each sender's parts ``wanted`` of it (in
+    order) as one of ``sources`` holds them (as the sender served them, or as the reducer did), and the per-part
+    digests ``listed`` under the receipt (or those of a sender's parts, where every one of them was fetched)."""
+    counts = receipt.counted(len(outputs))
+    digests = [_signed_digests(receipt, i, k, sources, wanted, listed) for i, k in enumerate(counts)]
     outs = tuple(part_digest(p) for p in outputs)
-    checked = sorted(set().union(*(wanted.get(s, ()) for s in receipt.senders)))
-    for j in checked:
+    for j in sorted(set().union(*(wanted.get(s, ()) for s in receipt.senders))):
         parts = []
-        for sender in receipt.senders:
+        for sender, k, signed in zip(receipt.senders, counts, digests):
             mine = list(wanted.get(sender, ()))
-            parts.append(served[sender][mine.index(j)] if j in mine and sender in served else None)
+            found = [got[mine.index(j)] for got in (src.get(sender) for src in sources)
+                     if got and j in mine and mine.index(j) < len(got)]  # fmt: skip
+            part = next((p for p in found if j < len(signed) and part_digest(p) == signed[j]), None)
+            parts.append(part if k > j else None)
         proof = AverageProof(j, outs, tuple(digests), tuple(parts), outputs[j])
-        if shows(proof):
+        if all(p is not None for p, k in zip(parts, counts) if k > j) and shows(proof):
             return proof
     return None
+
+
+def _signed_digests(receipt: Receipt, index: int, k: int, sources, wanted, listed) -> tuple[bytes, ...]:
+    """The per-part digests of the ``k`` parts counted of a sender whose ``digest_of`` the receipt signs: those
+    ``listed``, or those of its parts as one of ``sources`` holds every one of them; () if none is."""
+    sender = receipt.senders[index]
+    candidates = [tuple(listed.get(sender) or ())]
+    for src in sources:
+        got = src.get(sender)
+        if got and len(got) == k == len(wanted.get(sender, ())):
+            candidates.append(tuple(part_digest(p) for p in got))
+    return next((c for c in candidates if _digests(c) and digest_of(c) == receipt.inputs[index]), ())

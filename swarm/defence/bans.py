@@ -227,7 +227,7 @@ class Guard:
         publish: Callable[[list[dict]], None],
         refuse: Callable[[Iterable[str]], None],
         announce: Callable[[Ban], None],
-        check: Callable[[str, bytes], bool] | None = None,
+        check: Callable[[str, bytes], bool | None] | None = None,
     ):
         """``check(accuser, receipt)``: whether the accuser serves a proof that the receipt's reducer averaged wrong
         (``swarm.averager.proof_serving``); without it, such accusations are only shown."""
@@ -250,10 +250,11 @@ class Guard:
             if entry is not None:
                 self.accusations = (self.accusations + [entry])[-MAX_ACCUSATIONS:]
                 self._publish(self.accusations)
-        lifted = self.bans.lift(epoch)
-        if lifted:
-            logger.info("bans lifted after %d rounds: %s", BAN_ROUNDS, ", ".join(b.peer_id[-8:] for b in lifted))
-            self._refuse(list(self.bans.bans))
+        with self._lock:
+            lifted = self.bans.lift(epoch)
+            if lifted:
+                logger.info("bans lifted after %d rounds: %s", BAN_ROUNDS, ", ".join(b.peer_id[-8:] for b in lifted))
+                self._refuse(list(self.bans.bans))
 
     def filter(self, entries: Sequence[PeerEntry]) -> list[PeerEntry]:
         """The entries of peers that are not banned. Others' accusations are applied only when they carry their
@@ -264,7 +265,7 @@ class Guard:
                 epoch = ban.epoch if self._epoch is None else min(ban.epoch, self._epoch)  # no ban from the future
                 self._ban(replace(ban, epoch=epoch))
         if self._checks is not None:  # a wrong average, whose proof the accuser serves: fetched, checked, then applied
-            self._checks.offer(claims((e.record for e in entries), self.own_peer_id, self.bans))
+            self._checks.offer(claims((e.record for e in entries), self.own_peer_id, self.bans, self._checks.seen))
         return [e for e in entries if e.record.peer_id not in self.bans]
 
     def _on_proof(self, claim: Claim) -> None:
@@ -273,9 +274,8 @@ class Guard:
             self._ban(Ban(claim.accused, BanReason.wrong_average, epoch, (claim.accuser,), time.time()))
 
     def _ban(self, ban: Ban) -> None:
-        with self._lock:
+        with self._lock:  # the averager is told the bans in the order they were made
             if not self.bans.add(ban):
                 return
-            banned = list(self.bans.bans)
-        self._refuse(banned)
+            self._refuse(list(self.bans.bans))
         self._announce(ban)

@@ -3,13 +3,16 @@
 
 Which accusations are worth a fetch is a pure rule (``claims``): one of a wrong average, whose receipt is signed by
 the accused, names the accuser among its senders (an auditor or a groupmate that re-checked it: it holds the parts),
-and accuses a live peer this peer has not banned. Each (accuser, receipt) is fetched once, whatever it showed; the
-fetches run one at a time in a thread of their own, at most ``CHECKS_PER_MINUTE``, so that a stranger whose keys
-publish accusations costs a reader little: it can make it fetch, never ban.
+and accuses a live peer this peer has not banned. Each (accuser, receipt) is fetched once, whatever it showed (one
+that served nothing, over its limits or gone for a moment, is asked again up to ``TRIES`` times, later each time);
+the fetches run one at a time in a thread of their own, at most ``CHECKS_PER_MINUTE``, and at most ``PER_ACCUSER``
+claims of one accuser wait at once, so that a stranger whose keys publish accusations costs a reader little and
+cannot keep out the others': it can make it fetch, never ban.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -26,7 +29,13 @@ logger = logging.getLogger(__name__)
 
 CHECKS_PER_MINUTE = 6
 REMEMBERED = 4096  # (accuser, receipt) pairs already fetched
-PENDING = 32  # claims waiting for a fetch; more are offered again at the next read of the records
+PENDING = 64  # claims waiting for a fetch; more are offered again at the next read of the records
+PER_ACCUSER = 2  # of those, one accuser's
+TRIES = 3  # fetches of a claim whose accuser served nothing
+RETRY_AFTER = 20.0  # seconds before the second of them, twice that before the third
+IDLE_EXIT = 60.0  # seconds the thread waits with nothing to do before it ends (a new claim starts another)
+
+_open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are read again every second
 
 
 @dataclass(frozen=True)
@@ -41,8 +50,11 @@ class Claim:
         return self.accuser, hashlib.sha256(self.receipt).digest()
 
 
-def claims(records: Iterable[ProgressRecord], me: str, banned: Container[str]) -> list[Claim]:
-    """The accusations of a wrong average among ``records`` whose proof is worth fetching (see the module)."""
+def claims(
+    records: Iterable[ProgressRecord], me: str, banned: Container[str], seen: Container[tuple[str, bytes]] = ()
+) -> list[Claim]:
+    """The accusations of a wrong average among ``records`` whose proof is worth fetching (see the module), but those
+    ``seen`` already (their receipt's signature is not checked again)."""
     records = list(records)
     live = {record.peer_id for record in records}
     found = []
@@ -52,21 +64,31 @@ def claims(records: Iterable[ProgressRecord], me: str, banned: Container[str]) -
                 continue
             if entry.accused in (me, record.peer_id) or entry.accused in banned or entry.accused not in live:
                 continue
-            receipt = open_receipt(entry.receipt)
+            claim = Claim(record.peer_id, entry.accused, entry.receipt, entry.epoch)
+            if claim.key in seen:
+                continue
+            receipt = _open_receipt(entry.receipt)
             if receipt is None or receipt.reducer != entry.accused or record.peer_id not in receipt.senders:
                 continue
-            found.append(Claim(record.peer_id, entry.accused, entry.receipt, entry.epoch))
+            found.append(claim)
     return found
+
+
+@dataclass
+class _Pending:
+    claim: Claim
+    tries: int = 0
+    not_before: float = 0.0
 
 
 class ProofChecks:
     """Fetches and checks the proofs of ``claims``, one at a time: ``check(accuser, receipt)`` says whether the
-    accuser served one that holds; ``proven(claim)`` is called for each that does."""
+    accuser served one that holds (None: it served none); ``proven(claim)`` is called for each that does."""
 
-    def __init__(self, check: Callable[[str, bytes], bool], proven: Callable[[Claim], None]):
+    def __init__(self, check: Callable[[str, bytes], bool | None], proven: Callable[[Claim], None]):
         self._check, self._proven = check, proven
-        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
-        self._pending: deque[Claim] = deque()
+        self.seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self._pending: list[_Pending] = []
         self._started: deque[float] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -75,34 +97,61 @@ class ProofChecks:
     def offer(self, found: Iterable[Claim]) -> None:
         with self._lock:
             for claim in found:
-                if claim.key in self._seen or len(self._pending) >= PENDING:
+                mine = sum(p.claim.accuser == claim.accuser for p in self._pending)
+                if claim.key in self.seen or len(self._pending) >= PENDING or mine >= PER_ACCUSER:
                     continue
-                self._seen[claim.key] = None
-                while len(self._seen) > REMEMBERED:
-                    self._seen.popitem(last=False)
-                self._pending.append(claim)
+                self._remember(claim)
+                self._pending.append(_Pending(claim))
             if self._pending and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="proof-checks", daemon=True)
                 self._thread.start()
         self._wake.set()
 
+    def _remember(self, claim: Claim) -> None:
+        self.seen[claim.key] = None
+        while len(self.seen) > REMEMBERED:
+            self.seen.popitem(last=False)
+
+    def _next(self) -> _Pending | float | None:
+        """The first claim due (the oldest offered), else seconds until one is, else None (nothing pending)."""
+        now = time.monotonic()
+        due = [p for p in self._pending if p.not_before <= now]
+        if due:
+            self._pending.remove(due[0])
+            return due[0]
+        return min((p.not_before - now for p in self._pending), default=None)
+
     def _run(self) -> None:
         while True:
-            self._wake.wait()
             with self._lock:
-                claim = self._pending.popleft() if self._pending else None
-                if claim is None:
-                    self._wake.clear()
-                    continue
-            self._pace()
+                self._wake.clear()  # an offer after this sets it again
+                item = self._next()
+            if isinstance(item, _Pending):
+                self._attempt(item)
+            elif not self._wake.wait(IDLE_EXIT if item is None else item) and item is None:
+                with self._lock:
+                    if not self._pending:  # nothing came in a while: the thread ends (an offer starts another)
+                        self._thread = None
+                        return
+
+    def _attempt(self, item: _Pending) -> None:
+        claim = item.claim
+        self._pace()
+        try:
+            proven = self._check(claim.accuser, claim.receipt)
+        except Exception:
+            logger.debug("checking %s's proof against %s failed", claim.accuser, claim.accused, exc_info=True)
+            proven = None
+        logger.debug("%s's proof that %s averaged wrong: %s", claim.accuser, claim.accused, proven)
+        if proven is None and item.tries + 1 < TRIES:  # it served nothing: asked again, later
+            with self._lock:
+                self._pending.append(_Pending(claim, item.tries + 1, time.monotonic() + RETRY_AFTER * 2**item.tries))
+        elif proven:
             try:
-                proven = self._check(claim.accuser, claim.receipt)
-            except Exception:
-                logger.debug("checking %s's proof against %s failed", claim.accuser, claim.accused, exc_info=True)
-                proven = False
-            logger.debug("%s's proof that %s averaged wrong: %s", claim.accuser, claim.accused, proven)
-            if proven:
                 self._proven(claim)
+            except Exception:  # the ban could not be applied: logged, and the thread goes on
+                logger.warning("could not apply a proven ban of %s", claim.accused)
+                logger.debug("applying a proven ban", exc_info=True)
 
     def _pace(self) -> None:
         """Wait until a check may start: at most ``CHECKS_PER_MINUTE`` in any minute."""
