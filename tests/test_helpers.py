@@ -243,7 +243,7 @@ def test_messages_sent_on_the_averagers_control_pipe_from_many_threads_arrive_wh
     pipe = LockedSends(outer)
     senders, each, size = 6, 40, 200_000
     received = []
-    reader = threading.Thread(target=lambda: received.extend(inner.recv() for _ in range(senders * each)))
+    reader = threading.Thread(target=lambda: received.extend(inner.recv() for _ in range(senders * each)), daemon=True)
     reader.start()
 
     def send(k):
@@ -258,4 +258,4 @@ def test_messages_sent_on_the_averagers_control_pipe_from_many_threads_arrive_wh
     reader.join(60)
     assert len(received) == senders * each
     assert all(blob == bytes([k]) * size for k, _, blob in received)
-    assert pipe.poll is outer.poll or pipe.poll() is False  # the rest is the pipe's own
+    assert pipe.poll() is False and pipe.fileno() == outer.fileno()  # the rest is the pipe's own

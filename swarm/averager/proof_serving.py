@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 KEPT_PROOFS = 8  # as many as the accusations a progress record shows (``bans.MAX_ACCUSATIONS``)
 KEPT_BYTES = 64 << 20
-PROOF_LIMITS = dict(per_peer=2, total=64, per_minute=30)  # a reader asks once per accusation (a few times if refused)
+# a reader asks once per accusation (a few times if refused); few at once, so that each stream has a share of a home
+# uplink (a proof is up to a part a sender: a few MiB), and readers past the limit are served on their next try
+PROOF_LIMITS = dict(per_peer=1, total=8, per_minute=30)
 MAX_PROOF_SENDERS = 64  # a receipt of a larger group is not fetched for (its proof would take too much memory)
 PROOF_TIMEOUT = 60.0  # seconds a reader's fetch and check may take
 CHUNK_TIMEOUT = 20.0  # seconds between two messages of a proof
@@ -104,22 +106,22 @@ class AverageProofs:
 
     def check_average_proof(self, accuser: str, receipt: bytes, timeout: float = PROOF_TIMEOUT + 5) -> bool | None:
         """(From the host.) Whether ``accuser`` serves a proof that the reducer of ``receipt`` (its signed blob)
-        returned a wrong average; False for a proof that does not hold, None where none came (it served nothing, the
-        fetch failed or ran out of time: worth asking again later)."""
+        returned a wrong average; False for a proof that does not hold, a stream that failed or ran out of time; None
+        where it served nothing (over its limits, or without the proof for now: worth asking again later)."""
         future = MPFuture()
         self._outer_pipe.send(("_check_average_proof", [], dict(accuser=accuser, blob=receipt, future=future)))
         try:
             return future.result(timeout=timeout)
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
-            return None
+            return False
 
     async def _check_average_proof(self, accuser: str, blob: bytes, future: MPFuture) -> None:
         try:
             proven = await asyncio.wait_for(self._fetch_and_check(accuser, blob), PROOF_TIMEOUT)
-        except Exception as e:  # the accuser's stream or bytes: anything can go wrong with them
-            logger.debug("no proof of a wrong average from %s: %r", accuser, e, exc_info=True)
-            proven = None
+        except Exception as e:  # the accuser's stream or bytes: anything can go wrong with them (a stream that stalls
+            logger.debug("no proof of a wrong average from %s: %r", accuser, e, exc_info=True)  # is not asked again)
+            proven = False
         if not future.done():
             future.set_result(proven)
 

@@ -45,7 +45,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from swarm.defence.receipts import Receipt, digest_of, digest_parts, part_digest, statement_hash, statement_vouches
-from swarm.defence.robust import RefusedPart, check_part, robust_mean
+from swarm.defence.robust import RefusedPart, check_part, keep_choices, robust_mean
 from swarm.manifest import Aggregation
 
 logger = logging.getLogger(__name__)
@@ -295,11 +295,36 @@ def judge(
     exact = recompute([served[s] for s in receipt.senders], receipt.weights, [numels[i] for i in indices], aggregation)
     if exact is None:
         return Verdict.wrong_average
-    for i, value in zip(indices, exact):
+    for pos, (i, value) in enumerate(zip(indices, exact)):
         try:
             sent = _decode(received_output[i])
         except Exception:
             return Verdict.wrong_average
-        if not close_enough(sent, value, _decode(encode(value))):
+        if close_enough(sent, value, _decode(encode(value))):
+            continue
+        one = [[parts[pos]] if pos < len(parts) else [] for parts in (served[s] for s in receipt.senders)]
+        if not matches_either_way(sent, one, receipt.weights, numels[i], aggregation, encode, close_enough):
             return Verdict.wrong_average
     return Verdict.passed
+
+
+def matches_either_way(sent, parts_by_sender, weights, numel, aggregation, encode, matches) -> bool:
+    """Whether ``sent`` ``matches`` a recomputation of one part from ``parts_by_sender`` (each one part, or none) in
+    which the parts whose cosines lie on the edge of 0 (``robust.keep_choices``) are kept or left out some other way
+    than here: another machine's Gram matrix may put them on the other side. True too where too many parts are on
+    that edge to try every way: nothing is shown then, and nobody is judged on it."""
+    present = [(parts[0], w) for parts, w in zip(parts_by_sender, weights) if parts]
+    try:
+        values = [check_part(_decode(part), numel, w) for part, w in present]
+    except (RefusedPart, RuntimeError, ValueError):
+        return False
+    if aggregation != Aggregation.centered_clip or len(values) <= 2:
+        return False  # no such choice is made
+    choices = keep_choices(values)
+    if choices is None:
+        return True
+    for keep in choices:
+        exact = robust_mean(values, [w for _, w in present], aggregation, keep=keep)
+        if matches(sent, exact, _decode(encode(exact))):
+            return True
+    return False

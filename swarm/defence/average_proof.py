@@ -27,7 +27,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.defence.audit import _decode, close_enough, recompute, too_few
+from swarm.defence.audit import _decode, close_enough, matches_either_way, recompute, too_few
 from swarm.defence.receipts import Receipt, digest_of, part_digest
 from swarm.defence.statements import MAX_PARTS
 from swarm.manifest import Aggregation
@@ -131,7 +131,11 @@ def proves_wrong_average(
         exact = recompute(present, receipt.weights, [numel], aggregation)
         if exact is None:  # a part an honest reducer refuses: its auditor's evidence, not a proof to others
             return False
-        return beyond_rounding(_decode(proof.output), exact[0], _decode(encode(exact[0])))
+        sent = _decode(proof.output)
+        if not beyond_rounding(sent, exact[0], _decode(encode(exact[0]))):
+            return False
+        near = lambda s, e, r: not beyond_rounding(s, e, r)  # noqa: E731
+        return not matches_either_way(sent, present, receipt.weights, numel, aggregation, encode, near)
     except (RuntimeError, ValueError, TypeError):
         return False
 

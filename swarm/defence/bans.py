@@ -265,7 +265,8 @@ class Guard:
                 epoch = ban.epoch if self._epoch is None else min(ban.epoch, self._epoch)  # no ban from the future
                 self._ban(replace(ban, epoch=epoch))
         if self._checks is not None:  # a wrong average, whose proof the accuser serves: fetched, checked, then applied
-            self._checks.offer(claims((e.record for e in entries), self.own_peer_id, self.bans, self._checks.seen))
+            found = claims((e.record for e in entries), self.own_peer_id, self.bans, self._checks.seen)
+            self._checks.offer(c for c in found if self._epoch is None or c.epoch + BAN_ROUNDS > self._epoch)
         return [e for e in entries if e.record.peer_id not in self.bans]
 
     def _on_proof(self, claim: Claim) -> None:

@@ -5,16 +5,17 @@ Which accusations are worth a fetch is a pure rule (``claims``): one of a wrong 
 the accused, names the accuser among its senders (an auditor or a groupmate that re-checked it: it holds the parts),
 and accuses a live peer this peer has not banned. Each (accuser, receipt) is fetched once, whatever it showed (one
 that served nothing, over its limits or gone for a moment, is asked again up to ``TRIES`` times, later each time);
-the fetches run one at a time in a thread of their own, at most ``CHECKS_PER_MINUTE``, and at most ``PER_ACCUSER``
-claims of one accuser wait at once, so that a stranger whose keys publish accusations costs a reader little and
-cannot keep out the others': it can make it fetch, never ban.
+the fetches run one at a time in a thread of their own, at most ``CHECKS_PER_MINUTE``, in random order, with at most
+``PER_ACCUSER`` claims of one accuser and ``PER_ACCUSED`` against one accused waiting at once, so that a stranger
+whose keys publish accusations costs a reader little and can only slow the others': it can make it fetch, never ban.
+An accuser whose stream fails or stalls is not asked again.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict, deque
@@ -22,7 +23,7 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from swarm.defence.audit import Verdict
-from swarm.defence.receipts import open_receipt
+from swarm.defence.receipts import Receipt, open_receipt
 from swarm.dht.records import ProgressRecord
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,26 @@ CHECKS_PER_MINUTE = 6
 REMEMBERED = 4096  # (accuser, receipt) pairs already fetched
 PENDING = 64  # claims waiting for a fetch; more are offered again at the next read of the records
 PER_ACCUSER = 2  # of those, one accuser's
-TRIES = 3  # fetches of a claim whose accuser served nothing
-RETRY_AFTER = 20.0  # seconds before the second of them, twice that before the third
+PER_ACCUSED = 4  # and those against one accused
+TRIES = 5  # fetches of a claim whose accuser served nothing (over its limits: many readers ask at once)
+RETRY_AFTER = 20.0  # seconds before the second of them (at random, up to half as long again), doubling each time
 IDLE_EXIT = 60.0  # seconds the thread waits with nothing to do before it ends (a new claim starts another)
 
-_open_receipt = functools.lru_cache(maxsize=256)(open_receipt)  # records are read again every second
+OPENED = 4096  # receipts whose signature was checked, by hash (records are read again every second)
+_opened: OrderedDict[bytes, Receipt | None] = OrderedDict()
+_opened_lock = threading.Lock()
+
+
+def _open_receipt(blob: bytes, key: bytes) -> Receipt | None:
+    with _opened_lock:
+        if key in _opened:
+            return _opened[key]
+    receipt = open_receipt(blob)
+    with _opened_lock:
+        _opened[key] = receipt
+        while len(_opened) > OPENED:
+            _opened.popitem(last=False)
+    return receipt
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ def claims(
             claim = Claim(record.peer_id, entry.accused, entry.receipt, entry.epoch)
             if claim.key in seen:
                 continue
-            receipt = _open_receipt(entry.receipt)
+            receipt = _open_receipt(entry.receipt, claim.key[1])
             if receipt is None or receipt.reducer != entry.accused or record.peer_id not in receipt.senders:
                 continue
             found.append(claim)
@@ -95,17 +111,23 @@ class ProofChecks:
         self._thread: threading.Thread | None = None
 
     def offer(self, found: Iterable[Claim]) -> None:
+        added = False
         with self._lock:
             for claim in found:
                 mine = sum(p.claim.accuser == claim.accuser for p in self._pending)
+                theirs = sum(p.claim.accused == claim.accused for p in self._pending)
                 if claim.key in self.seen or len(self._pending) >= PENDING or mine >= PER_ACCUSER:
+                    continue
+                if theirs >= PER_ACCUSED:
                     continue
                 self._remember(claim)
                 self._pending.append(_Pending(claim))
+                added = True
             if self._pending and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="proof-checks", daemon=True)
                 self._thread.start()
-        self._wake.set()
+        if added:
+            self._wake.set()
 
     def _remember(self, claim: Claim) -> None:
         self.seen[claim.key] = None
@@ -113,12 +135,14 @@ class ProofChecks:
             self.seen.popitem(last=False)
 
     def _next(self) -> _Pending | float | None:
-        """The first claim due (the oldest offered), else seconds until one is, else None (nothing pending)."""
+        """A claim due, drawn at random (a stranger's many claims, offered first, do not come first), else seconds
+        until one is, else None (nothing pending)."""
         now = time.monotonic()
         due = [p for p in self._pending if p.not_before <= now]
         if due:
-            self._pending.remove(due[0])
-            return due[0]
+            item = random.choice(due)
+            self._pending.remove(item)
+            return item
         return min((p.not_before - now for p in self._pending), default=None)
 
     def _run(self) -> None:
@@ -145,7 +169,8 @@ class ProofChecks:
         logger.debug("%s's proof that %s averaged wrong: %s", claim.accuser, claim.accused, proven)
         if proven is None and item.tries + 1 < TRIES:  # it served nothing: asked again, later
             with self._lock:
-                self._pending.append(_Pending(claim, item.tries + 1, time.monotonic() + RETRY_AFTER * 2**item.tries))
+                wait = RETRY_AFTER * 2**item.tries * random.uniform(1.0, 1.5)
+                self._pending.append(_Pending(claim, item.tries + 1, time.monotonic() + wait))
         elif proven:
             try:
                 self._proven(claim)

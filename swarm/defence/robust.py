@@ -51,6 +51,13 @@ CENTERED_CLIP_ITERATIONS = 5
 CLIP_FACTOR = 1.0
 # more rows than this are sorted by torch (a transposition network costs k^2 row operations)
 SORTING_NETWORK_MAX_ROWS = 16
+# a pairwise cosine this close to 0 may come out on either side of it on another machine: its float64 Gram entry is
+# summed in an order the BLAS picks, off by up to about n * 2**-52 of the norms' product (n values: 1e-9 at 2**22),
+# and senders that share a plan can craft parts on that edge. An auditor, or a reader of a proof, recomputes such a
+# part every way the parts on the edge could have been kept or left out (``keep_choices``) and finds a reducer wrong
+# only if it matches none
+COSINE_EDGE = 1e-8
+MAX_EDGE_ROWS = 3  # parts on that edge tried every way (2**3 recomputations at most); more: the part is not judged
 
 
 class RefusedPart(AllreduceException):
@@ -76,8 +83,15 @@ def capped_weights(weights: Sequence[float]) -> torch.Tensor:
     return torch.minimum(w, w.sort().values[len(w) // 2])
 
 
-def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggregation: Aggregation) -> torch.Tensor:
-    """The reducer's result for one part from each sender's checked values (same length, finite).
+def robust_mean(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    aggregation: Aggregation,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reducer's result for one part from each sender's checked values (same length, finite). ``keep``: which
+    parts point along the others (``_against_the_grain_left_out``), as a check decides it (``keep_choices``); None:
+    from their cosines, as a reducer does.
 
     Few part-sized buffers are allocated, and none in a loop: in the averager every block of 1 MiB or more is
     mapped from the system on its own and returned when freed (swarm/averager/heap.py), so each costs page faults.
@@ -99,7 +113,7 @@ def robust_mean(parts: Sequence[torch.Tensor], weights: Sequence[float], aggrega
     norms = gram.diagonal().clamp_min(0).sqrt()
     stacked.mul_(torch.clamp(CLIP_FACTOR * norms.median() / norms.clamp_min(1e-30), max=1.0).float()[:, None])
     if len(parts) > 2:  # cosines do not change with the clipping's positive factors
-        stacked, w = _against_the_grain_left_out(stacked, w, gram)
+        stacked, w = _against_the_grain_left_out(stacked, w, gram, keep)
     if len(stacked) <= 2:
         return _centered_clip(stacked, w, _combination(torch.zeros_like(stacked[0]), stacked, w))
     ordered = sorted_rows(stacked)
@@ -169,23 +183,47 @@ def sorted_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _against_the_grain_left_out(
-    stacked: torch.Tensor, w: torch.Tensor, gram: torch.Tensor | None = None
+    stacked: torch.Tensor, w: torch.Tensor, gram: torch.Tensor | None = None, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Parts that point away from every other part (no positive cosine with any) are left out, if a majority
     remains: a sign-flipped or negated pseudo-gradient then counts for nothing rather than shrinking the step.
     Pairwise, not against the coordinate-wise median: with three senders whose honest pseudo-gradients agree
     only weakly (cosine ~0.1, as two peers' H-step updates on different data do), the median follows the liar
     in every coordinate where the honest two differ in sign, and a -4x liar had a positive cosine with it."""
-    gram = _gram64(stacked) if gram is None else gram
-    norms = gram.diagonal().clamp_min(0).sqrt()
-    cosine = gram / (norms[:, None] * norms[None, :]).clamp_min(1e-30)
-    keep = (cosine.fill_diagonal_(0.0) > 0).any(dim=1)
+    if keep is None:
+        cosine = _cosines(_gram64(stacked) if gram is None else gram)
+        keep = (cosine > 0).any(dim=1)
+        if logger.isEnabledFor(logging.DEBUG):
+            cosines = [round(float(c), 3) for c in cosine.flatten()]
+            logger.debug("pairwise cosines %s: keeping %s", cosines, keep.tolist())
     kept = int(keep.sum())
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("pairwise cosines %s: keeping %s", [round(float(c), 3) for c in cosine.flatten()], keep.tolist())
     if kept == len(stacked) or 2 * kept <= len(stacked):
         return stacked, w
     return stacked[keep], w[keep] / w[keep].sum()
+
+
+def _cosines(gram: torch.Tensor) -> torch.Tensor:
+    """The pairwise cosines of a Gram matrix's rows, 0 on the diagonal."""
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    return (gram / (norms[:, None] * norms[None, :]).clamp_min(1e-30)).fill_diagonal_(0.0)
+
+
+def keep_choices(parts: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Every ``keep`` a reducer on some machine may have come to for these parts: the parts whose best cosine with
+    another is within ``COSINE_EDGE`` of 0 kept or left out in every combination, the rest as their cosines say; None
+    when more than ``MAX_EDGE_ROWS`` parts are on that edge."""
+    cosine = _cosines(_gram64(torch.stack(list(parts))))
+    sure = (cosine > COSINE_EDGE).any(dim=1)
+    edge = ((cosine > -COSINE_EDGE).any(dim=1) & ~sure).nonzero().flatten().tolist()
+    if len(edge) > MAX_EDGE_ROWS:
+        return None
+    choices = []
+    for bits in range(2 ** len(edge)):
+        keep = sure.clone()
+        for bit, row in enumerate(edge):
+            keep[row] = bool(bits >> bit & 1)
+        choices.append(keep)
+    return choices
 
 
 class RobustPartReducer(TensorPartReducer):

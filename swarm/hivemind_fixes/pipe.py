@@ -25,4 +25,6 @@ class LockedSends:
             self._pipe.send(obj)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_pipe":  # not set yet (an unpickled copy): not the pipe's
+            raise AttributeError(name)
         return getattr(self._pipe, name)
