@@ -50,7 +50,7 @@ from swarm.defence.robust import robust_mean
 from swarm.defence.statements import Statement
 from swarm.manifest import Aggregation
 from tests.keyed_p2p import keyed_p2ps
-from tests.test_audit import CODEC_TYPES, peer_of, record
+from tests.test_audit import CODEC_TYPES, peer_of, record, sender_parts
 from tests.test_audit_dropped import GROUP, NUMELS, check, dropped_round
 
 FP16 = CODEC_TYPES["fp16"]
@@ -216,6 +216,19 @@ def test_a_part_on_the_edge_of_another_machines_cosines_is_judged_both_ways(keys
     names, served, output, receipt, _, listed = edge_round(keys, lambda v: -4 * v)
     assert check(names, served, output, receipt) == Verdict.wrong_average
     assert proof_of(names, served, output, receipt, listed) is not None
+
+
+def test_a_proof_shows_the_smallest_part_that_proves_the_lie():
+    """A reader decodes every sender's part of the one shown: the smallest that shows the lie (here every part does)."""
+    sizes, names = [500, 40, 300], ["a", "b", "c"]
+    served = [sender_parts("fp16", seed, sizes) for seed in range(3)]
+    output = [encode(torch.zeros(n)) for n in sizes]
+    listed = [[part_digest(p) for p in parts] for parts in served]
+    receipt = Receipt(GROUP, "a", tuple(names), (1.0,) * 3, tuple(digest_of(d) for d in listed),
+                      digest_of([part_digest(p) for p in output]), (b"",) * 3, b"n" * 16, (3, 3, 3))  # fmt: skip
+    wanted = {n: [0, 1, 2] for n in names}
+    proof = find_proof(receipt, output, [dict(zip(names, served))], wanted, {}, lambda proof: True)
+    assert proof is not None and proof.index == 1 and int(proof.output.size[0]) == 40
 
 
 def test_a_part_averaged_from_too_few_senders_is_no_proof(keys, monkeypatch):

@@ -158,14 +158,15 @@ def find_proof(
     listed: Mapping[str, Sequence[bytes]],
     shows: Callable[[AverageProof], bool],
 ) -> AverageProof | None:
-    """After an audit found a wrong average: the first part it checked that ``shows`` (``proves_wrong_average`` with
+    """After an audit found a wrong average: the smallest part it checked that ``shows`` (``proves_wrong_average`` with
     the run's rule) to be one, from the reducer's ``outputs`` as received, each sender's parts ``wanted`` of it (in
     order) as one of ``sources`` holds them (as the sender served them, or as the reducer did), and the per-part
     digests ``listed`` under the receipt (or those of a sender's parts, where every one of them was fetched)."""
     counts = receipt.counted(len(outputs))
     digests = [_signed_digests(receipt, i, k, sources, wanted, listed) for i, k in enumerate(counts)]
     outs = tuple(part_digest(p) for p in outputs)
-    for j in sorted(set().union(*(wanted.get(s, ()) for s in receipt.senders))):
+    checked = set().union(*(wanted.get(s, ()) for s in receipt.senders))
+    for j in sorted(checked, key=lambda j: (_numel(outputs[j]), j)):  # the smallest first: a reader's memory
         parts = []
         for sender, k, signed in zip(receipt.senders, counts, digests):
             mine = list(wanted.get(sender, ()))
@@ -177,6 +178,10 @@ def find_proof(
         if all(p is not None for p, k in zip(parts, counts) if k > j) and shows(proof):
             return proof
     return None
+
+
+def _numel(part: runtime_pb2.Tensor) -> int:
+    return int(part.size[0]) if len(part.size) == 1 else 1 << 62
 
 
 def _signed_digests(receipt: Receipt, index: int, k: int, sources, wanted, listed) -> tuple[bytes, ...]:
