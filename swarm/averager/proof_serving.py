@@ -51,6 +51,7 @@ class AverageProofs:
     def _init_proofs(self) -> None:
         self._proofs: OrderedDict[bytes, tuple[bytes, list[runtime_pb2.Tensor]]] = OrderedDict()
         self._proving: set[asyncio.Task] = set()
+        self._proof_limits = ServingLimits(**PROOF_LIMITS)  # per requester, in the averager process that serves
 
     # ---- the accuser's side -----------------------------------------------------------------------------------
 
@@ -79,11 +80,6 @@ class AverageProofs:
         while len(self._proofs) > KEPT_PROOFS or sum(map(size, self._proofs.values())) > KEPT_BYTES:
             self._proofs.popitem(last=False)
 
-    def _proof_limits(self) -> ServingLimits:
-        if getattr(self, "_proof_serving", None) is None:
-            self._proof_serving = ServingLimits(**PROOF_LIMITS)
-        return self._proof_serving
-
     async def rpc_audit_proof(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
@@ -91,7 +87,7 @@ class AverageProofs:
         fields = self._admitted(request, context)
         key = fields.get("receipt") if fields else None
         kept = self._proofs.get(key) if isinstance(key, bytes) else None
-        requester, limits = context.remote_id.to_base58(), self._proof_limits()
+        requester, limits = context.remote_id.to_base58(), self._proof_limits
         if kept is None or not limits.acquire(requester):
             return
         try:

@@ -116,9 +116,8 @@ class ProofChecks:
             for claim in found:
                 mine = sum(p.claim.accuser == claim.accuser for p in self._pending)
                 theirs = sum(p.claim.accused == claim.accused for p in self._pending)
-                if claim.key in self.seen or len(self._pending) >= PENDING or mine >= PER_ACCUSER:
-                    continue
-                if theirs >= PER_ACCUSED:
+                full = len(self._pending) >= PENDING or mine >= PER_ACCUSER or theirs >= PER_ACCUSED
+                if claim.key in self.seen or full:
                     continue
                 self._remember(claim)
                 self._pending.append(_Pending(claim))
