@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:
-        args.peers, args.group, args.rounds, args.churn_every, args.solo_seconds = [3], 2, 2, 0, 10.0
+        args.peers, args.group, args.rounds, args.churn_every, args.solo_seconds = [3], 2, 3, 0, 10.0
     overrides = [f"averaging.target_group_size={args.group}", "inner_steps=10"]
     clock, rows = Stopwatch(), []
     with scratch_dir(args.workdir, "swarm-scale-") as workdir:

@@ -104,7 +104,7 @@ class Trainer:
         self._disk_rate = ASSUMED_DISK_BYTES_PER_SECOND
         stopper.on_stop(self._on_stop_signal)
         stopper.on_leave_after_round(self._on_leave_after_round)
-        stopper.checkpoint_done = lambda: self.peer is None or self.peer.checkpoint_idle
+        stopper.checkpoint_done = lambda: self.peer is None or self.peer.checkpoint_written()
 
     def note(self, kind: str, message: str) -> None:
         """An event: into the dashboard's event log, --log-json, and the plain log lines."""
@@ -340,8 +340,8 @@ class Trainer:
             self.note("resync", f"The last round's state was not its group's: re-synced (epoch {report.epoch}).")
 
     def _leave(self) -> None:
-        """Within the stop deadline: the inner optimizer's state if there is time, then the peer leaves, which
-        waits for the newest state file (the last round's checkpoint)."""
+        """Within the stop deadline: the newest state file (the last round's checkpoint), then the inner optimizer's
+        state if there is time, then the peer leaves."""
         peer = self.peer
         if peer is None:
             return
@@ -357,6 +357,7 @@ class Trainer:
                         latest[1] if latest and latest[0] == peer.epoch else self._held_out()
                     )
                     self.note("log", f"held-out loss at end: {self.result.eval_loss_end:.4f}")
+                peer.checkpoint_written(timeout=max(0.0, budget()))  # side by side on a slow disk, neither was done
                 self._save_inner(budget())
         finally:
             if peer.outer is not None:
@@ -366,12 +367,8 @@ class Trainer:
             latest = peer.latest_checkpoint
             if latest is not None:
                 self.result.checkpoint = latest
-                self.note(
-                    "log",
-                    f"Checkpoint written: {latest}"
-                    if written
-                    else f"The newest checkpoint was not finished in time; the last complete one is {latest}",
-                )
+                late = f"The newest checkpoint was not finished in time; the last complete one is {latest}"
+                self.note("log", f"Checkpoint written: {latest}" if written else late)
 
     def _save_inner(self, seconds_left: float) -> None:
         """The inner AdamW state (2 tensors per parameter), when this disk can write it in the time left."""

@@ -169,9 +169,8 @@ class Peer:
     def download_progress(self) -> float:
         return self.averager.download_progress if self.averager is not None else 0.0
 
-    @property
-    def checkpoint_idle(self) -> bool:  # no state file is being written (or there is no store yet)
-        return self._checkpoints is None or self._checkpoints.store.idle
+    def checkpoint_written(self, timeout: float = 0.0) -> bool:  # no state file left to write (waits up to timeout)
+        return self._checkpoints is None or self._checkpoints.store.wait_idle(timeout)
 
     @property
     def latest_checkpoint(self) -> Path | None:

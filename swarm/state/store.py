@@ -143,11 +143,6 @@ class StateStore:
                 self._cond.wait(remaining)
         return True
 
-    @property
-    def idle(self) -> bool:
-        with self._cond:
-            return self._pending is None and not self._busy
-
     def temporary_path(self, tag: str) -> Path:
         """A name for a file being written (a download), removed at the next start if it is left behind."""
         return self.directory / f".tmp-{tag}-{os.getpid()}.safetensors"
