@@ -23,12 +23,14 @@ import pytest
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import ServicerBase
-from hivemind.proto import runtime_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from swarm.averager import served
 from swarm.averager.allreduce import encode_average
 from swarm.averager.bounds import admitted
 from swarm.averager.proof_serving import AverageProofs
@@ -307,6 +309,40 @@ def test_a_reader_fetches_the_proof_from_its_accuser_and_checks_it(keys):
     other = dropped_round(keys, 3, lambda v: -2 * v)[4]  # a liar's receipt whose proof this accuser does not keep
     results = asyncio.run(_served_and_checked(keys, {blob: proof, honest_blob: lying}, [blob, honest_blob, other]))
     assert results == [True, False, None]  # None: it served nothing, asked again later
+
+
+async def _stalled_then_asked_again(parts: int) -> tuple[dict, int, int]:
+    """A reader that takes the proof's first message and stops reading: the accuser's slots once the stream had a
+    stall's time and more, the messages the reader still gets, then how many a second request gets."""
+    p2ps, _ = await keyed_p2ps(2)
+    try:
+        accuser, reader = ProofPeer(p2ps[0]), ProofPeer(p2ps[1])
+        await accuser.add_p2p_handlers(p2ps[0], namespace=accuser.prefix)
+        key = bytes(32)
+        accuser._proofs[key] = (b"metadata", [runtime_pb2.Tensor(buffer=bytes(1 << 20)) for _ in range(parts)])
+        stub = reader.get_stub(p2ps[1], p2ps[0].peer_id, namespace=reader.prefix)
+        ask = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(receipt=key)))
+        stream = await stub.rpc_audit_proof(ask)
+        await asyncio.wait_for(stream.__anext__(), HANG_GUARD)
+        await asyncio.sleep(served.STALL + 3.0)  # the reader's buffers fill long before: the accuser waits to send
+        slots = dict(accuser._proof_limits.open)
+        rest = [m async for m in aiter_with_timeout(stream, timeout=10.0)]  # raises if the stream is still open
+        again = await stub.rpc_audit_proof(ask)
+        whole = [m async for m in aiter_with_timeout(again, timeout=HANG_GUARD)]
+        return slots, len(rest), len(whole)
+    finally:
+        await asyncio.gather(*(p.shutdown() for p in p2ps))
+
+
+def test_a_reader_that_stops_reading_loses_its_stream_and_its_slot(monkeypatch):
+    """An accuser serves one stream per requester: one that asks and never reads would hold it (and a few keys every
+    slot) for as long as its connection lives. A stream whose message waits ``STALL`` s to be taken is ended."""
+    monkeypatch.setattr(served, "STALL", 2.0)
+    parts = 64  # 64 MiB: more than the daemons and sockets between the two buffer
+    slots, rest, whole = asyncio.run(_stalled_then_asked_again(parts))
+    assert slots == {}, "the stalled stream still holds its slot"
+    assert rest < parts, "the stalled stream was sent whole"
+    assert whole == parts + 1, "the same reader, asking again, was not served"
 
 
 # ---- the host: claims worth a fetch, one fetch each, a ban only on a proof that holds --------------------------------

@@ -21,6 +21,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.held import HeldPart
+from swarm.averager.served import Slot
 from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.audit import Verdict, auditor_of
 from swarm.defence.statements import MAX_STATEMENT_BYTES
@@ -135,15 +136,15 @@ class AuditServing:
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         """A groupmate's audit: what its ``AuditRequest`` asks for; nothing past its limits (``AUDIT_LIMITS``)."""
-        requester, limits = context.remote_id.to_base58(), self._audit_limits()
-        if not limits.acquire(requester):
-            logger.debug("refused an audit request from %s: over its limits", requester)
+        slot = Slot(self._audit_limits(), context.remote_id.to_base58())
+        if not slot.taken:
+            logger.debug("refused an audit request from %s: over its limits", slot.requester)
             return
         try:
-            async for message in self._serve_audit(request, context):
+            async for message in slot.stream(self._serve_audit(request, context)):
                 yield message
         finally:
-            limits.release(requester)
+            slot.release()
 
     async def _serve_audit(
         self, request: averaging_pb2.DownloadData, context: P2PContext

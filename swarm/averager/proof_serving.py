@@ -29,6 +29,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averager.allreduce import encode_average
 from swarm.averager.bounds import MAX_PART, OutOfBounds, admit, declared_numel, max_bytes
+from swarm.averager.served import Slot
 from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.average_proof import MAX_METADATA_BYTES, AverageProof, find_proof, from_wire, proves_wrong_average
 from swarm.defence.receipts import Receipt, open_receipt
@@ -87,16 +88,13 @@ class AverageProofs:
         fields = self._admitted(request, context)
         key = fields.get("receipt") if fields else None
         kept = self._proofs.get(key) if isinstance(key, bytes) else None
-        requester, limits = context.remote_id.to_base58(), self._proof_limits
-        if kept is None or not limits.acquire(requester):
+        if kept is None or not (slot := Slot(self._proof_limits, context.remote_id.to_base58())).taken:
             return
         try:
-            metadata, parts = kept
-            yield averaging_pb2.DownloadData(metadata=metadata)
-            for part in parts:
-                yield averaging_pb2.DownloadData(tensor_part=part)
+            async for message in slot.stream(_messages(*kept)):
+                yield message
         finally:
-            limits.release(requester)
+            slot.release()
 
     # ---- a reader's side --------------------------------------------------------------------------------------
 
@@ -185,3 +183,9 @@ class AverageProofs:
         except OutOfBounds as e:
             logger.debug("a proof's parts refused: %s", e)
             return None
+
+
+async def _messages(metadata: bytes, parts: list) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+    yield averaging_pb2.DownloadData(metadata=metadata)
+    for part in parts:
+        yield averaging_pb2.DownloadData(tensor_part=part)

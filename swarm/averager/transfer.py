@@ -36,6 +36,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from swarm.averager.held import Dropped, HeldPart
+from swarm.averager.served import Slot
 from swarm.averager.serving_limits import ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.dht.access import RunSecret
@@ -206,17 +207,17 @@ class FileTransfer:
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
-        requester = context.remote_id.to_base58()
-        if not self._serving.acquire(requester):
-            logger.debug("a state download by %s refused: over its serving limits", requester)
+        slot = Slot(self._serving, context.remote_id.to_base58())
+        if not slot.taken:
+            logger.debug("a state download by %s refused: over its serving limits", slot.requester)
             return
         try:
             current = await self._current_file()
             if current is not None:
-                async for message in self._stream_file(*current):
+                async for message in slot.stream(self._stream_file(*current)):
                     yield message
         finally:
-            self._serving.release(requester)
+            slot.release()
 
     async def rpc_download_update(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -226,18 +227,20 @@ class FileTransfer:
         if not self.allow_state_sharing or self._update_dir is None or fields is None:
             return
         epoch = fields.get("epoch")
-        requester = context.remote_id.to_base58()
-        if not (isinstance(epoch, int) and epoch >= 0) or not self._serving.acquire(requester):
+        if not (isinstance(epoch, int) and epoch >= 0):
+            return
+        slot = Slot(self._serving, context.remote_id.to_base58())
+        if not slot.taken:
             return
         try:
             path = update_path(self._update_dir, epoch)
             deadline = time.monotonic() + STALE_FILE_WAIT
             while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
-            async for message in self._stream_file(path, epoch):
+            async for message in slot.stream(self._stream_file(path, epoch)):
                 yield message
         finally:
-            self._serving.release(requester)
+            slot.release()
 
     # ---- keeping the rounds' averages (the averager process after a group's round; the host after a local one)
 
