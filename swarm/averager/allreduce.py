@@ -115,6 +115,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         plain.num_senders = 0  # so finalizing it unused does not log "Reducer: received 0.0% of input tensors"
         plain.finalize()
         self.bytes_sent = self.bytes_received = 0
+        self.committing = False  # the average is being written into the buffers: no timeout cuts it (``fixed_group``)
         # checked reducers (swarm.defence.audit): the exact parts sent to each reducer, by its index in the group, and
         # as a reducer, the digest of each part each sender sent us, and each sender's weight
         self.sent_parts = SpilledParts(keep_parts)  # on disk until an auditor asks: a whole pseudo-gradient's bytes

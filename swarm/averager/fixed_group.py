@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 import typing
 from collections.abc import Sequence
@@ -28,6 +29,9 @@ from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averager.allreduce import WIRE_VERSION
+
+logger = logging.getLogger(__name__)
+T = typing.TypeVar("T")
 
 GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
 
@@ -70,19 +74,17 @@ class FixedGroups:
     """A mixin of ``PseudoGradientAverager``: all-reduces among known members."""
 
     def start_fixed_group(
-        self, group_id: bytes, members: Sequence[tuple[str, bool, typing.Any]], weight: float, timeout: float
+        self, group_id: bytes, members: Sequence[tuple[str, bool, typing.Any]], weight: float
     ) -> FixedStep:
         """(host) Average the buffers with ``members`` (each ``(peer id, client mode, gathered data)``, this peer's
-        among them), weighted by ``weight``; the step ends within ``timeout``."""
+        among them), weighted by ``weight``; the step ends within the all-reduce's limit (``_within_limit``)."""
         future = MPFuture()
         members = sorted(members, key=lambda m: m[0])
-        kwargs = dict(group_id=group_id, members=members, weight=weight, timeout=timeout, future=future)
+        kwargs = dict(group_id=group_id, members=members, weight=weight, future=future)
         self._outer_pipe.send(("_run_fixed_group", [], kwargs))
         return FixedStep(future)
 
-    async def _run_fixed_group(
-        self, group_id: bytes, members: list, weight: float, timeout: float, future: MPFuture
-    ) -> None:
+    async def _run_fixed_group(self, group_id: bytes, members: list, weight: float, future: MPFuture) -> None:
         self._fixed_group_ids.append(group_id)  # a second stage: its senders' weights are groups' samples
         try:
             gathered = tuple(
@@ -94,12 +96,8 @@ class FixedGroups:
             )  # fmt: skip
             group_info = GroupInfo(group_id, tuple(PeerID.from_base58(peer) for peer, _, _ in members), gathered)
             with self._register_allreduce_group(group_info):
-                outcome = await asyncio.wait_for(
-                    self._aggregate_with_group(
-                        group_info, tensor_infos=self.tensor_infos, weight=weight, **self.allreduce_kwargs
-                    ),
-                    timeout,
-                )
+                kwargs = dict(tensor_infos=self.tensor_infos, weight=weight, **self.allreduce_kwargs)
+                outcome = await self._aggregate_with_group(group_info, **kwargs)
             if not future.done():
                 future.set_result(outcome)
         except BaseException as e:
@@ -107,6 +105,33 @@ class FixedGroups:
                 future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
             if not isinstance(e, Exception):
                 raise
+
+    async def _within_limit(self, group_id: bytes, aggregate: typing.Awaitable[T]) -> T:
+        """``aggregate``, an all-reduce of either stage, given up ``_allreduce_limit`` s after it began unless it is
+        writing the average into the buffers by then (its runner is ``committing``): that write is never cut. Under
+        hivemind's ``wait_for`` it was: the write went on in its executor thread after the step had failed, so the
+        buffers held an average (whole or in part) where the host counted on what was there before: a second
+        stage's group average for the next try, or this peer's own update for a round gone local."""
+        task = asyncio.ensure_future(aggregate)
+        try:
+            await asyncio.wait({task}, timeout=self._allreduce_limit)
+        except asyncio.CancelledError:  # the averager shuts down
+            if not self._committing(group_id):
+                task.cancel()
+            raise
+        if not task.done() and not self._committing(group_id):
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                logger.debug("the all-reduce failed as it was given up", exc_info=task.exception())
+            raise TimeoutError(f"the all-reduce did not end in {self._allreduce_limit:.0f} s")
+        return await task
+
+    def _committing(self, group_id: bytes) -> bool:
+        running = self._running_groups.get(group_id)
+        if running is None or not running.done() or running.cancelled() or running.exception() is not None:
+            return False
+        return bool(getattr(running.result(), "committing", False))
 
     async def rpc_aggregate_part(
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

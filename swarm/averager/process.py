@@ -126,6 +126,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         self._init_refusals()
         free_stuck_locks()  # one a dead helper kept would hang this averager at its first future
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
+        self._allreduce_limit, self._allreduce_timeout = self._allreduce_timeout, None  # ours: ``FixedGroups``
         self._outer_pipe = LockedSends(self._outer_pipe)  # the host calls it from several threads
         # a leader refuses join requests with another schema hash: a peer that speaks another all-reduce (receipts,
         # statements) never groups with us, where its receipts would read as unanswered audits and get it banned
@@ -191,10 +192,9 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
 
         total = max(1, runner.tensor_part_container.total_size)
         dropped = (runner.tensor_part_container.failed_size + discarded) / total
-        # a second stage that is no swarm's average keeps our group's (``fixed_group.partial_merge``): written, the
-        # buffers held the discarded merge, which a delegate then stepped with, apart from its group
         partial = group_id in self._fixed_group_ids and partial_merge(dropped, len(runner.banned_senders))
-        if not partial:
+        if not partial:  # (a second stage that is no swarm's average keeps our group's: ``fixed_group.partial_merge``)
+            runner.committing = True  # ``FixedGroups._within_limit`` lets it end
             await asyncio.get_event_loop().run_in_executor(None, commit)
         self._round_stats[group_id] = (
             dropped,
@@ -210,7 +210,8 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> dict:
         started = time.monotonic()
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        aggregate = super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        gathered = await self._within_limit(group_info.group_id, aggregate)
         empty = (0.0, (), 0, 0, None, (), 0.0, 0, ())
         stats = self._round_stats.pop(group_info.group_id, empty)
         dropped, excluded, sent, received, held, findings, audit_seconds, audit_bytes, repair_failures = stats
@@ -280,7 +281,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
     ) -> Averaging:
         """``start_averaging`` among known ``members`` (``FixedGroups``): no matchmaking, the all-reduce at once."""
         self.ensure_idle()
-        control = self.start_fixed_group(group_id, members, weight, timeout=self._allreduce_timeout)
+        control = self.start_fixed_group(group_id, members, weight)
         deadline = time.monotonic() + hard_timeout
         self._last_step = Averaging(control, deadline, hard_timeout, lambda stage: None, lambda: None, leaving, 1.0)
         return self._last_step
@@ -289,17 +290,16 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         """Wait until the last step started here is over in the averager process; ``HelperError`` if it still
         runs ``IDLE_GRACE`` s after its own time was up.
 
-        A step given up on (the swarm moved on, a timeout) is cancelled, but the averager process ends it only
-        at its next look: an all-reduce it has begun runs to its end, and hivemind's own cancel could leave the
-        step looking for a group until its deadline (``cancel_step``). Such a step takes part in a group anyway,
-        on our buffers, and commits that group's average into them ("Can't set_result to a future that is
-        CANCELLED" in its log). Seen in CI: a joiner's cancelled step of epoch 2 was still looking for a group
-        when the joiner started its round of epoch 5; the new key let it in with its stale gather, the two
-        honest groupmates each skipped the round, and the joiner's own step for epoch 5 found nobody. Until the
-        step is over, the buffers are not ours to write and the group key is not ours to change. hivemind ends
-        every step by its deadline (matchmaking, then its all-reduce), which our handle's ``deadline`` covers:
-        past it, the process is stuck. A process that died meanwhile will never end it: that is said at once
-        (``helpers.check_alive``)."""
+        A step given up on (the swarm moved on, a timeout) is cancelled, but the averager process ends it only at its
+        next look: an all-reduce it has begun runs to its end, and hivemind's own cancel could leave the step looking
+        for a group until its deadline (``cancel_step``). Such a step takes part in a group anyway, on our buffers,
+        and commits that group's average into them ("Can't set_result to a future that is CANCELLED" in its log).
+        Seen in CI: a joiner's cancelled step of epoch 2 was still looking for a group when the joiner started its
+        round of epoch 5; the new key let it in with its stale gather, the two honest groupmates each skipped the
+        round, and the joiner's own step for epoch 5 found nobody. Until the step is over, the buffers are not ours
+        to write and the group key is not ours to change. hivemind ends every step by its deadline (matchmaking,
+        then its all-reduce), which our handle's ``deadline`` covers: past it, the process is stuck. A process that
+        died meanwhile will never end it: that is said at once (``helpers.check_alive``)."""
         step = self._last_step
         if step is None:
             return
