@@ -18,6 +18,7 @@ from swarm.defence.robust import (
     _against_the_grain_left_out,
     capped_weights,
     check_part,
+    order_rows,
     robust_mean,
     sorted_rows,
 )
@@ -328,3 +329,62 @@ def test_the_result_does_not_depend_on_how_many_threads_compute_it():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
+
+
+# ---- the same values with less memory: the order statistics a block at a time, the parts' own rows as work space
+
+
+def whole_sort_robust_mean(parts, weights, keep=None) -> torch.Tensor:
+    """``robust_mean`` as it was before ``order_rows``: a copy of the parts sorted whole, and the parts kept copied
+    out by a mask. Every value of the new one must be this one's, bit for bit (groupmates and auditors on another
+    version of this code compare averages)."""
+    from swarm.defence import robust
+
+    w = capped_weights(weights)
+    stacked = torch.stack(list(parts))
+    w = (w / w.sum()).float()
+    gram = robust._gram64(stacked)
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    stacked.mul_(torch.clamp(robust.CLIP_FACTOR * norms.median() / norms.clamp_min(1e-30), max=1.0).float()[:, None])
+    if len(parts) > 2:
+        if keep is None:
+            keep = (robust._cosines(gram) > 0).any(dim=1)
+        kept = int(keep.sum())
+        if kept != len(stacked) and 2 * kept > len(stacked):
+            stacked, w = stacked[keep], w[keep] / w[keep].sum()
+    if len(stacked) <= 2:
+        return robust._centered_clip(stacked, w, robust._combination(torch.zeros_like(stacked[0]), stacked, w))
+    ordered = sorted_rows(stacked)
+    center = robust._centered_clip(stacked, w, ordered[(len(ordered) - 1) // 2])
+    return center.clamp_(min=ordered[1], max=ordered[-2])
+
+
+@pytest.mark.parametrize("group", [3, 4, 5, 8, 17])
+@pytest.mark.parametrize("liar", [None, -4.0, 1000.0, 0.0])
+def test_the_average_is_bitwise_what_a_whole_sort_made(group, liar):
+    size = (1 << 18) + 1000 if group == 5 else 3000  # more than one block of ``order_rows`` in one case
+    g = torch.Generator().manual_seed(group)
+    common = torch.randn(size, generator=g)
+    parts = [common + 0.5 * torch.randn(size, generator=g) for _ in range(group)]
+    if liar is not None:
+        parts[-1] = liar * parts[-1]
+    weights = [float(10 + i) for i in range(group)]
+    expected = whole_sort_robust_mean(parts, weights)
+    assert torch.equal(robust_mean(parts, weights, Aggregation.centered_clip), expected)
+    rows = torch.stack(parts)  # the parts' own rows as its work space: the same bits again
+    assert torch.equal(robust_mean(rows, weights, Aggregation.centered_clip), expected)
+    keep = torch.ones(group, dtype=torch.bool)
+    keep[0] = False  # a check's other way of keeping them
+    assert torch.equal(
+        robust_mean(parts, weights, Aggregation.centered_clip, keep=keep), whole_sort_robust_mean(parts, weights, keep)
+    )
+
+
+@pytest.mark.parametrize("rows", [3, 5, 16, 17])
+def test_order_rows_are_the_rows_of_a_whole_sort(rows):
+    g = torch.Generator().manual_seed(rows)
+    stacked = torch.randn(rows, 1000, generator=g).round(decimals=1)  # ties included
+    ranks = (1, (rows - 1) // 2, rows - 2)
+    whole = stacked.sort(dim=0).values
+    for chunk in (7, 256, 1 << 18):
+        assert [r.tolist() for r in order_rows(stacked, ranks, chunk)] == [whole[r].tolist() for r in ranks]

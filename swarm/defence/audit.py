@@ -135,12 +135,23 @@ def recompute(
     results = []
     for j, numel in enumerate(numels):
         present = [(parts[j], w) for parts, w in zip(parts_by_sender, weights) if j < len(parts)]
-        try:
-            values = [check_part(_decode(part), numel, w) for part, w in present]
-        except (RefusedPart, RuntimeError, ValueError):
+        rows = _decoded_rows(present, numel)
+        if rows is None:
             return None
-        results.append(robust_mean(values, [w for _, w in present], aggregation) if values else torch.zeros(numel))
+        results.append(robust_mean(rows, [w for _, w in present], aggregation) if present else torch.zeros(numel))
     return results
+
+
+def _decoded_rows(present: Sequence[tuple[runtime_pb2.Tensor, float]], numel: int) -> torch.Tensor | None:
+    """Each sender's part decoded and checked into a row of one tensor (``robust_mean``'s work space: no second
+    copy of the parts), or None if an honest reducer would have refused one of them."""
+    rows = torch.empty(len(present), numel)
+    try:
+        for row, (part, weight) in zip(rows, present):
+            row.copy_(check_part(_decode(part), numel, weight))
+    except (RefusedPart, RuntimeError, ValueError):
+        return None
+    return rows
 
 
 def close_enough(
@@ -314,17 +325,19 @@ def matches_either_way(sent, parts_by_sender, weights, numel, aggregation, encod
     than here: another machine's Gram matrix may put them on the other side. True too where too many parts are on
     that edge to try every way: nothing is shown then, and nobody is judged on it."""
     present = [(parts[0], w) for parts, w in zip(parts_by_sender, weights) if parts]
-    try:
-        values = [check_part(_decode(part), numel, w) for part, w in present]
-    except (RefusedPart, RuntimeError, ValueError):
+    rows = _decoded_rows(present, numel)
+    if rows is None:
         return False
-    if aggregation != Aggregation.centered_clip or len(values) <= 2:
+    if aggregation != Aggregation.centered_clip or len(rows) <= 2:
         return False  # no such choice is made
-    choices = keep_choices(values)
+    choices = keep_choices(rows)
     if choices is None:
         return True
-    for keep in choices:
-        exact = robust_mean(values, [w for _, w in present], aggregation, keep=keep)
+    for index, keep in enumerate(choices):  # each on the parts decoded anew: ``robust_mean`` works in its rows
+        if index:
+            rows = None  # the last try's rows go before the next decode
+            rows = _decoded_rows(present, numel)
+        exact = robust_mean(rows, [w for _, w in present], aggregation, keep=keep)
         if matches(sent, exact, _decode(encode(exact))):
             return True
     return False

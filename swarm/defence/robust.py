@@ -84,17 +84,21 @@ def capped_weights(weights: Sequence[float]) -> torch.Tensor:
 
 
 def robust_mean(
-    parts: Sequence[torch.Tensor],
+    parts: Sequence[torch.Tensor] | torch.Tensor,
     weights: Sequence[float],
     aggregation: Aggregation,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reducer's result for one part from each sender's checked values (same length, finite). ``keep``: which
+    """The reducer's result for one part from each sender's checked values (same length, finite): a list, or one
+    tensor with a part per row, which is then the work space (its rows change) rather than a copy. ``keep``: which
     parts point along the others (``_against_the_grain_left_out``), as a check decides it (``keep_choices``); None:
     from their cosines, as a reducer does.
 
     Few part-sized buffers are allocated, and none in a loop: in the averager every block of 1 MiB or more is
     mapped from the system on its own and returned when freed (swarm/averager/heap.py), so each costs page faults.
+    Beside the parts, the peak is the three order statistics' rows and a row or two: a reader's check of a run's
+    largest part from 8 senders raises its peak RSS by 61.8 MiB, and did by 112.9 with a copy of the parts sorted
+    whole (benchmarks/results/check-memory).
     Whatever depends on a sum over a whole part (norms, cosines, CenteredClip's distances) comes from float64
     Gram matrices, and the values are combined elementwise, one row after another, not by float32 BLAS: an
     auditor on another CPU recomputes this, and float32 reductions ordered by the CPU's vector width would
@@ -107,7 +111,7 @@ def robust_mean(
         for part, share in zip(parts, (w / w.sum()).tolist()):
             total.add_(part, alpha=share)
         return total.float()
-    stacked = torch.stack(list(parts))
+    stacked = parts if isinstance(parts, torch.Tensor) else torch.stack(list(parts))
     w = (w / w.sum()).float()
     gram = _gram64(stacked)
     norms = gram.diagonal().clamp_min(0).sqrt()
@@ -116,11 +120,11 @@ def robust_mean(
         stacked, w = _against_the_grain_left_out(stacked, w, gram, keep)
     if len(stacked) <= 2:
         return _centered_clip(stacked, w, _combination(torch.zeros_like(stacked[0]), stacked, w))
-    ordered = sorted_rows(stacked)
-    center = _centered_clip(stacked, w, ordered[(len(ordered) - 1) // 2])  # from the (lower) median
+    low, median, high = order_rows(stacked, (1, (len(stacked) - 1) // 2, len(stacked) - 2))
+    center = _centered_clip(stacked, w, median)  # from the (lower) median
     # the inner range (6.), of the norm-clipped parts: against raw parts, a liar sending x1000 would pick, for
     # every coordinate, the honest extreme on its side, and the step would grow
-    return center.clamp_(min=ordered[1], max=ordered[-2])
+    return center.clamp_(min=low, max=high)
 
 
 def _centered_clip(stacked: torch.Tensor, w: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -151,15 +155,19 @@ def _combination(out: torch.Tensor, rows: torch.Tensor, coefficients: torch.Tens
     return out
 
 
-def _gram64(rows: torch.Tensor, chunk: int = 1 << 15) -> torch.Tensor:
+def _gram64(rows: torch.Tensor | Sequence[torch.Tensor], chunk: int = 1 << 15) -> torch.Tensor:
     """``rows @ rows.T`` summed in float64, through one small float64 buffer: the distances CenteredClip
-    compares with ``tau`` come from differences of its entries."""
-    k, n = rows.shape
+    compares with ``tau`` come from differences of its entries. ``rows``: a tensor, or a list of equal rows."""
+    k, n = len(rows), rows[0].numel()
     gram = torch.zeros(k, k, dtype=torch.float64)
     buffer = torch.empty(k, min(chunk, n), dtype=torch.float64)
     for begin in range(0, n, chunk):
         piece = buffer[:, : min(chunk, n - begin)]
-        piece.copy_(rows[:, begin : begin + chunk])
+        if isinstance(rows, torch.Tensor):
+            piece.copy_(rows[:, begin : begin + chunk])
+        else:
+            for target, row in zip(piece, rows):
+                target.copy_(row[begin : begin + chunk])
         gram.addmm_(piece, piece.T)
     return gram
 
@@ -172,7 +180,11 @@ def sorted_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
     of 262,144 values, this about 1 ms; the values are the same, each taken from the rows, never computed."""
     if len(stacked) > SORTING_NETWORK_MAX_ROWS:
         return list(stacked.sort(dim=0).values)
-    rows, spare = list(stacked.clone()), torch.empty_like(stacked[0])
+    return _sort_network(list(stacked.clone()), torch.empty_like(stacked[0]))
+
+
+def _sort_network(rows: list[torch.Tensor], spare: torch.Tensor) -> list[torch.Tensor]:
+    """``rows`` in coordinate-wise order, by odd-even transposition in place (``spare``: one more row's room)."""
     for sweep in range(len(rows)):
         for i in range(sweep % 2, len(rows) - 1, 2):
             low, high = rows[i], rows[i + 1]
@@ -180,6 +192,29 @@ def sorted_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
             torch.maximum(low, high, out=high)
             rows[i], spare = spare, low
     return rows
+
+
+def order_rows(stacked: torch.Tensor, ranks: Sequence[int], chunk: int = 1 << 18) -> list[torch.Tensor]:
+    """Rows ``ranks`` of ``sorted_rows(stacked)``, the same values, sorted a block of columns at a time in one
+    reused buffer rather than in a copy of every row. A part of one block or less gives its sorted rows as they are:
+    copied out, the three rows' fresh pages doubled a reducer's time for parts of 262,144 values."""
+    k, n = stacked.shape
+    if n <= chunk:
+        rows = sorted_rows(stacked)
+        return [rows[rank] for rank in ranks]
+    out = torch.empty(len(ranks), n, dtype=stacked.dtype)
+    block = torch.empty(k, min(chunk, n), dtype=stacked.dtype)
+    spare = torch.empty(min(chunk, n), dtype=stacked.dtype)
+    for begin in range(0, n, chunk):
+        piece = block[:, : min(chunk, n - begin)]
+        piece.copy_(stacked[:, begin : begin + chunk])
+        if k > SORTING_NETWORK_MAX_ROWS:
+            rows = list(piece.sort(dim=0).values)
+        else:
+            rows = _sort_network(list(piece), spare[: piece.shape[1]])
+        for target, rank in zip(out, ranks):
+            target[begin : begin + chunk].copy_(rows[rank])
+    return list(out)
 
 
 def _against_the_grain_left_out(
@@ -199,7 +234,10 @@ def _against_the_grain_left_out(
     kept = int(keep.sum())
     if kept == len(stacked) or 2 * kept <= len(stacked):
         return stacked, w
-    return stacked[keep], w[keep] / w[keep].sum()
+    for target, row in enumerate(keep.nonzero().flatten().tolist()):  # moved up in place: no copy of the rows kept
+        if target != row:
+            stacked[target].copy_(stacked[row])
+    return stacked[:kept], w[keep] / w[keep].sum()
 
 
 def _cosines(gram: torch.Tensor) -> torch.Tensor:
@@ -212,7 +250,7 @@ def keep_choices(parts: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """Every ``keep`` a reducer on some machine may have come to for these parts: the parts whose best cosine with
     another is within ``COSINE_EDGE`` of 0 kept or left out in every combination, the rest as their cosines say; None
     when more than ``MAX_EDGE_ROWS`` parts are on that edge."""
-    cosine = _cosines(_gram64(torch.stack(list(parts))))
+    cosine = _cosines(_gram64(parts))
     sure = (cosine > COSINE_EDGE).any(dim=1)
     edge = ((cosine > -COSINE_EDGE).any(dim=1) & ~sure).nonzero().flatten().tolist()
     if len(edge) > MAX_EDGE_ROWS:
