@@ -116,15 +116,16 @@ class FixedGroups:
         try:
             await asyncio.wait({task}, timeout=self._allreduce_limit)
         except asyncio.CancelledError:  # the averager shuts down
+            task.add_done_callback(_told)  # a write under way ends on its own
             if not self._committing(group_id):
                 task.cancel()
             raise
         if not task.done() and not self._committing(group_id):
             task.cancel()
             await asyncio.wait({task})
-            if not task.cancelled() and task.exception() is not None:
-                logger.debug("the all-reduce failed as it was given up", exc_info=task.exception())
-            raise TimeoutError(f"the all-reduce did not end in {self._allreduce_limit:.0f} s")
+            if task.cancelled() or task.exception() is not None:  # (a cancel can be swallowed: then it wrote)
+                _told(task)
+                raise TimeoutError(f"the all-reduce did not end in {self._allreduce_limit:.0f} s")
         return await task
 
     def _committing(self, group_id: bytes) -> bool:
@@ -147,3 +148,9 @@ class FixedGroups:
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+
+def _told(task: asyncio.Task) -> None:
+    """A given-up all-reduce's end, retrieved (not "never retrieved") and logged."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("an all-reduce given up on failed", exc_info=task.exception())
