@@ -239,7 +239,7 @@ class Merger:
             group_id=fixed_group_id(label, [m[0] for m in members]),
             members=members,
             weight=state.weight,
-            hard_timeout=avg.allreduce_limit(ctx.outer.numel) + 10,
+            hard_timeout=avg.allreduce_limit(ctx.outer.numel) + avg.ending_seconds(ctx.outer.numel),
             leaving=ctx.stop_requested,
         )
 
