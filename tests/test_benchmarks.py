@@ -568,7 +568,8 @@ def test_check_memory_smoke(tmp_path: Path):
     assert set(run["figures"]) == {"check/3", "reduce/3"} and record["current_over_baseline"] is None
     for figures in run["figures"].values():
         assert figures["verdict"] is True, figures  # the -4x average is found wrong: the check went the whole way
-        assert figures["rise_mib"] >= 0 and positive_finite(figures["seconds"]), figures
+        # 16,384 values from 3 senders: a few hundred KiB of parts, far under the goal for the largest
+        assert figures["rise_mib"] < 64 and positive_finite(figures["seconds"]), figures
 
 
 def test_codec_smoke(tmp_path: Path):

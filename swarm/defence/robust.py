@@ -172,19 +172,18 @@ def _gram64(rows: torch.Tensor | Sequence[torch.Tensor], chunk: int = 1 << 15) -
     return gram
 
 
-def sorted_rows(stacked: torch.Tensor) -> list[torch.Tensor]:
+def sorted_rows(stacked: torch.Tensor, spare: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The rows' coordinate-wise order statistics, lowest first: ``stacked.sort(dim=0).values`` as rows.
 
     For a group's few rows, by odd-even transposition (elementwise min and max of whole rows, in a copy and
-    one spare row): torch's sort along the short axis strides across memory and took 20 ms for three rows
-    of 262,144 values, this about 1 ms; the values are the same, each taken from the rows, never computed."""
+    one spare row; in ``stacked``'s own rows when ``spare``, one more row's room, is given): torch's sort along the
+    short axis strides across memory and took 20 ms for three rows of 262,144 values, this about 1 ms; the values
+    are the same, each taken from the rows, never computed."""
     if len(stacked) > SORTING_NETWORK_MAX_ROWS:
         return list(stacked.sort(dim=0).values)
-    return _sort_network(list(stacked.clone()), torch.empty_like(stacked[0]))
-
-
-def _sort_network(rows: list[torch.Tensor], spare: torch.Tensor) -> list[torch.Tensor]:
-    """``rows`` in coordinate-wise order, by odd-even transposition in place (``spare``: one more row's room)."""
+    if spare is None:
+        stacked, spare = stacked.clone(), torch.empty_like(stacked[0])
+    rows = list(stacked)
     for sweep in range(len(rows)):
         for i in range(sweep % 2, len(rows) - 1, 2):
             low, high = rows[i], rows[i + 1]
@@ -208,10 +207,7 @@ def order_rows(stacked: torch.Tensor, ranks: Sequence[int], chunk: int = 1 << 18
     for begin in range(0, n, chunk):
         piece = block[:, : min(chunk, n - begin)]
         piece.copy_(stacked[:, begin : begin + chunk])
-        if k > SORTING_NETWORK_MAX_ROWS:
-            rows = list(piece.sort(dim=0).values)
-        else:
-            rows = _sort_network(list(piece), spare[: piece.shape[1]])
+        rows = sorted_rows(piece, spare[: piece.shape[1]])
         for target, rank in zip(out, ranks):
             target[begin : begin + chunk].copy_(rows[rank])
     return list(out)
