@@ -14,6 +14,7 @@ import logging
 import time
 import typing
 from collections import OrderedDict
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from hivemind.p2p import P2PContext
@@ -21,7 +22,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 
 from swarm.averager.allreduce import ExactAllReduceRunner
 from swarm.averager.held import HeldPart
-from swarm.averager.served import Slot
+from swarm.averager.served import served
 from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.audit import Verdict, auditor_of
 from swarm.defence.statements import MAX_STATEMENT_BYTES
@@ -136,15 +137,12 @@ class AuditServing:
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         """A groupmate's audit: what its ``AuditRequest`` asks for; nothing past its limits (``AUDIT_LIMITS``)."""
-        slot = Slot(self._audit_limits(), context.remote_id.to_base58())
-        if not slot.taken:
-            logger.debug("refused an audit request from %s: over its limits", slot.requester)
-            return
-        try:
-            async for message in slot.stream(self._serve_audit(request, context)):
+        requester = context.remote_id.to_base58()
+        async with aclosing(
+            served(self._audit_limits(), requester, self._serve_audit(request, context), "an audit")
+        ) as messages:
+            async for message in messages:
                 yield message
-        finally:
-            slot.release()
 
     async def _serve_audit(
         self, request: averaging_pb2.DownloadData, context: P2PContext

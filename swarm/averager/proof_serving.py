@@ -20,6 +20,7 @@ import hashlib
 import logging
 import typing
 from collections import OrderedDict
+from contextlib import aclosing
 
 from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
@@ -29,7 +30,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from swarm.averager.allreduce import encode_average
 from swarm.averager.bounds import MAX_PART, OutOfBounds, admit, declared_numel, max_bytes
-from swarm.averager.served import Slot
+from swarm.averager.served import served
 from swarm.averager.serving_limits import ServingLimits
 from swarm.defence.average_proof import MAX_METADATA_BYTES, AverageProof, find_proof, from_wire, proves_wrong_average
 from swarm.defence.receipts import Receipt, open_receipt
@@ -88,13 +89,13 @@ class AverageProofs:
         fields = self._admitted(request, context)
         key = fields.get("receipt") if fields else None
         kept = self._proofs.get(key) if isinstance(key, bytes) else None
-        if kept is None or not (slot := Slot(self._proof_limits, context.remote_id.to_base58())).taken:
+        if kept is None:
             return
-        try:
-            async for message in slot.stream(_messages(*kept)):
+        async with aclosing(
+            served(self._proof_limits, context.remote_id.to_base58(), _messages(*kept), "a proof")
+        ) as messages:
+            async for message in messages:
                 yield message
-        finally:
-            slot.release()
 
     # ---- a reader's side --------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import TypeVar
 
 from swarm.averager.serving_limits import ServingLimits
@@ -55,3 +56,20 @@ class Slot:
         self.release()
         if task is not None:
             task.cancel()
+
+
+async def served(limits: ServingLimits, requester: str, messages: AsyncIterator[T], what: str) -> AsyncIterator[T]:
+    """``messages`` (not started yet) streamed to ``requester`` in a ``Slot`` of ``limits``, which is given back
+    however the stream ends; nothing at all where its limits are full (``what`` names the stream in the log). A
+    handler closes it with ``aclosing``: a generator left by an exception is otherwise closed only once collected,
+    and its slot held until then."""
+    slot = Slot(limits, requester)
+    if not slot.taken:
+        logger.debug("%s for %s refused: over its serving limits", what, requester)
+        return
+    try:
+        async with aclosing(messages):  # what it holds open (a file) is closed now, not when it is collected
+            async for message in slot.stream(messages):
+                yield message
+    finally:
+        slot.release()

@@ -28,6 +28,7 @@ import struct
 import time
 import typing
 from collections.abc import Callable, Sequence
+from contextlib import aclosing
 from pathlib import Path
 
 from hivemind.p2p import P2PContext, PeerID
@@ -36,7 +37,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
 from swarm.averager.held import Dropped, HeldPart
-from swarm.averager.served import Slot
+from swarm.averager.served import served
 from swarm.averager.serving_limits import ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.dht.access import RunSecret
@@ -207,17 +208,17 @@ class FileTransfer:
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
-        slot = Slot(self._serving, context.remote_id.to_base58())
-        if not slot.taken:
-            logger.debug("a state download by %s refused: over its serving limits", slot.requester)
-            return
-        try:
-            current = await self._current_file()
-            if current is not None:
-                async for message in slot.stream(self._stream_file(*current)):
-                    yield message
-        finally:
-            slot.release()
+        async with aclosing(
+            served(self._serving, context.remote_id.to_base58(), self._current_stream(), "a state")
+        ) as messages:
+            async for message in messages:
+                yield message
+
+    async def _current_stream(self) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        current = await self._current_file()
+        if current is not None:
+            async for message in self._stream_file(*current):
+                yield message
 
     async def rpc_download_update(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -229,18 +230,18 @@ class FileTransfer:
         epoch = fields.get("epoch")
         if not (isinstance(epoch, int) and epoch >= 0):
             return
-        slot = Slot(self._serving, context.remote_id.to_base58())
-        if not slot.taken:
-            return
-        try:
-            path = update_path(self._update_dir, epoch)
-            deadline = time.monotonic() + STALE_FILE_WAIT
-            while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
-            async for message in slot.stream(self._stream_file(path, epoch)):
+        requester = context.remote_id.to_base58()
+        async with aclosing(served(self._serving, requester, self._update_stream(epoch), "an update")) as messages:
+            async for message in messages:
                 yield message
-        finally:
-            slot.release()
+
+    async def _update_stream(self, epoch: int) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        path = update_path(self._update_dir, epoch)
+        deadline = time.monotonic() + STALE_FILE_WAIT
+        while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
+        async for message in self._stream_file(path, epoch):
+            yield message
 
     # ---- keeping the rounds' averages (the averager process after a group's round; the host after a local one)
 
