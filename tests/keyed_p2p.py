@@ -14,10 +14,13 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.identity import identity_key
+from swarm.hivemind_fixes.messages import bound_messages
 
 
 async def keyed_p2ps(count: int) -> tuple[list[P2P], list[RSAPrivateKey]]:
-    """``count`` daemons, the first one the others' initial peer, and each one's identity key."""
+    """``count`` daemons, the first one the others' initial peer, and each one's identity key; their streams read
+    bounded messages, as a peer's do (``start_dht`` installs it)."""
+    bound_messages()
     folder = Path(tempfile.mkdtemp(prefix="swarm-test-identities-"))
     paths = [folder / f"{i}.key" for i in range(count)]
     for path in paths:

@@ -41,6 +41,7 @@ from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTa
 from swarm.hivemind_fixes.beam import narrow_searches
 from swarm.hivemind_fixes.helpers import start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
+from swarm.hivemind_fixes.messages import bound_messages
 from swarm.hivemind_fixes.neighbours import keep_neighbours
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
 from swarm.hivemind_fixes.requests import tolerate_departed_senders
@@ -206,6 +207,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     narrow_searches()  # and asks the nodes that hold a value, not every node of a 20-wide beam
     keep_neighbours()  # and finds its neighbours again if a stall made it drop them all
     tolerate_departed_senders()  # a request whose sender (the averager, leaving) is gone neither kills nor stalls it
+    bound_messages()  # and no stream message is buffered past the longest an honest peer sends
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")
