@@ -48,10 +48,10 @@ from swarm.manifest import Aggregation
 logger = logging.getLogger(__name__)
 # what this all-reduce speaks: its parts' statements, reducers' outputs and receipts (``swarm.defence``). 2: receipts
 # of version 4 and signed outputs; 3: a sender's statement with every part, and receipts of version 5; 4: a reducer
-# serves its auditor the parts it holds of a sender (``AuditRequest.held``), or is uncheckable. Peers of
-# another version never group with us: it is in the schema hash a leader checks (``process.wire_schema_hash``) and
-# in a second stage's group id (``fixed_group.fixed_group_id``)
-WIRE_VERSION = b"swarm-allreduce/4"
+# serves its auditor the parts it holds of a sender (``AuditRequest.held``), or is uncheckable; 5: a group's id binds
+# its layout (``hivemind_fixes.group_ids``, ``fixed_group.fixed_group_id``). Peers of another version never group
+# with us: it is in the schema hash a leader checks (``process.wire_schema_hash``) and in a second stage's group id
+WIRE_VERSION = b"swarm-allreduce/5"
 
 
 def decode_part(

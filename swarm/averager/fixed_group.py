@@ -27,6 +27,7 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.averager.allreduce import WIRE_VERSION
 
@@ -44,10 +45,14 @@ def partial_merge(dropped_fraction: float, excluded_senders: int) -> bool:
     return dropped_fraction > 0 or excluded_senders > 0
 
 
-def fixed_group_id(label: str, members: Sequence[str]) -> bytes:
-    """The id every member computes for the same group: its label (run, epoch, attempt), its sorted members and the
-    wire version (a delegate of another finds no group of that id here: absent from the try, left out of the next)."""
-    return hashlib.sha256("/".join([label, *sorted(members)]).encode() + WIRE_VERSION).digest()[:20]
+def fixed_group_id(label: str, members: Sequence[typing.Any]) -> bytes:
+    """The id every member computes for the same group: its label (run, epoch, attempt), its members as
+    ``start_fixed_group`` takes them (each one's client mode and data too, which cut the slices and weigh the
+    parts: delegates that read another of them from a record written twice hold another id, and refuse each
+    other's streams as another group's rather than each other's parts as the wrong size), and the wire version
+    (a delegate of another finds no group of that id here: absent from the try, left out of the next)."""
+    entries = sorted(MSGPackSerializer.dumps(member) for member in members)
+    return hashlib.sha256(label.encode() + b"/" + b"/".join(entries) + WIRE_VERSION).digest()[:20]
 
 
 class FixedStep:

@@ -39,6 +39,7 @@ from swarm.dht.identity import adopt_identity, temporary_identity
 from swarm.dht.records import global_validators
 from swarm.errors import BootstrapError, HelperError, NetworkConfigError, PortTakenError
 from swarm.hivemind_fixes.beam import narrow_searches
+from swarm.hivemind_fixes.group_ids import bind_group_ids
 from swarm.hivemind_fixes.helpers import start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.messages import bound_messages
@@ -208,6 +209,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     keep_neighbours()  # and finds its neighbours again if a stall made it drop them all
     tolerate_departed_senders()  # a request whose sender (the averager, leaving) is gone neither kills nor stalls it
     bound_messages()  # and no stream message is buffered past the longest an honest peer sends
+    bind_group_ids()  # and a group leader cannot tell its followers different layouts under one group id
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")

@@ -236,7 +236,7 @@ class Merger:
             state.fallback = "second stage: the other delegates did not take part"
             return
         state.stage2 = ctx.averager.start_fixed_averaging(
-            group_id=fixed_group_id(label, [m[0] for m in members]),
+            group_id=fixed_group_id(label, members),
             members=members,
             weight=state.weight,
             hard_timeout=avg.allreduce_limit(ctx.outer.numel) + avg.ending_seconds(ctx.outer.numel),

@@ -1,0 +1,135 @@
+"""A group's id binds what its leader told each member (``swarm.hivemind_fixes.group_ids``, and
+``fixed_group.fixed_group_id`` for a second stage): a leader that tells two followers different layouts under one id
+no longer makes honest groupmates refuse each other's parts as the wrong size and ban each other."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarm.averager.fixed_group import fixed_group_id
+from swarm.hivemind_fixes.group_ids import SALT, binds, bound_group_id
+
+MEMBERS = [b"\x12\x20" + bytes([i]) * 32 for i in range(3)]
+GATHERED = [b"\x93\xcb?\xf0\x00\x00\x00\x00\x00\x00\x00\xc4\x00" + bytes([i]) for i in range(3)]
+
+
+def test_an_id_binds_its_members_their_order_and_their_data():
+    group_id = bound_group_id(b"s" * SALT, MEMBERS, GATHERED)
+    assert binds(group_id, MEMBERS, GATHERED) and len(group_id) == SALT + 20
+    assert not binds(group_id, MEMBERS[::-1], GATHERED[::-1])  # another order: other slices
+    assert not binds(group_id, MEMBERS[:2], GATHERED[:2])  # another group
+    assert not binds(group_id, MEMBERS, [GATHERED[0], GATHERED[1] + b"\x00", GATHERED[2]])  # another bandwidth
+    assert not binds(group_id[:20], MEMBERS, GATHERED)  # hivemind's random 20 bytes
+    assert not binds(group_id, MEMBERS, GATHERED[:2])
+    assert bound_group_id(b"t" * SALT, MEMBERS, GATHERED) != group_id  # each group its own id
+
+
+@given(
+    st.binary(max_size=64), st.lists(st.binary(max_size=40), max_size=5), st.lists(st.binary(max_size=40), max_size=5)
+)
+def test_no_id_a_stranger_sends_binds_anything_but_what_it_was_made_of(group_id, members, gathered):
+    assert binds(group_id, members, gathered) == (
+        len(group_id) == SALT + 20
+        and len(members) == len(gathered)
+        and bound_group_id(group_id[:SALT], members, gathered) == group_id
+    )
+
+
+def test_a_second_stage_id_binds_each_delegates_mode_and_data():
+    members = [("a", False, dict(epoch=3, samples=10, group="g1")), ("b", False, dict(epoch=3, samples=20, group="g2"))]
+    assert fixed_group_id("run/3/merge/w/0", members) == fixed_group_id("run/3/merge/w/0", members[::-1])
+    flipped = [("a", True, members[0][2]), members[1]]  # a record that said client mode to some readers
+    heavier = [("a", False, dict(members[0][2], samples=11)), members[1]]
+    ids = {fixed_group_id("run/3/merge/w/0", m) for m in (members, flipped, heavier)}
+    assert len(ids) == 3
+
+
+SCRIPT = r"""
+import json, os, sys, time
+from pathlib import Path
+import torch
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+import swarm.averager.process as process
+from swarm.dht.network import NetworkConfig, start_dht
+from swarm.manifest import AveragingSpec
+
+join, told = Matchmaking.rpc_join_group, set()
+async def lying_join(self, request, context):  # as a leader: the first follower told is told we are a client
+    async for message in join(self, request, context):
+        if message.code == averaging_pb2.BEGIN_ALLREDUCE and message.group_id not in told:
+            told.add(message.group_id)
+            gathered = list(message.gathered)
+            i = list(message.ordered_peer_ids).index(self.peer_id.to_bytes())
+            bandwidth, mode, data = MSGPackSerializer.loads(gathered[i])
+            gathered[i] = MSGPackSerializer.dumps([0.0, AveragingMode.CLIENT.value, data])  # we reduce nothing
+            message = averaging_pb2.MessageFromLeader(code=message.code, group_id=message.group_id,
+                ordered_peer_ids=message.ordered_peer_ids, gathered=gathered)
+        yield message
+Matchmaking.rpc_join_group = lying_join  # every peer lies when it leads: whoever leads, two honest followers
+
+def wait_for(name):
+    while not Path(name).exists():
+        time.sleep(0.05)
+    return json.loads(Path(name).read_text())
+
+def say(name, value):
+    Path(name + ".tmp").write_text(json.dumps(value))
+    os.replace(name + ".tmp", name)
+
+me = int(sys.argv[1])
+initial = [] if me == 0 else wait_for("maddrs")
+dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0, initial_peers=initial))
+if me == 0:
+    say("maddrs", [str(a) for a in dht.get_visible_maddrs()])
+options = dict(process.averager_options(AveragingSpec(), 4), min_group_size=2, target_group_size=3,
+               min_matchmaking_time=3.0, request_timeout=1.0, allreduce_timeout=30.0)
+averager = process.PseudoGradientAverager([torch.arange(1 << 20, dtype=torch.float32) * (me + 1)], dht,
+                                          run_id="0" * 16, prefix="t", start=True, **options)
+say(f"id{me}", averager.peer_id.to_base58())
+for i in range(3):
+    wait_for(f"id{i}")
+try:
+    handle = averager.start_averaging(weight=1.0, gather=dict(epoch=1), group_bits=process.epoch_group_bits(1),
+                                      timeout=20.0, hard_timeout=60.0)
+    outcome = handle.wait()
+    findings = [[f["peer"], f["verdict"], f["banned"]] for f in outcome.findings]
+    result = dict(group=list(outcome.group), findings=findings)
+except Exception as e:
+    result = dict(error=repr(e))
+result["me"] = averager.peer_id.to_base58()
+print("RESULT " + json.dumps(result))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_leader_that_tells_a_follower_another_layout_gets_no_honest_groupmate_banned(tmp_path):
+    """Three real averager processes; whichever leads tells the first follower it tells that the leader is a client
+    (reduces nothing), and the others that it is not. Before, that follower cut its parts elsewhere, and an honest
+    groupmate refused them as the wrong size and banned it ("sent malformed parts", checked). Now it does not take
+    that group, and nobody is banned."""
+    peers = [
+        subprocess.Popen([sys.executable, "-c", SCRIPT, str(i)], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]
+    results = []
+    for peer in peers:
+        try:
+            out, _ = peer.communicate(timeout=240)
+        finally:
+            peer.kill()
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, f"no result (exit {peer.returncode}):\n{out[-2000:]}"
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    banned = [(r["me"], f) for r in results for f in r.get("findings", []) if f[2]]
+    assert banned == [], results
+    grouped = [r for r in results if "group" in r]
+    assert any(len(r["group"]) >= 2 for r in grouped), results  # the round went on for the others
