@@ -84,3 +84,11 @@ def admitted(parts: list[runtime_pb2.Tensor], numels: list[int], compression: in
         logger.debug("parts refused: %s", e)
         return False
     return True
+
+
+def max_request_bytes(group_size: int) -> int:
+    """The most bytes of a request's fields (``DownloadData.metadata``: a state, update, audit, proof or verdict
+    request) that are decoded at all. The largest honest one is an auditor's verdict: a receipt and the signed
+    output of each groupmate, under 4.3 KB a member. Decoding msgpack can take about 70 times its bytes (a
+    stranger's 4 MiB of empty arrays took 289 MiB), so none is decoded past this: 348 KiB in groups of 64."""
+    return 64 * 1024 + 4096 + group_size * (4096 + 256)

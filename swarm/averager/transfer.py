@@ -36,6 +36,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 
+from swarm.averager.bounds import max_request_bytes
 from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.served import served
 from swarm.averager.serving_limits import ServingLimits
@@ -190,6 +191,8 @@ class FileTransfer:
     def _admitted(self, request: averaging_pb2.DownloadData, context: P2PContext) -> dict | None:
         """The request's fields, if it may be served: in a closed run, only with a token for this requester
         (as libp2p authenticated it) and this donor, made with the run's transfer key."""
+        if len(request.metadata) > max_request_bytes(self.matchmaking_kwargs.get("target_group_size") or 64):
+            return None  # never decoded: a small message of nested msgpack decodes to a large object
         try:
             fields = self.serializer.loads(request.metadata) if request.metadata else {}
         except Exception:

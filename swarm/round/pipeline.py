@@ -38,6 +38,7 @@ from swarm.events import AveragingFailed, PeerStats, RoundFinished, RoundOutcome
 from swarm.manifest import StandIn
 from swarm.round.consistency import RoundChecks
 from swarm.round.flight import EXPECTED_FAILURES, Flight
+from swarm.round.gathered import gathered_epochs, gathered_samples
 from swarm.round.landing import add_steps, all_finite, damp_steps, share_kept
 from swarm.round.local_update import keep_local_update, round_to_codec
 from swarm.round.merge import Merger
@@ -211,12 +212,12 @@ class OuterRound(RoundRecovery):
                 return False
             self._await_others(flight)
             outcome = flight.attempt.result()
-            epochs = {data.get("epoch") for data in outcome.gathered.values() if isinstance(data, dict)}
+            epochs = gathered_epochs(outcome.gathered)
             flight.outcome = outcome
             if epochs != {flight.epoch}:
                 flight.fallback = f"groupmates were at epochs {sorted(map(str, epochs))}"
             elif self.merger is not None:
-                samples = {p: d.get("samples", 0) for p, d in outcome.gathered.items() if isinstance(d, dict)}
+                samples = gathered_samples(outcome.gathered, ctx.manifest.inner_steps * ctx.manifest.samples_per_step)
                 flight.merge = self.merger.after_group(flight.epoch, outcome, samples)
                 return False
         except LeaveRequested:
