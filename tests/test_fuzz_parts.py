@@ -243,3 +243,27 @@ def test_fp4_and_sparse_decoders_refuse_more_entries_than_their_senders_send():
         SPARSE.extract(runtime_pb2.Tensor(compression=CT.UNIFORM_8BIT, buffer=bytes(forged), size=[numel],
                                           dtype="float32"))  # fmt: skip
     assert math.isfinite(float(FP4.extract(honest(CT.QUANTILE_8BIT, numel)).sum()))
+
+
+@pytest.mark.parametrize("compression", CODECS)
+def test_an_honest_update_file_fits_its_download_bound_and_the_bound_is_near_the_codecs_size(tmp_path, compression):
+    """``max_update_bytes`` bounds a round's update download by the run's codec (before: 4 bytes a parameter for
+    every codec). An honest file of a model's tensors, cut into hivemind's parts (a dense sparse average: the
+    largest), fits; for fp4 the bound is within 2% of half a byte a value."""
+    from swarm.averager.bounds import max_update_bytes
+
+    numels, part = [3, 4097, 300_000, 1 << 20], 1 << 17
+    held = []
+    for t, numel in enumerate(numels):
+        cut = [min(part, numel - start) for start in range(0, numel, part)]
+        parts = [honest(compression, n, seed=t) for n in cut]
+        if compression == CT.UNIFORM_8BIT:
+            parts = [SPARSE.compress_average(fp4_quantize(torch.randn(n))) for n in cut]
+        held.append(parts)
+    path = update_file(tmp_path, held)
+    bound = max_update_bytes(compression, numels)
+    assert path.stat().st_size <= bound
+    if compression == CT.QUANTILE_8BIT:
+        huge = [1 << 28]  # a large model's tensor: the header's MiB no longer counts
+        assert max_update_bytes(compression, huge) <= 0.51 * huge[0]
+    assert max_update_bytes(compression, numels) < 4 * sum(numels) + (1 << 20) + 64 * 40  # never looser than before

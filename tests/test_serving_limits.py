@@ -118,3 +118,40 @@ def test_a_request_is_decoded_only_within_what_an_honest_verdict_can_hold():
     assert len(bomb) > max_request_bytes(64)
     assert FileTransfer._admitted(host, averaging_pb2.DownloadData(metadata=bomb), context) is None
     assert decoded == [len(request.metadata)]  # the bomb was never decoded
+
+
+def test_streams_naming_groups_we_do_not_run_wait_within_their_share(monkeypatch):
+    """A second stage's stream may name a group a moment before we register it, so it waits for it (``GROUP_WAIT``);
+    a stranger naming made-up groups in a loop waits within ``GROUP_WAITS``' share, and one that never sends its
+    first message is let go after ``GROUP_WAIT``."""
+    import swarm.averager.fixed_group as fixed_group
+
+    monkeypatch.setattr(fixed_group, "GROUP_WAIT", 0.5)
+    host = fixed_group.FixedGroups()
+    host._running_groups = {}
+    stranger = SimpleNamespace(remote_id=PeerID(b"\x01" * 34))
+
+    async def first_reply(stream) -> tuple[object, float]:
+        started = asyncio.get_running_loop().time()
+        reply = await anext(host.rpc_aggregate_part(stream, stranger), None)
+        return reply, asyncio.get_running_loop().time() - started
+
+    async def made_up_group():
+        yield averaging_pb2.AveragingData(group_id=b"made up")
+
+    async def silent():
+        await asyncio.sleep(3600)
+        yield averaging_pb2.AveragingData()
+
+    async def scenario():
+        per_peer = fixed_group.GROUP_WAITS["per_peer"]
+        replies = await asyncio.gather(*(first_reply(made_up_group()) for _ in range(per_peer + 1)))
+        codes = [reply.code for reply, _ in replies]
+        assert codes == [averaging_pb2.BAD_GROUP_ID] * (per_peer + 1)
+        waited = sorted(seconds for _, seconds in replies)
+        assert waited[0] < 0.25 and all(s >= 0.45 for s in waited[1:])  # one over its share: answered at once
+        assert not host._group_waits.open  # every wait's slot given back
+        reply, seconds = await first_reply(silent())
+        assert reply is None and seconds < 2  # a first message that never comes is not waited for past GROUP_WAIT
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -54,3 +54,22 @@ def test_selected_parts_are_read_back_and_a_round_nobody_audits_writes_nothing()
     off = SpilledParts(keep=False)  # audits off (``averaging.checked_reducers = false``)
     off.append(3, parts[0])
     assert off._file is None and off.get(3) == [] and off.count(3) == 0
+
+
+def test_parts_are_served_one_at_a_time_and_a_closed_file_ends_the_stream():
+    """A served audit stream holds one part read back, not a slice (``SpilledParts.each``); if its round's file is
+    closed while it is served, the stream ends rather than fails."""
+    from hivemind.proto import runtime_pb2
+
+    from swarm.averager.spill import SpilledParts
+
+    spill = SpilledParts()
+    parts = [runtime_pb2.Tensor(buffer=bytes([i]) * 1000) for i in range(5)]
+    for part in parts:
+        spill.append(0, part)
+    each = spill.each(0)
+    assert next(each).buffer == parts[0].buffer  # read one, the rest still on disk
+    assert [p.buffer for p in spill.each(0, [4, 1])] == [parts[4].buffer, parts[1].buffer]
+    assert next(each).buffer == parts[1].buffer  # readers do not disturb each other's place
+    spill.close()
+    assert list(each) == [] and spill.each(1) is None

@@ -14,6 +14,7 @@ import logging
 import time
 import typing
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -85,9 +86,18 @@ class AuditRound:
     def sent_to(self, reducer: str) -> list[runtime_pb2.Tensor] | None:
         return self.runner.sent_parts.get(self.members.index(reducer)) if reducer in self.members else None
 
-    def held_of(self, sender: str, indices: object) -> list[runtime_pb2.Tensor] | None:
-        """The parts ``indices`` (another machine's list: checked) that ``sender`` sent us as its reducer; None if it
-        sent us none or the indices are not some of them."""
+    def served_sent(self, reducer: str, indices: object) -> Iterator[runtime_pb2.Tensor] | None:
+        """The parts we sent ``reducer`` (all, or ``indices``: another machine's list, checked) as a groupmate's
+        audit asks for them, read from disk one at a time as its stream takes them (read whole, a slice per request
+        and eight requests per groupmate were held at once); None if we sent it none or the indices are wrong."""
+        count = self.runner.sent_parts.count(self.members.index(reducer)) if reducer in self.members else None
+        if count is None or (indices is not None and not _valid_indices(indices, count)):
+            return None
+        return self.runner.sent_parts.each(self.members.index(reducer), indices)
+
+    def held_of(self, sender: str, indices: object) -> Iterator[runtime_pb2.Tensor] | None:
+        """The parts ``indices`` (another machine's list: checked) that ``sender`` sent us as its reducer, read one
+        at a time; None if it sent us none or the indices are not some of them."""
         senders = [p.to_base58() for p in self.runner.sender_peer_ids]
         if sender not in senders:
             return None
@@ -95,7 +105,7 @@ class AuditRound:
         count = self.runner.received_parts.count(index)
         if count is None or not _valid_indices(indices, count):
             return None
-        return self.runner.received_parts.get(index, indices)
+        return self.runner.received_parts.each(index, indices)
 
 
 class AuditServing:
@@ -176,14 +186,9 @@ class AuditServing:
                 for part in record.held_of(str(fields.get("sender")), fields.get("indices")) or ():
                     yield averaging_pb2.DownloadData(tensor_part=part)
             case AuditRequest.parts:  # all of them, or those ``indices`` (an audit of a sample)
-                parts = record.sent_to(str(fields.get("reducer")))
-                indices = fields.get("indices")
-                if parts is not None and indices is not None:
-                    parts = [parts[i] for i in indices] if _valid_indices(indices, len(parts)) else None
-                logger.debug(
-                    "serving %s parts sent to %s (done: %s)", None if parts is None else len(parts),
-                    fields.get("reducer"), record.done,
-                )  # fmt: skip
+                parts = record.served_sent(str(fields.get("reducer")), fields.get("indices"))
+                logger.debug("serving parts sent to %s: %s (done: %s)", fields.get("reducer"), parts is not None,
+                             record.done)  # fmt: skip
                 for part in parts or ():
                     yield averaging_pb2.DownloadData(tensor_part=part)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 from hivemind.proto import runtime_pb2
 
@@ -92,3 +93,12 @@ def max_request_bytes(group_size: int) -> int:
     output of each groupmate, under 4.3 KB a member. Decoding msgpack can take about 70 times its bytes (a
     stranger's 4 MiB of empty arrays took 289 MiB), so none is decoded past this: 348 KiB in groups of 64."""
     return 64 * 1024 + 4096 + group_size * (4096 + 256)
+
+
+def max_update_bytes(compression: int, numels: Sequence[int]) -> int:
+    """The most bytes of an honest update file (``transfer.write_update``: a round's average, part by part) of
+    tensors of ``numels`` values in the run's ``compression``: each tensor's values at the codec's most
+    (``max_bytes``), a part's framing for every 2**16 of them (hivemind's parts hold more), and a MiB for the
+    header and the parts cut at slices' ends. For fp4 about 0.5 bytes a value; before, every download allowed 4,
+    and the whole file is read, then copied part by part, before a part is checked."""
+    return sum(max_bytes(compression, n) + 64 * (n // 65536 + 2) for n in numels) + (1 << 20)

@@ -30,11 +30,15 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.serializer import MSGPackSerializer
 
 from swarm.averager.allreduce import WIRE_VERSION
+from swarm.averager.serving_limits import ServingLimits
 
 logger = logging.getLogger(__name__)
 T = typing.TypeVar("T")
 
 GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
+# streams waiting for a group at once, per requester and in all, and waits a requester may start a minute: an honest
+# delegate's stream waits once a try, when it starts a moment before us
+GROUP_WAITS = dict(per_peer=2, total=64, per_minute=60)
 
 
 def partial_merge(dropped_fraction: float, excluded_senders: int) -> bool:
@@ -143,16 +147,32 @@ class FixedGroups:
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
         """A groupmate's part: as hivemind serves it, once the group it names is registered here (a fixed group's
-        member may start a moment before us), or BAD_GROUP_ID after ``GROUP_WAIT``."""
-        request = await anext(stream)
-        deadline = time.monotonic() + GROUP_WAIT
-        while request.group_id not in self._running_groups and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        member may start a moment before us), or BAD_GROUP_ID after ``GROUP_WAIT``. Its first message is awaited
+        ``GROUP_WAIT`` at most, and a stream waits for a group only within ``GROUP_WAITS``' share (a stranger naming
+        made-up groups in a loop is answered at once)."""
+        try:
+            request = await asyncio.wait_for(anext(stream), GROUP_WAIT)
+        except (TimeoutError, StopAsyncIteration):
+            return
+        if request.group_id not in self._running_groups:
+            await self._wait_for_group(request.group_id, context.remote_id.to_base58())
         if request.group_id not in self._running_groups:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _wait_for_group(self, group_id: bytes, requester: str) -> None:
+        if getattr(self, "_group_waits", None) is None:
+            self._group_waits = ServingLimits(**GROUP_WAITS)
+        if not self._group_waits.acquire(requester):
+            return
+        try:
+            deadline = time.monotonic() + GROUP_WAIT
+            while group_id not in self._running_groups and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            self._group_waits.release(requester)
 
 
 def _told(task: asyncio.Task) -> None:

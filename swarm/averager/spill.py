@@ -52,6 +52,14 @@ class SpilledParts:
             return None
         return list(self._read(where if indices is None else [where[i] for i in indices]))
 
+    def each(self, reducer_index: int, indices: list[int] | None = None) -> Iterator[runtime_pb2.Tensor] | None:
+        """``get``'s parts, read back one at a time as they are taken (what a served stream holds is then one part,
+        not a slice); it ends early if the file is closed meanwhile."""
+        where = self._where.get(reducer_index)
+        if where is None:
+            return None
+        return self._read(where if indices is None else [where[i] for i in indices])
+
     def count(self, reducer_index: int) -> int | None:
         """How many parts were sent to that reducer (None: never any)."""
         where = self._where.get(reducer_index)
@@ -59,6 +67,8 @@ class SpilledParts:
 
     def _read(self, where: list[tuple[int, int]]) -> Iterator[runtime_pb2.Tensor]:
         for offset, size in where:
+            if self._file is None:  # closed with its round while a stream served it
+                return
             self._file.seek(offset)
             part = runtime_pb2.Tensor()
             part.ParseFromString(self._file.read(size))

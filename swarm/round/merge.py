@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
+from swarm.averager.bounds import max_update_bytes
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import fixed_group_id, partial_merge
 from swarm.averager.handle import AllReduceOutcome
@@ -304,7 +305,7 @@ class Merger:
                 holder,
                 state.epoch,
                 destination,
-                max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
+                max_bytes=max_update_bytes(codec(avg.compression).compression_type, ctx.outer.numels),
                 chunk_timeout=avg.chunk_timeout,
                 timeout=avg.update_timeout(ctx.outer.numel),
                 should_stop=ctx.stop_requested,

@@ -62,6 +62,10 @@ class OuterState:
         return sum(p.numel() for p in self.params)
 
     @property
+    def numels(self) -> list[int]:
+        return [p.numel() for p in self.params]
+
+    @property
     def shapes(self) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in self.params]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from swarm.averager.bounds import max_update_bytes
 from swarm.averager.codecs import codec
 from swarm.averager.held import check_parts, decode_into
 from swarm.averager.transfer import DownloadStopped, read_update
@@ -102,7 +103,7 @@ class Replay:
                     donor,
                     epoch,
                     destination,
-                    max_bytes=ctx.outer.nbytes // 2 + (1 << 20),  # even uncompressed, 4 bytes per parameter
+                    max_bytes=max_update_bytes(codec(avg.compression).compression_type, ctx.outer.numels),
                     chunk_timeout=avg.chunk_timeout,
                     min_rate=avg.min_rate,
                     timeout=avg.update_timeout(ctx.outer.numel),
