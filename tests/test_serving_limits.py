@@ -90,33 +90,26 @@ def test_a_groupmate_cannot_hold_or_start_more_audit_requests_than_its_share():
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
-def test_a_request_is_decoded_only_within_what_an_honest_verdict_can_hold():
+def test_a_request_is_decoded_only_within_what_an_honest_verdict_can_hold(monkeypatch):
     """A stranger's request fields are msgpack: 4 MiB of empty arrays decoded to 289 MiB. Past
     ``max_request_bytes`` they are refused undecoded; an auditor's verdict in a group of 64 (a receipt and 64
     signed outputs, each larger than an honest one) is decoded."""
     from hivemind.utils.serializer import MSGPackSerializer
 
+    import swarm.averager.transfer as transfer
     from swarm.averager.bounds import max_request_bytes
-    from swarm.averager.transfer import FileTransfer
 
-    decoded = []
-
-    class Serializer:
-        @staticmethod
-        def loads(blob):
-            decoded.append(len(blob))
-            return MSGPackSerializer.loads(blob)
-
-    host = SimpleNamespace(serializer=Serializer, _is_banned=lambda peer: False, _secret=None,
-                           matchmaking_kwargs=dict(target_group_size=64))  # fmt: skip
+    decoded, loads = [], transfer.bounded_loads
+    monkeypatch.setattr(transfer, "bounded_loads", lambda blob, *a: decoded.append(len(blob)) or loads(blob, *a))
+    host = SimpleNamespace(_is_banned=lambda peer: False, _secret=None, matchmaking_kwargs=dict(target_group_size=64))
     context = SimpleNamespace(remote_id=PeerID(b"\x01" * 34))
     verdict = dict(group_id=b"g" * 32, reducer="r", verdict="passed", receipt=b"r" * (4096 + 256 * 64),
                    outputs={f"peer{i}": b"o" * 1024 for i in range(64)})  # fmt: skip
     request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(verdict))
-    assert FileTransfer._admitted(host, request, context) == verdict
+    assert transfer.FileTransfer._admitted(host, request, context) == verdict
     bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x90" * (4 << 20)  # an array of 4M empty arrays
     assert len(bomb) > max_request_bytes(64)
-    assert FileTransfer._admitted(host, averaging_pb2.DownloadData(metadata=bomb), context) is None
+    assert transfer.FileTransfer._admitted(host, averaging_pb2.DownloadData(metadata=bomb), context) is None
     assert decoded == [len(request.metadata)]  # the bomb was never decoded
 
 

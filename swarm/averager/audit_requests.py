@@ -16,12 +16,12 @@ import typing
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.serializer import MSGPackSerializer
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_fixed
 
 from swarm.averager.audit_serving import MAX_ACCUSED_PARTS, AuditRequest, AuditRound
 from swarm.defence.audit import GUILTY, UNCHECKABLE, Verdict
 from swarm.defence.receipts import Receipt, open_receipt, with_statements
+from swarm.defence.unpack import bounded_loads
 from swarm.manifest import SLOWEST_LINK_MBIT
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def returned_count(metadata: bytes) -> int:
     """A groupmate's reply to ``AuditRequest.returned``: the parts it says came back, or 0 for anything else that
     its bytes hold (never raises)."""
     try:
-        reply = MSGPackSerializer.loads(metadata)
+        reply = bounded_loads(metadata)
     except Exception:  # another machine's bytes
         logger.debug("an unreadable reply to a returned-count request", exc_info=True)
         return 0
@@ -99,7 +99,7 @@ class AuditRequests:
         request = dict(group_id=record.runner.group_id, what=AuditRequest.receipt.value)
         stream = await self._request(reducer, request)
         async for message in stream:
-            reply = self.serializer.loads(message.metadata)
+            reply = bounded_loads(message.metadata)
             blob = reply.get("receipt") if isinstance(reply, dict) else None
             receipt = open_receipt(blob) if isinstance(blob, bytes) else None
             if receipt is not None:  # with the senders' statements it serves beside it (``audit.vouching``)

@@ -41,6 +41,7 @@ from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.served import served
 from swarm.averager.serving_limits import ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
+from swarm.defence.unpack import bounded_loads
 from swarm.dht.access import RunSecret
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class FileTransfer:
         if len(request.metadata) > max_request_bytes(self.matchmaking_kwargs.get("target_group_size") or 64):
             return None  # never decoded: a small message of nested msgpack decodes to a large object
         try:
-            fields = self.serializer.loads(request.metadata) if request.metadata else {}
+            fields = bounded_loads(request.metadata) if request.metadata else {}
         except Exception:
             return None
         if not isinstance(fields, dict) or self._is_banned(context.remote_id):
@@ -370,7 +371,7 @@ class FileTransfer:
                     if future.done():  # the host gave up (and may have removed the file before it was opened)
                         raise _HostGaveUp
                     if metadata is None:
-                        metadata = self.serializer.loads(message.metadata) if message.metadata else None
+                        metadata = bounded_loads(message.metadata, 64) if message.metadata else None
                         nbytes = metadata.get("nbytes") if isinstance(metadata, dict) else None
                         if not isinstance(nbytes, int) or not 0 < nbytes <= max_bytes:
                             raise RuntimeError(f"peer {peer_id} announced a file of {nbytes!r} bytes")

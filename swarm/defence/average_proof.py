@@ -30,6 +30,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from swarm.defence.audit import _decode, close_enough, matches_either_way, recompute, too_few
 from swarm.defence.receipts import Receipt, digest_of, part_digest
 from swarm.defence.statements import MAX_PARTS
+from swarm.defence.unpack import bounded_loads
 from swarm.manifest import Aggregation
 
 PROOF_VERSION = 1
@@ -64,7 +65,7 @@ def from_wire(receipt: Receipt, metadata: bytes, tensors: Sequence[runtime_pb2.T
     try:
         if not isinstance(metadata, bytes) or len(metadata) > MAX_METADATA_BYTES:
             return None
-        version, index, outputs, listed = MSGPackSerializer.loads(metadata)
+        version, index, outputs, listed = bounded_loads(metadata)
         if version != PROOF_VERSION or not _digests(outputs) or not 0 < len(outputs) <= MAX_PARTS:
             return None
         if not _index(index, len(outputs)) or not isinstance(listed, list) or len(listed) != len(receipt.senders):
