@@ -18,9 +18,12 @@ def test_counts_are_believed_up_to_the_rounds_cap_and_anything_else_is_none():
         "d": dict(epoch=[3], samples=True),  # an unhashable epoch raised in the set of epochs
         "e": "not a dict",
         "f": dict(epoch=3, samples=-5),
+        "g": dict(epoch=3, samples=12.7),  # a float count: floored
+        "h": dict(epoch=3, samples=float("inf")),
     }
-    assert gathered_samples(gathered, CAP) == dict(a=10, b=CAP, c=0, d=0, e=0, f=0)
+    assert gathered_samples(gathered, CAP) == dict(a=10, b=CAP, c=0, d=0, e=0, f=0, g=12, h=0)
     assert gathered_epochs(gathered) == {3, None}
+    assert gathered_epochs({"a": dict(epoch=3.0)}) == {None}  # an epoch is a whole count
     assert gathered_epochs({"a": dict(epoch=3), "b": dict(epoch=3)}) == {3}
 
 

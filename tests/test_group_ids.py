@@ -29,15 +29,31 @@ def test_an_id_binds_its_members_their_order_and_their_data():
     assert bound_group_id(b"t" * SALT, MEMBERS, GATHERED) != group_id  # each group its own id
 
 
-@given(
-    st.binary(max_size=64), st.lists(st.binary(max_size=40), max_size=5), st.lists(st.binary(max_size=40), max_size=5)
-)
-def test_no_id_a_stranger_sends_binds_anything_but_what_it_was_made_of(group_id, members, gathered):
-    assert binds(group_id, members, gathered) == (
-        len(group_id) == SALT + 20
-        and len(members) == len(gathered)
-        and bound_group_id(group_id[:SALT], members, gathered) == group_id
-    )
+_layouts = st.integers(1, 5).flatmap(
+    lambda n: st.tuples(st.lists(st.binary(min_size=1, max_size=40), min_size=n, max_size=n, unique=True),
+                        st.lists(st.binary(max_size=40), min_size=n, max_size=n))
+)  # fmt: skip
+
+
+@given(_layouts, st.binary(min_size=SALT, max_size=SALT), st.data())
+def test_any_change_to_what_a_leader_sent_breaks_its_id(layout, salt, data):
+    """A follower told another member, order, or gathered byte than the id was made of finds it does not bind."""
+    members, gathered = layout
+    group_id = bound_group_id(salt, members, gathered)
+    assert binds(group_id, members, gathered)
+    change = data.draw(st.sampled_from(["drop", "swap", "byte", "id"]))
+    i = data.draw(st.integers(0, len(members) - 1))
+    members, gathered = list(members), list(gathered)
+    if change == "drop":
+        del members[i], gathered[i]
+    elif change == "swap":  # (with one member: nothing to swap, and it still binds)
+        j = (i + 1) % len(members)
+        members[i], members[j], gathered[i], gathered[j] = members[j], members[i], gathered[j], gathered[i]
+    elif change == "byte":
+        gathered[i] = gathered[i] + b"\x00"
+    else:
+        group_id = group_id[:-1] + bytes([group_id[-1] ^ 1])
+    assert binds(group_id, members, gathered) == (change == "swap" and len(members) == 1)
 
 
 def test_a_second_stage_id_binds_each_delegates_mode_and_data():

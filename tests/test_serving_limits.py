@@ -92,8 +92,8 @@ def test_a_groupmate_cannot_hold_or_start_more_audit_requests_than_its_share():
 
 def test_a_request_is_decoded_only_within_what_an_honest_verdict_can_hold(monkeypatch):
     """A stranger's request fields are msgpack: 4 MiB of empty arrays decoded to 289 MiB. Past
-    ``max_request_bytes`` they are refused undecoded; an auditor's verdict in a group of 64 (a receipt and 64
-    signed outputs, each larger than an honest one) is decoded."""
+    ``max_request_bytes`` they are refused undecoded; an auditor's verdict in a second stage of 256 delegates (a
+    receipt and 256 signed outputs, each larger than an honest one) is decoded, in a run of groups of 64."""
     from hivemind.utils.serializer import MSGPackSerializer
 
     import swarm.averager.transfer as transfer
@@ -103,11 +103,15 @@ def test_a_request_is_decoded_only_within_what_an_honest_verdict_can_hold(monkey
     monkeypatch.setattr(transfer, "bounded_loads", lambda blob, *a: decoded.append(len(blob)) or loads(blob, *a))
     host = SimpleNamespace(_is_banned=lambda peer: False, _secret=None, matchmaking_kwargs=dict(target_group_size=64))
     context = SimpleNamespace(remote_id=PeerID(b"\x01" * 34))
-    verdict = dict(group_id=b"g" * 32, reducer="r", verdict="passed", receipt=b"r" * (4096 + 256 * 64),
-                   outputs={f"peer{i}": b"o" * 1024 for i in range(64)})  # fmt: skip
+    from swarm.averager.bounds import SECOND_STAGE
+    from swarm.dht.records import MAX_GROUPS
+
+    assert SECOND_STAGE == MAX_GROUPS  # a second stage's delegates, whatever the run's group size
+    verdict = dict(group_id=b"g" * 32, reducer="r", verdict="passed", receipt=b"r" * (4096 + 256 * MAX_GROUPS),
+                   outputs={f"peer{i}": b"o" * 1024 for i in range(MAX_GROUPS)})  # fmt: skip
     request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(verdict))
     assert transfer.FileTransfer._admitted(host, request, context) == verdict
-    bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x90" * (4 << 20)  # an array of 4M empty arrays
+    bomb = b"\xdd" + (4 << 20).to_bytes(4, "big") + b"\x90" * (4 << 20)  # 4M empty arrays: 289 MiB, decoded
     assert len(bomb) > max_request_bytes(64)
     assert transfer.FileTransfer._admitted(host, averaging_pb2.DownloadData(metadata=bomb), context) is None
     assert decoded == [len(request.metadata)]  # the bomb was never decoded
@@ -146,5 +150,29 @@ def test_streams_naming_groups_we_do_not_run_wait_within_their_share(monkeypatch
         assert not host._group_waits.open  # every wait's slot given back
         reply, seconds = await first_reply(silent())
         assert reply is None and seconds < 2  # a first message that never comes is not waited for past GROUP_WAIT
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_crowd_of_made_up_groups_does_not_turn_an_honest_stream_away(monkeypatch):
+    """Keys are free: 40 keys keep two made-up waits each. A delegate's stream that starts a moment before we
+    register its group still waits for it (more slowly past ``FAST_WAITS``) and finds it, not "bad group"."""
+    import swarm.averager.fixed_group as fixed_group
+
+    monkeypatch.setattr(fixed_group, "GROUP_WAIT", 3.0)
+    host = fixed_group.FixedGroups()
+    host._running_groups = {}
+
+    async def scenario():
+        crowd = [asyncio.create_task(host._wait_for_group(b"made up %d" % i, f"key{i // 2}")) for i in range(2 * 40)]
+        await asyncio.sleep(0.1)
+        assert sum(host._group_waits.open.values()) == 80 > fixed_group.FAST_WAITS
+        honest = asyncio.create_task(host._wait_for_group(b"ours", "delegate"))
+        await asyncio.sleep(0.3)
+        host._running_groups[b"ours"] = object()  # we register the group
+        await asyncio.wait_for(honest, 1.0)  # it found it, well before GROUP_WAIT
+        assert not any(task.done() for task in crowd)
+        await asyncio.gather(*crowd)
+        assert not host._group_waits.open
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

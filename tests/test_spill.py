@@ -71,5 +71,11 @@ def test_parts_are_served_one_at_a_time_and_a_closed_file_ends_the_stream():
     assert next(each).buffer == parts[0].buffer  # read one, the rest still on disk
     assert [p.buffer for p in spill.each(0, [4, 1])] == [parts[4].buffer, parts[1].buffer]
     assert next(each).buffer == parts[1].buffer  # readers do not disturb each other's place
+    later = spill.each(0)
+    spill.append(0, runtime_pb2.Tensor(buffer=b"sent after the request"))
+    assert len(list(later)) == 5  # what was sent when it was asked for
+    stale = spill.each(0)
     spill.close()
     assert list(each) == [] and spill.each(1) is None
+    spill.append(0, runtime_pb2.Tensor(buffer=b"x" * 4000))  # a round's file closed, then one more part: a new file
+    assert list(stale) == []  # the old offsets are never read from the new file

@@ -125,3 +125,22 @@ def test_a_peers_dht_and_the_processes_it_forks_read_bounded_messages():
     )
     done = subprocess.run([sys.executable, "-c", child + check], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_averager_process_installs_its_fixes_whatever_started_its_dht():
+    """``PseudoGradientAverager._run_internal`` installs them as the averager process starts (an embedder's plain
+    ``hivemind.DHT`` never went through ``start_dht``). In a fresh interpreter, where nothing installed them."""
+    check = (
+        "from hivemind.averaging.matchmaking import Matchmaking\n"
+        "from hivemind.p2p import P2P\n"
+        "from swarm.hivemind_fixes import group_ids, messages\n"
+        "from swarm.hivemind_fixes.averaging import fix_averager_process\n"
+        "assert P2P.receive_raw_data is not messages.receive_bounded\n"
+        "fix_averager_process()\n"
+        "assert P2P.receive_raw_data is messages.receive_bounded\n"
+        "assert Matchmaking.follower_assemble_group is group_ids._follower_assemble_group\n"
+        "import inspect, swarm.averager.process as process\n"
+        "assert 'fix_averager_process()' in inspect.getsource(process.PseudoGradientAverager._run_internal)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -55,6 +55,10 @@ bombs = [
     b"\xdd" + size.to_bytes(4, "big") + b"\xc4\x02ab" * (size // 4),  # an array of 2-byte strings
     b"\x91" * 100_000 + b"\x90",  # nested past any stack
     b"\xc7" + b"\xff" + b"\x40" + b"\x90" * 255,  # a tuple's ext of empty arrays
+    b"\xdd" + size.to_bytes(4, "big") + b"\xec" * size,  # one-byte negative integers: each a new object
+    b"\xdc\x00\x80" + (b"\xdc\x7f\xff" + b"\xec" * 0x7FFF) * 128,  # the same in 128 arrays: counted as each ends
+    b"\xc9" + (size + 5).to_bytes(4, "big") + b"\x40" + b"\xdd" + size.to_bytes(4, "big") + b"\x90" * size,  # a tuple
+    b"\xd4\x40\x90" * 3 + b"\xc7\x03\x40" * 200_000 + b"\x90",  # tuples nested past any stack
 ]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 refused = 0
@@ -71,5 +75,5 @@ def test_known_bombs_are_refused_within_64_mb():
     out = subprocess.run([sys.executable, "-c", BOMBS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     refused, bombs, peak_mib = out.stdout.split()
-    assert int(refused) >= int(bombs) - 1, out.stdout  # the tuple of 255 empty arrays is within bounds: decoded
+    assert int(refused) == int(bombs), out.stdout
     assert float(peak_mib) < 64, f"peak memory rose by {float(peak_mib):.0f} MiB"

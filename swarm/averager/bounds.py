@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 CT = runtime_pb2.CompressionType
 MAX_PART = 1 << 24  # values in one part: hivemind cuts parts of about 2**20 (a whole tensor at most for tiny ones)
 DTYPE = "float32"
+SECOND_STAGE = 256  # delegates in a second stage at most (``swarm.dht.records.MAX_GROUPS``)
 
 
 class OutOfBounds(ValueError):
@@ -90,9 +91,9 @@ def admitted(parts: list[runtime_pb2.Tensor], numels: list[int], compression: in
 def max_request_bytes(group_size: int) -> int:
     """The most bytes of a request's fields (``DownloadData.metadata``: a state, update, audit, proof or verdict
     request) that are decoded at all. The largest honest one is an auditor's verdict: a receipt and the signed
-    output of each groupmate, under 4.3 KB a member. Decoding msgpack can take about 70 times its bytes (a
-    stranger's 4 MiB of empty arrays took 289 MiB), so none is decoded past this: 348 KiB in groups of 64."""
-    return 64 * 1024 + 4096 + group_size * (4096 + 256)
+    output of each groupmate, under 4.3 KB a member, in the larger of the run's groups and a second stage's (up to
+    ``SECOND_STAGE`` delegates): 1.2 MiB. What it decodes to is bounded too (``swarm.defence.unpack``)."""
+    return 64 * 1024 + 4096 + max(group_size, SECOND_STAGE) * (4096 + 256)
 
 
 def max_update_bytes(compression: int, numels: Sequence[int]) -> int:

@@ -37,8 +37,11 @@ T = typing.TypeVar("T")
 
 GROUP_WAIT = 15.0  # seconds a groupmate's stream waits for us to register the group it names
 # streams waiting for a group at once, per requester and in all, and waits a requester may start a minute: an honest
-# delegate's stream waits once a try, when it starts a moment before us
-GROUP_WAITS = dict(per_peer=2, total=64, per_minute=60)
+# delegate's stream waits once a try, when it starts a moment before us. Keys are free, so the total is not what
+# keeps a stranger's made-up groups cheap (an honest stream refused for it would leave its group's second stage):
+# past ``FAST_WAITS`` at once, a wait looks for its group every half second rather than every 50 ms
+GROUP_WAITS = dict(per_peer=2, total=4096, per_minute=60)
+FAST_WAITS = 64
 
 
 def partial_merge(dropped_fraction: float, excluded_senders: int) -> bool:
@@ -148,8 +151,8 @@ class FixedGroups:
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
         """A groupmate's part: as hivemind serves it, once the group it names is registered here (a fixed group's
         member may start a moment before us), or BAD_GROUP_ID after ``GROUP_WAIT``. Its first message is awaited
-        ``GROUP_WAIT`` at most, and a stream waits for a group only within ``GROUP_WAITS``' share (a stranger naming
-        made-up groups in a loop is answered at once)."""
+        ``GROUP_WAIT`` at most, and a stream waits for a group only within ``GROUP_WAITS``' share (a key naming made-up
+        groups in a loop is answered at once)."""
         try:
             request = await asyncio.wait_for(anext(stream), GROUP_WAIT)
         except (TimeoutError, StopAsyncIteration):
@@ -169,8 +172,9 @@ class FixedGroups:
             return
         try:
             deadline = time.monotonic() + GROUP_WAIT
+            pause = 0.05 if sum(self._group_waits.open.values()) <= FAST_WAITS else 0.5
             while group_id not in self._running_groups and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(pause)
         finally:
             self._group_waits.release(requester)
 

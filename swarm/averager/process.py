@@ -41,9 +41,9 @@ from swarm.defence.audit import MALFORMED
 from swarm.dht.access import RunSecret
 from swarm.dht.records import run_prefix
 from swarm.errors import HelperError
+from swarm.hivemind_fixes.averaging import fix_averager_process
 from swarm.hivemind_fixes.helpers import check_alive, start_and_wait
 from swarm.hivemind_fixes.locks import free_stuck_locks
-from swarm.hivemind_fixes.pace import pace_matchmaking
 from swarm.hivemind_fixes.pipe import LockedSends
 from swarm.manifest import Aggregation, AveragingSpec, RunManifest
 
@@ -141,7 +141,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
     def _run_internal(self) -> None:
         rebuild_torch_thread_pool()
         heap.limit_retention()
-        pace_matchmaking()
+        fix_averager_process()
         super()._run_internal()
 
     async def _run_allreduce_inplace_(

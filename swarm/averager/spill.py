@@ -50,7 +50,7 @@ class SpilledParts:
         where = self._where.get(reducer_index)
         if where is None:
             return None
-        return list(self._read(where if indices is None else [where[i] for i in indices]))
+        return list(self._read(self._file, where if indices is None else [where[i] for i in indices]))
 
     def each(self, reducer_index: int, indices: list[int] | None = None) -> Iterator[runtime_pb2.Tensor] | None:
         """``get``'s parts, read back one at a time as they are taken (what a served stream holds is then one part,
@@ -58,20 +58,20 @@ class SpilledParts:
         where = self._where.get(reducer_index)
         if where is None:
             return None
-        return self._read(where if indices is None else [where[i] for i in indices])
+        return self._read(self._file, list(where) if indices is None else [where[i] for i in indices])  # sent by now
 
     def count(self, reducer_index: int) -> int | None:
         """How many parts were sent to that reducer (None: never any)."""
         where = self._where.get(reducer_index)
         return None if where is None else len(where)
 
-    def _read(self, where: list[tuple[int, int]]) -> Iterator[runtime_pb2.Tensor]:
+    def _read(self, file, where: list[tuple[int, int]]) -> Iterator[runtime_pb2.Tensor]:
         for offset, size in where:
-            if self._file is None:  # closed with its round while a stream served it
+            if self._file is not file:  # closed with its round while a stream served it (another may be open now)
                 return
-            self._file.seek(offset)
+            file.seek(offset)
             part = runtime_pb2.Tensor()
-            part.ParseFromString(self._file.read(size))
+            part.ParseFromString(file.read(size))
             yield part
 
     def close(self) -> None:

@@ -1,19 +1,16 @@
 """Files between peers: the outer state for joiners, and the last rounds' averaged updates for replay.
 
-Both directions go through files rather than memory. A donor streams its newest
-state file, complete and unchanging even while its training moves on; a joiner's
-averager process writes what it receives straight to a file, which the host checks
-before using it.
+Both directions go through files rather than memory. A donor streams its newest state file, complete and unchanging
+even while its training moves on; a joiner's averager process writes what it receives straight to a file, which the
+host checks before using it.
 
-After each averaged round a peer also keeps the round's average exactly as it came
-off the wire (``update-EPOCH.bin``: the reducers' serialized parts), the last
-``keep_updates`` of them; after a local round, its own step, as a group of one would
-have received it (``swarm.round.local_update``). A peer a few epochs behind fetches those few updates (half
-a byte per parameter each with fp4) and applies them, instead of the whole state
-(eight bytes per parameter).
+After each averaged round a peer also keeps the round's average exactly as it came off the wire (``update-EPOCH.bin``:
+the reducers' serialized parts), the last ``keep_updates`` of them; after a local round, its own step, as a group of
+one would have received it (``swarm.round.local_update``). A peer a few epochs behind fetches those few updates (half
+a byte per parameter each with fp4) and applies them, instead of the whole state (eight bytes per parameter).
 
-This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the
-``_..._from`` coroutines run in the averager process, the rest in the host.
+This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the ``_..._from`` coroutines run in the
+averager process, the rest in the host.
 """
 
 from __future__ import annotations
@@ -221,8 +218,9 @@ class FileTransfer:
     async def _current_stream(self) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         current = await self._current_file()
         if current is not None:
-            async for message in self._stream_file(*current):
-                yield message
+            async with aclosing(self._stream_file(*current)) as messages:  # its file closed with the stream
+                async for message in messages:
+                    yield message
 
     async def rpc_download_update(
         self, request: averaging_pb2.DownloadData, context: P2PContext
@@ -244,8 +242,9 @@ class FileTransfer:
         deadline = time.monotonic() + STALE_FILE_WAIT
         while self._keeping_epoch.value == epoch and not path.exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)  # a local round's update, still being encoded by the host
-        async for message in self._stream_file(path, epoch):
-            yield message
+        async with aclosing(self._stream_file(path, epoch)) as messages:
+            async for message in messages:
+                yield message
 
     # ---- keeping the rounds' averages (the averager process after a group's round; the host after a local one)
 

@@ -1,0 +1,16 @@
+"""The fixes an averager process runs with, installed together as it starts (``PseudoGradientAverager._run_internal``):
+hivemind's search for a leader paced (``pace``), stream messages bounded (``messages``) and group ids that bind
+their layout (``group_ids``). ``swarm.dht.network.start_dht`` installs the last two before it forks anything; here
+they also hold for an averager whose DHT was started otherwise (an embedder's plain ``hivemind.DHT``)."""
+
+from __future__ import annotations
+
+from swarm.hivemind_fixes.group_ids import bind_group_ids
+from swarm.hivemind_fixes.messages import bound_messages
+from swarm.hivemind_fixes.pace import pace_matchmaking
+
+
+def fix_averager_process() -> None:
+    pace_matchmaking()
+    bound_messages()
+    bind_group_ids()
