@@ -167,9 +167,9 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         if attack == "hide":
             from swarm.averager.audit_serving import AuditRound
 
-            sent_to = AuditRound.sent_to
-            AuditRound.sent_to = lambda self, reducer: (
-                None if reducer == self.runner.peer_id.to_base58() else (sent_to(self, reducer))
+            served = AuditRound.served_sent  # what it serves an auditor (its own audits read ``sent_to``)
+            AuditRound.served_sent = lambda self, reducer, indices: (
+                None if reducer == self.runner.peer_id.to_base58() else served(self, reducer, indices)
             )
         return
     if attack == "nonfinite":

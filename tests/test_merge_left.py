@@ -50,7 +50,7 @@ def merger_with(live: list, fetches: list) -> tuple[Merger, MergeState, Merged]:
     ctx = SimpleNamespace(
         me=C, reader=reader, manifest=SimpleNamespace(run_id="0" * 16, averaging=AveragingSpec()),
         averager=SimpleNamespace(download_update=download_update, finalize_update=lambda epoch: True),
-        outer=SimpleNamespace(numel=1000, nbytes=4000, params=[None]), stop_requested=lambda: False,
+        outer=SimpleNamespace(numel=1000, numels=[1000], nbytes=4000, params=[None]), stop_requested=lambda: False,
     )  # fmt: skip
     store = SimpleNamespace(temporary_path=lambda name: Path("/nonexistent") / name)
     merger = Merger(ctx, checkpoints=SimpleNamespace(store=store), no_shows=NoShows(lambda: 0))
