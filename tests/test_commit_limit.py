@@ -9,17 +9,12 @@ write begins. Here two real averager processes average, in a second stage (a fix
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from peer_scripts import run_peers
 
 SCRIPT = r"""
-import json, os, sys, time
-from pathlib import Path
 import torch
 import swarm.averager.process as process
 from swarm.averager.fixed_group import fixed_group_id
-from swarm.dht.network import NetworkConfig, start_dht
 from swarm.manifest import AveragingSpec
 
 WRITE_SECONDS, LIMIT = 3.0, 2.0
@@ -29,20 +24,6 @@ def slow_decode_into(tensor, parts):  # a large model's write on a slow machine 
     decode_into(tensor, parts)
 process.decode_into = slow_decode_into
 
-def wait_for(name):
-    while not Path(name).exists():
-        time.sleep(0.05)
-    return json.loads(Path(name).read_text())
-
-def say(name, value):
-    Path(name + ".tmp").write_text(json.dumps(value))
-    os.replace(name + ".tmp", name)
-
-me = int(sys.argv[1])
-initial = [] if me == 0 else wait_for("maddrs")
-dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0, initial_peers=initial))
-if me == 0:
-    say("maddrs", [str(a) for a in dht.get_visible_maddrs()])
 mine = [[1.0, 2.0, 3.0, 4.0], [3.0, 6.0, 9.0, 12.0]][me]
 options = dict(process.averager_options(AveragingSpec(), 4), audit=False, min_group_size=2, target_group_size=2,
                min_matchmaking_time=1.0, request_timeout=0.5, allreduce_timeout=LIMIT)
@@ -70,26 +51,12 @@ say(f"ready{me}", True)
 wait_for(f"ready{1 - me}")
 first_stage = outcome(averager.start_averaging(weight=1.0, gather=dict(epoch=2), group_bits=process.epoch_group_bits(2),
                                                timeout=30.0, hard_timeout=60.0))
-print("RESULT " + json.dumps(dict(second_stage=second_stage, first_stage=first_stage)))
-sys.stdout.flush()
-os._exit(0)
+result(dict(second_stage=second_stage, first_stage=first_stage))
 """
 
 
 def test_a_limit_that_comes_while_the_average_is_written_waits_for_the_write(tmp_path):
-    peers = [
-        subprocess.Popen([sys.executable, "-c", SCRIPT, str(i)], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]
-    results = []
-    for peer in peers:
-        try:
-            out, _ = peer.communicate(timeout=240)
-        finally:
-            peer.kill()
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert lines, f"no result (exit {peer.returncode}):\n{out[-2000:]}"
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    results = run_peers(SCRIPT, 2, tmp_path)
     for stage in ("second_stage", "first_stage"):
         # before: each step failed at the limit (TimeoutError), and its buffers then held the average all the same
         (ok, average), theirs = results[0][stage], results[1][stage]

@@ -4,12 +4,9 @@ no longer makes honest groupmates refuse each other's parts as the wrong size an
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from hypothesis import given
 from hypothesis import strategies as st
+from peer_scripts import run_peers
 
 from swarm.averager.fixed_group import fixed_group_id
 from swarm.hivemind_fixes.group_ids import SALT, binds, bound_group_id
@@ -66,15 +63,12 @@ def test_a_second_stage_id_binds_each_delegates_mode_and_data():
 
 
 SCRIPT = r"""
-import json, os, sys, time
-from pathlib import Path
 import torch
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 import swarm.averager.process as process
-from swarm.dht.network import NetworkConfig, start_dht
 from swarm.manifest import AveragingSpec
 
 join, told = Matchmaking.rpc_join_group, set()
@@ -91,20 +85,6 @@ async def lying_join(self, request, context):  # as a leader: the first follower
         yield message
 Matchmaking.rpc_join_group = lying_join  # every peer lies when it leads: whoever leads, two honest followers
 
-def wait_for(name):
-    while not Path(name).exists():
-        time.sleep(0.05)
-    return json.loads(Path(name).read_text())
-
-def say(name, value):
-    Path(name + ".tmp").write_text(json.dumps(value))
-    os.replace(name + ".tmp", name)
-
-me = int(sys.argv[1])
-initial = [] if me == 0 else wait_for("maddrs")
-dht = start_dht(NetworkConfig(host_ip="127.0.0.1", host_port=0, initial_peers=initial))
-if me == 0:
-    say("maddrs", [str(a) for a in dht.get_visible_maddrs()])
 options = dict(process.averager_options(AveragingSpec(), 4), min_group_size=2, target_group_size=3,
                min_matchmaking_time=3.0, request_timeout=1.0, allreduce_timeout=30.0)
 averager = process.PseudoGradientAverager([torch.arange(1 << 20, dtype=torch.float32) * (me + 1)], dht,
@@ -117,13 +97,11 @@ try:
                                       timeout=20.0, hard_timeout=60.0)
     outcome = handle.wait()
     findings = [[f["peer"], f["verdict"], f["banned"]] for f in outcome.findings]
-    result = dict(group=list(outcome.group), findings=findings)
+    outcome = dict(group=list(outcome.group), findings=findings)
 except Exception as e:
-    result = dict(error=repr(e))
-result["me"] = averager.peer_id.to_base58()
-print("RESULT " + json.dumps(result))
-sys.stdout.flush()
-os._exit(0)
+    outcome = dict(error=repr(e))
+outcome["me"] = averager.peer_id.to_base58()
+result(outcome)
 """
 
 
@@ -132,19 +110,7 @@ def test_a_leader_that_tells_a_follower_another_layout_gets_no_honest_groupmate_
     (reduces nothing), and the others that it is not. Before, that follower cut its parts elsewhere, and an honest
     groupmate refused them as the wrong size and banned it ("sent malformed parts", checked). Now it does not take
     that group, and nobody is banned."""
-    peers = [
-        subprocess.Popen([sys.executable, "-c", SCRIPT, str(i)], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-        for i in range(3)
-    ]
-    results = []
-    for peer in peers:
-        try:
-            out, _ = peer.communicate(timeout=240)
-        finally:
-            peer.kill()
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert lines, f"no result (exit {peer.returncode}):\n{out[-2000:]}"
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    results = run_peers(SCRIPT, 3, tmp_path)
     banned = [(r["me"], f) for r in results for f in r.get("findings", []) if f[2]]
     assert banned == [], results
     grouped = [r for r in results if "group" in r]
