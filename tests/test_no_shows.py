@@ -142,3 +142,89 @@ def test_a_key_is_noted_once_a_round_and_the_log_names_only_the_new_ones():
     assert held.note([G1], 3, "never came to the merge") == [G1]
     assert held.note([G1, G2], 3, "still working towards it after it ended") == [G2]  # G1: held already this round
     assert held.add([G1], 3) == 2 * NO_SHOW_ROUNDS  # only a real second miss doubles it
+
+
+def test_a_merge_that_waited_in_vain_for_a_stranger_holds_every_stranger_still_working_doubling():
+    """Keys are free, so a stranger can say "training" with a new key every round, each held only after it missed:
+    the merge's wait holds the keys that never averaged with us as one (``NoShows.merge_view``)."""
+    epoch = [3]
+    held = NoShows(lambda: epoch[0], known=lambda: {B})
+    assert held.note_merge([G1], 3) == [G1] and held.holds_strangers() and held.strangers.times == 1
+    fresh, later = "5" * 40, "4" * 40  # keys made after the miss, never seen before
+    seen = view_of(
+        record(A, 3, PeerState.merging),
+        record(B, 3),  # a groupmate of an earlier round, late: still waited for
+        record(fresh, 3),
+        record(later, 3, PeerState.averaging),
+        record(C, 3, PeerState.merging),  # a stranger merging in a group not registered yet: still counted
+    )
+    assert {p.peer_id for p in held.merge_view(seen).peers} == {A, B, C}
+    assert held.merge_view(seen).global_epoch == seen.global_epoch
+    assert {p.peer_id for p in held.waiting_view(seen).peers} == {A, B, C, fresh, later}  # the first stage's waits
+    epoch[0] = 3 + NO_SHOW_ROUNDS
+    assert not held.holds_strangers() and held.merge_view(seen).peers == seen.peers  # waited for again
+    assert held.note_merge([fresh], 5) == [fresh] and held.strangers.until == 5 + 2 * NO_SHOW_ROUNDS  # twice as long
+    for e in range(10, 400, 70):  # a new key every time the hold ends: the doubling stops at the bound
+        epoch[0] = e
+        held.note_merge([f"{e:040d}"], e)
+    assert held.strangers.until == epoch[0] + MAX_NO_SHOW_ROUNDS
+    epoch[0] = held.strangers.until + MAX_NO_SHOW_ROUNDS - 1  # not long enough since the last hold ended
+    held.note_merge(["3" * 40], epoch[0])
+    assert held.strangers.until == epoch[0] + MAX_NO_SHOW_ROUNDS
+    epoch[0] = held.strangers.until + MAX_NO_SHOW_ROUNDS  # long enough: an honest peer that died costs a short hold
+    held.note_merge([G2], epoch[0])
+    assert held.strangers.until == epoch[0] + NO_SHOW_ROUNDS and held.strangers.times == 1
+
+
+def test_a_groupmate_that_missed_a_merge_holds_only_itself():
+    held = NoShows(lambda: 3, known=lambda: {B, C})
+    assert held.note_merge([B], 3) == [B] and held.holds(B) and not held.holds_strangers()
+    late = view_of(record(A, 3, PeerState.merging), record(B, 3), record(C, 3), record(G1, 3))
+    assert {p.peer_id for p in held.merge_view(late).peers} == {A, C, G1}
+    assert NoShows(lambda: 0).merge_view(None) is None
+
+
+def test_a_delegate_does_not_wait_for_a_key_made_anew_after_a_stranger_kept_it_waiting(monkeypatch):
+    """``Merger.poll`` with the real rules and records: the delegate waits out its patience for one new key saying
+    "training"; in the next round a second new key says the same, and the delegate decides at once, while it still
+    waits for a groupmate of an earlier round that is late."""
+    me, mate, late = A, B, C
+    records: list = []
+    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
+    monkeypatch.setattr(groups, "register", lambda dht, run_id, record: records.append(record) or True)
+    live: list = []
+    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, recent_view=lambda: view_of(*live))
+    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=lambda numel: 0.0)
+    epoch = [3]
+    ctx = SimpleNamespace(
+        me=me,
+        reader=reader,
+        manifest=SimpleNamespace(run_id="0" * 16, averaging=averaging),
+        averager=SimpleNamespace(client_mode=False, finalize_update=lambda e: True),
+        outer=SimpleNamespace(numel=1000),
+        set_state=lambda *a: None,
+    )
+    mates = {mate, late}  # both averaged with us in earlier rounds
+    held = NoShows(lambda: epoch[0], known=lambda: mates)
+    merger = Merger(ctx, checkpoints=None, no_shows=held)
+
+    def round_of(e: int, others: list, label: str = "ours") -> MergeState:
+        epoch[0] = e
+        tag = group_tag(f"{label}-{e}".encode())
+        records.append(group_record(e, tag, me, 2, 64.0, "a" * 64, False))
+        live[:] = [record(me, e, PeerState.merging), record(mate, e, PeerState.merging), *others]
+        state = MergeState(e, tag, me, (me, mate), 2, 64.0, "a" * 64, deadline=time.monotonic() + 60)
+        state.registered_at = time.monotonic() - 1.5  # past SETTLE, within the patience (2 s)
+        return state
+
+    state = round_of(3, [record(G1, 3)])
+    assert not merger.poll(state, blocking=False) and not state.decided  # waits for the stranger G1
+    state.registered_at, state.read_at = time.monotonic() - 2.5, -float("inf")
+    merger.poll(state, blocking=False)
+    assert state.decided and held.holds(G1) and held.holds_strangers()
+    state = round_of(4, [record(G2, 4)])  # a key made anew
+    merger.poll(state, blocking=False)
+    assert state.decided and not held.holds(G2)  # decided at once, G2 never waited for (nor held: never missed)
+    records.clear()  # the same epoch again, without the swarm's average just registered
+    state = round_of(4, [record(G2, 4), record(late, 4)], "again")  # a groupmate of earlier rounds on its way
+    assert not merger.poll(state, blocking=False) and not state.decided

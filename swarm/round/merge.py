@@ -112,7 +112,7 @@ class Merger:
             return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
-            view = self.no_shows.waiting_view(view)  # keys that missed earlier rounds are not waited for
+            view = self.no_shows.merge_view(view)  # keys that missed earlier rounds are not waited for
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
             decision = Decision.wait if view is None else delegate_decision(
@@ -150,7 +150,7 @@ class Merger:
         """The keys the merge waited for all its patience that still work towards the round: not waited for a while
         (``swarm.round.no_shows``; noted here: a key that follows the swarm's epoch is past it when the round ends)."""
         missed = given_up_on(view, state.records, self.ctx.me, state.epoch, state.members, state.tag)
-        self.no_shows.note(missed, state.epoch, "never came to the merge")
+        self.no_shows.note_merge(missed, state.epoch)
 
     def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
         """Our delegate died in the all-reduce, moved on without registering the group, or lied to us in it: one

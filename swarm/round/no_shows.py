@@ -19,13 +19,25 @@ long each time a key misses again (``swarm.dht.ledger``). Nothing else changes: 
 any group, and they are asked for states; only nobody waits for them. An honest peer that missed a round so was
 slower than the swarm's patience already: it joins the rounds it reaches (a peer ends its own round early when its
 mates start without it), and is waited for again when its hold ends.
+
+Keys cost nothing, so a stranger can also make a new one every round: each new key is held only after it missed, so
+it held every merge of the swarm for the whole patience. So the merge's wait also holds **strangers** as one: the
+keys that are not our groupmates (``swarm.state.trust.Groupmates``: keys whose parts we took in our last 16 averaged
+rounds, and a delegate's second-stage partners) are waited for in the merge only while no stranger has lately made
+us wait out the patience in vain. A merge that gave up on a stranger holds all strangers still working towards a
+round (training, matchmaking or averaging: a key can say any) out of the merge's wait for ``NO_SHOW_ROUNDS`` of our
+rounds, twice as long each time it happens again, up to ``MAX_NO_SHOW_ROUNDS``; the doubling starts over after
+``MAX_NO_SHOW_ROUNDS`` rounds without one (a key made anew every round is waited for about log2(rounds) times per
+peer over a run, and an honest peer that died in a round now and then costs one short hold). Nothing else changes:
+the first stage's waits read every key (most of a big swarm's keys are strangers to us), and a stranger may join any
+group.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from swarm.dht.groups import WORKING, groups_at
 from swarm.dht.ledger import EpochLedger
@@ -79,11 +91,47 @@ def given_up_on(
     return tuple(sorted(missed))
 
 
-class NoShows(EpochLedger):
-    """The keys nobody waits for now; ``epoch()`` is ours."""
+@dataclass
+class StrangersHold:
+    """How long strangers are left out of the merge's wait: until our epoch reaches ``until``; ``times``: the merges
+    that gave up on a stranger since the doubling last started over."""
 
-    def __init__(self, epoch: Callable[[], int]):
+    until: int = 0
+    times: int = 0
+
+    def missed(self, epoch: int) -> int:
+        """A merge of ``epoch`` gave up on a stranger: hold them; how many of our rounds. The doubling starts over
+        once ``MAX_NO_SHOW_ROUNDS`` rounds passed since the last hold ended without a merge waiting in vain."""
+        if epoch >= self.until + MAX_NO_SHOW_ROUNDS:
+            self.times = 0
+        self.times += 1
+        rounds = min(MAX_NO_SHOW_ROUNDS, NO_SHOW_ROUNDS << min(self.times - 1, 16))
+        self.until = max(self.until, epoch + rounds)
+        return rounds
+
+
+class NoShows(EpochLedger):
+    """The keys nobody waits for now; ``epoch()`` is ours, ``known()`` our groupmates (the rest are strangers)."""
+
+    def __init__(self, epoch: Callable[[], int], known: Callable[[], Collection[str]] = frozenset):
         super().__init__(epoch, NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS)
+        self._known = known
+        self.strangers = StrangersHold()
+
+    def holds_strangers(self) -> bool:
+        return self._epoch() < self.strangers.until
+
+    def note_merge(self, missed: Sequence[str], epoch: int) -> list[str]:
+        """A merge of ``epoch`` waited out its patience for ``missed`` (``given_up_on``): hold each, and, if one is
+        a stranger, the strangers. The keys newly held."""
+        fresh = self.note(missed, epoch, "never came to the merge")
+        known = frozenset(self._known())
+        strangers = [p for p in missed if p not in known]
+        if strangers and not self.holds_strangers():
+            rounds = self.strangers.missed(epoch)
+            logger.info("epoch %d: the merge waited in vain for %d key(s) that never averaged with us: strangers "
+                        "are not waited for in the next %d merges", epoch, len(strangers), rounds)  # fmt: skip
+        return fresh
 
     def note(self, missed: Sequence[str], epoch: int, what: str) -> list[str]:
         """Hold the keys that missed the round of ``epoch`` (``what`` says how, for the log); a key held already
@@ -100,3 +148,14 @@ class NoShows(EpochLedger):
         if view is None or not self:
             return view
         return replace(view, peers=tuple(p for p in view.peers if not self.holds(p.peer_id)))
+
+    def merge_view(self, view: SwarmView | None) -> SwarmView | None:
+        """What the merge's wait reads: ``waiting_view``, and while strangers are held, without the strangers still
+        working towards a round (training, matchmaking or averaging; a stranger merging in a group not registered
+        yet is still waited for while more keys say so than the registered groups hold)."""
+        view = self.waiting_view(view)
+        if view is None or not self.holds_strangers():
+            return view
+        known = frozenset(self._known())
+        kept = tuple(p for p in view.peers if p.peer_id in known or p.state not in WORKING)
+        return replace(view, peers=kept)
