@@ -63,8 +63,8 @@ it claims, is replaced:
   comes in part, so that it would not audit it at all);
 - ``spoil``: its first part to its own auditor declares a value too many (the auditor refuses it, and with it this
   peer's slice, unaudited), and as a reducer it returns ``-factor`` times its average to everyone (default 4);
-- ``baddonor``, ``undying``, ``sybil``, ``outvote``: lies in the state it serves and the records its keys publish
-  (``benchmarks.liar_records``).
+- ``baddonor``, ``undying``, ``sybil``, ``outvote``, ``fresh``: lies in the state it serves and the records its keys
+  publish (``benchmarks.liar_records``).
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -108,6 +108,7 @@ ATTACKS = {
     "undying": 2.0,
     "sybil": 1.0,
     "outvote": 2.0,
+    "fresh": 1.0,
 }
 
 
@@ -119,6 +120,9 @@ def install(attack: str, factor: float, client_argv: list[str] | None = None) ->
         return
     if attack == "undying":
         liar_records.install_undying(int(factor))
+        return
+    if attack == "fresh":
+        liar_records.install_fresh(int(factor), client_argv or [])
         return
     if attack in ("sybil", "outvote"):
         ahead = 0 if attack == "outvote" else liar_records.AHEAD

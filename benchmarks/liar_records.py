@@ -1,7 +1,7 @@
 """Lies that are not in a pseudo-gradient: in the state a peer serves and in the records its keys publish.
 
-Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``, ``outvote``); nothing here is part of the
-product.
+Used by ``benchmarks.attacker`` (``baddonor``, ``undying``, ``sybil``, ``outvote``, ``fresh``); nothing here is part
+of the product.
 
 - ``baddonor``: honest in every value it averages and every vote, but every state file it serves joiners is
   poisoned: its parameters multiplied by ``factor`` (default -4), under a header with the epoch it voted for and a
@@ -15,6 +15,10 @@ product.
   stranger running many cheap keys would have. The liar itself trains and averages honestly;
 - ``outvote``: the same keys (``factor`` extra, default 2: with two honest peers, three keys of five) vote the
   swarm's own epoch with a made-up checksum: the majority's checksum of every epoch, which nobody serves.
+
+- ``fresh``: the liar trains, averages and votes honestly; ``factor`` extra keys (default 1) say "training" at its
+  epoch and never come, each made anew (a new DHT node and identity) every time the epoch moves: no key of theirs is
+  ever held as a no-show, since each is new.
 
 A ghost whose ``ahead`` file says ``inflate`` votes nothing: its record follows the epoch file in the state
 "training", so it is counted in the swarm's size and looks like an epoch-mate on its way to the round
@@ -36,6 +40,7 @@ BAD = "f" * 64
 AHEAD = 2  # epochs ahead of the swarm that the lying records vote for
 YEAR = 365 * 24 * 3600.0
 INFLATE = "inflate"  # in the ``ahead`` file: a ghost that votes nothing, only counts and looks like an epoch-mate
+FRESH = "fresh"  # the same, with a new key every epoch
 
 
 def _say(text: str) -> None:  # to the log's file descriptor: the client routes a child's stderr to its debug log
@@ -143,6 +148,30 @@ def install_sybil(ghosts: int, client_argv: list[str], ahead: int = AHEAD) -> No
     _say(f"{_name(ahead)}: its record and {ghosts} extra key(s) vote epoch +{ahead} and a made-up checksum")
 
 
+def install_fresh(ghosts: int, client_argv: list[str]) -> None:
+    """The liar is honest; once it holds the swarm's state, ``ghosts`` extra keys start, each saying "training" at
+    its epoch with a key made anew every epoch."""
+    from swarm.dht.presence import Presence
+    from swarm.dht.records import PeerState
+
+    folder = Path(tempfile.mkdtemp(prefix="swarm-fresh-"))
+    epoch_file = folder / "epoch"
+    (folder / "ahead").write_text(FRESH)
+    snapshot = Presence.snapshot
+    started: list[subprocess.Popen] = []
+
+    def telling(self):
+        record = snapshot(self)
+        if record.state not in (PeerState.starting.value, PeerState.downloading_state.value):
+            epoch_file.write_text(str(record.epoch))
+            if not started and ghosts:
+                started.extend(_spawn_ghosts(ghosts, self.run_id, _initial_peers(client_argv), epoch_file))
+        return record
+
+    Presence.snapshot = telling
+    _say(f"fresh: {ghosts} extra key(s) say they train at our epoch, each made anew every epoch")
+
+
 def _keep_own_view_honest() -> None:
     """The liar's view leaves out its own (lying) record, as a stranger would patch it: reading itself ahead of the
     swarm, it would re-sync every round instead of training with the honest peers."""
@@ -193,21 +222,36 @@ def ghost(run_id: str, epoch_file: Path, maddrs: list[str]) -> None:
         said = epoch_file.with_name("ahead").read_text().strip()
     except OSError:
         said = str(AHEAD)
-    inflate = said == INFLATE
+    fresh = said == FRESH
+    inflate = said in (INFLATE, FRESH)
     ahead = int(said) if said.isdigit() else AHEAD
-    dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
-    peer_id = dht.peer_id.to_base58()
-    fields = dict(peer_id=peer_id, name=f"sybil-{peer_id[-4:]}", device="cpu", epoch=0, inner_step=0,
-                  samples_per_second=1.0, tokens_processed=0, state=PeerState.training.value, last_loss=None,
-                  client_mode=False, relayed=False, checksums=[], accusations=[])  # fmt: skip
-    presence = Presence(dht, run_id, fields)
-    presence.start()
-    _say(f"{_name(ahead)}: extra key {peer_id} publishing")
-    while os.getppid() == parent:
+
+    def new_key(epoch: int):
+        dht = start_dht(NetworkConfig(initial_peers=maddrs, host_ip="127.0.0.1", host_port=0))
+        peer_id = dht.peer_id.to_base58()
+        fields = dict(peer_id=peer_id, name=f"sybil-{peer_id[-4:]}", device="cpu", epoch=epoch, inner_step=0,
+                      samples_per_second=1.0, tokens_processed=0, state=PeerState.training.value, last_loss=None,
+                      client_mode=False, relayed=False, checksums=[], accusations=[])  # fmt: skip
+        presence = Presence(dht, run_id, fields)
+        presence.start()
+        _say(f"{FRESH if fresh else _name(ahead)}: extra key {peer_id} publishing at epoch {epoch}")
+        return dht, fields, presence
+
+    def read_epoch() -> int:
         try:
-            epoch = int(epoch_file.read_text())
+            return int(epoch_file.read_text())
         except (OSError, ValueError):
-            epoch = 0
+            return 0
+
+    keyed_at = read_epoch()
+    dht, fields, presence = new_key(keyed_at)
+    while os.getppid() == parent:
+        epoch = read_epoch()
+        if fresh and epoch != keyed_at:  # a new key for every epoch: the old one is never seen again
+            presence.stop()
+            dht.shutdown()
+            keyed_at = epoch
+            dht, fields, presence = new_key(epoch)
         if inflate:  # no vote: an epoch-mate still training, as far as its record says
             presence.update(epoch=epoch, publish_now=True)
         else:
