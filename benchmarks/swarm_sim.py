@@ -1037,7 +1037,7 @@ class Simulation:
                     self.start_stage2(p, m, plan)
                     continue
             if deciding:
-                view = p.no_shows.merge_view(self.view(p, m.members) if f.blocking else self.recent_view(p))
+                view = p.no_shows.merge_view(self.view(p, m.members) if f.blocking else self.recent_view(p), m.members)
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
                 decision = Decision.wait if view is None else delegate_decision(
                     view, m.records, m.epoch, m.members, m.tag, waited, patience, self.allreduce_limit

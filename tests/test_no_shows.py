@@ -156,13 +156,14 @@ def test_a_merge_that_waited_in_vain_for_a_stranger_holds_every_stranger_still_w
         record(B, 3),  # a groupmate of an earlier round, late: still waited for
         record(fresh, 3),
         record(later, 3, PeerState.averaging),
-        record(C, 3, PeerState.merging),  # a stranger merging in a group not registered yet: still counted
+        record(C, 3, PeerState.merging),  # a stranger merging in a group not registered yet
     )
-    assert {p.peer_id for p in held.merge_view(seen).peers} == {A, B, C}
-    assert held.merge_view(seen).global_epoch == seen.global_epoch
-    assert {p.peer_id for p in held.waiting_view(seen).peers} == {A, B, C, fresh, later}  # the first stage's waits
+    assert {p.peer_id for p in held.merge_view(seen, (A,)).peers} == {A, B}
+    assert {p.peer_id for p in held.merge_view(seen, (A, C)).peers} == {A, B, C}  # our own group's records stay
+    assert held.merge_view(seen).global_epoch == seen.global_epoch  # votes unchanged
+    assert {p.peer_id for p in held.waiting_view(seen).peers} == {A, B, C, fresh, later}  # the first stage's
     epoch[0] = 3 + NO_SHOW_ROUNDS
-    assert not held.holds_strangers() and held.merge_view(seen).peers == seen.peers  # waited for again
+    assert not held.holds_strangers() and held.merge_view(seen, (A,)).peers == seen.peers  # waited for again
     assert held.note_merge([fresh], 5) == [fresh] and held.strangers.until == 5 + 2 * NO_SHOW_ROUNDS  # twice as long
     for e in range(10, 400, 70):  # a new key every time the hold ends: the doubling stops at the bound
         epoch[0] = e

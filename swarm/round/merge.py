@@ -112,7 +112,7 @@ class Merger:
             return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
-            view = self.no_shows.merge_view(view)  # keys that missed earlier rounds are not waited for
+            view = self.no_shows.merge_view(view, state.members)  # keys that missed are not waited for
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
             decision = Decision.wait if view is None else delegate_decision(

@@ -25,12 +25,12 @@ it held every merge of the swarm for the whole patience. So the merge's wait als
 keys that are not our groupmates (``swarm.state.trust.Groupmates``: keys whose parts we took in our last 16 averaged
 rounds, and a delegate's second-stage partners) are waited for in the merge only while no stranger has lately made
 us wait out the patience in vain. A merge that gave up on a stranger holds all strangers still working towards a
-round (training, matchmaking or averaging: a key can say any) out of the merge's wait for ``NO_SHOW_ROUNDS`` of our
-rounds, twice as long each time it happens again, up to ``MAX_NO_SHOW_ROUNDS``; the doubling starts over after
-``MAX_NO_SHOW_ROUNDS`` rounds without one (a key made anew every round is waited for about log2(rounds) times per
-peer over a run, and an honest peer that died in a round now and then costs one short hold). Nothing else changes:
-the first stage's waits read every key (most of a big swarm's keys are strangers to us), and a stranger may join any
-group.
+round (training, matchmaking, averaging or merging: a key can say any) out of the merge's wait for
+``NO_SHOW_ROUNDS`` of our rounds, twice as long each time it happens again, up to ``MAX_NO_SHOW_ROUNDS``; the
+doubling starts over after ``MAX_NO_SHOW_ROUNDS`` rounds without one (a key made anew every round is waited for
+about log2(rounds) times per peer over a run, and an honest peer that died in a round now and then costs one short
+hold). Nothing else changes: the first stage's waits read every key (most of a big swarm's keys are strangers to
+us), and a stranger may join any group.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 NO_SHOW_ROUNDS = 2  # rounds of ours past the missed one before a no-show is waited for again
 MAX_NO_SHOW_ROUNDS = 64  # the doubling stops here
 MAX_NO_SHOWS = 1024  # keys remembered (a stranger can make keys: a bound)
+ON_THE_WAY = WORKING | {PeerState.merging.value}  # what a key may say to hold a merge (``groups.unaccounted``)
 
 
 def working_towards(view: SwarmView, me: str, epoch: int) -> frozenset[str]:
@@ -149,13 +150,13 @@ class NoShows(EpochLedger):
             return view
         return replace(view, peers=tuple(p for p in view.peers if not self.holds(p.peer_id)))
 
-    def merge_view(self, view: SwarmView | None) -> SwarmView | None:
-        """What the merge's wait reads: ``waiting_view``, and while strangers are held, without the strangers still
-        working towards a round (training, matchmaking or averaging; a stranger merging in a group not registered
-        yet is still waited for while more keys say so than the registered groups hold)."""
+    def merge_view(self, view: SwarmView | None, group: Collection[str] = ()) -> SwarmView | None:
+        """What the merge's wait reads: ``waiting_view``, and while strangers are held, without the strangers on
+        their way to a merge (training, matchmaking, averaging, or merging in a group not registered yet) outside
+        our ``group``."""
         view = self.waiting_view(view)
         if view is None or not self.holds_strangers():
             return view
-        known = frozenset(self._known())
-        kept = tuple(p for p in view.peers if p.peer_id in known or p.state not in WORKING)
+        known = frozenset(self._known()) | frozenset(group)
+        kept = tuple(p for p in view.peers if p.peer_id in known or p.state not in ON_THE_WAY)
         return replace(view, peers=kept)
