@@ -5,7 +5,9 @@ hivemind writes each message a handler yields, then waits for the connection to 
 serving limits (``ServingLimits``: a state file's, an audit's, a proof's), for as long as its connection lives: a
 few keys that ask and never read would take every slot. So each message gets ``STALL`` seconds to be taken; past
 that the slot is given back and the task that writes the stream is cancelled, which closes the stream. A reader as
-slow as a half-megabyte part a minute keeps its stream (an honest link of 1 Mbit/s takes one in 4 s).
+slow as a half-megabyte part a minute keeps its stream (an honest link of 1 Mbit/s takes one in 4 s), so the
+serving that strangers reach (state files, updates, the swarm's average) also limits each network's share of its
+slots (``ServingLimits.per_network``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from contextlib import aclosing
 from typing import TypeVar
 
 from swarm.averager.serving_limits import ServingLimits
+from swarm.hivemind_fixes.remote_addrs import network_of, remote_addr
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +32,9 @@ class Slot:
     """One requester's stream in ``limits``: ``taken`` when the limits allowed it; given back once, however the
     stream ends (``release`` in the handler's ``finally``, or a stall)."""
 
-    def __init__(self, limits: ServingLimits, requester: str):
-        self._limits, self.requester = limits, requester
-        self.taken = limits.acquire(requester)
+    def __init__(self, limits: ServingLimits, requester: str, network: str | None = None):
+        self._limits, self.requester, self.network = limits, requester, network
+        self.taken = limits.acquire(requester, network)
         self._timer: asyncio.TimerHandle | None = None
 
     def release(self) -> None:
@@ -39,7 +42,7 @@ class Slot:
             self._timer.cancel()
         if self.taken:
             self.taken = False
-            self._limits.release(self.requester)
+            self._limits.release(self.requester, self.network)
 
     async def stream(self, messages: AsyncIterator[T]) -> AsyncIterator[T]:
         """``messages``, each given ``STALL`` seconds to be taken before the stream is ended."""
@@ -62,8 +65,8 @@ async def served(limits: ServingLimits, requester: str, messages: AsyncIterator[
     """``messages`` (not started yet) streamed to ``requester`` in a ``Slot`` of ``limits``, which is given back
     however the stream ends; nothing at all where its limits are full (``what`` names the stream in the log). A
     handler closes it with ``aclosing``: a generator left by an exception is otherwise closed only once collected,
-    and its slot held until then."""
-    slot = Slot(limits, requester)
+    and its slot held until then. The stream's network is read from its address (``remote_addrs``)."""
+    slot = Slot(limits, requester, network_of(remote_addr()))
     if not slot.taken:
         logger.debug("%s for %s refused: over its serving limits", what, requester)
         return

@@ -3,7 +3,10 @@
 A state file is the whole model and its momentum; a stranger that asks for it in a loop, or many times at once,
 would spend this peer's upload and disk on nothing. Each requester (as libp2p authenticated it) may hold
 ``per_peer`` streams at once and start at most ``per_minute`` in any minute, and the peer serves at most ``total``
-streams at once. A request over a limit is refused at once (the requester tries another donor), never queued.
+streams at once. Keys are free, so where ``per_network`` is set, the requesters of one network (an IPv4 /24, an IPv6
+/48, or one relay: ``swarm.hivemind_fixes.remote_addrs.network_of``) hold at most that many of them at once: one
+machine's keys that take streams and read them slowly hold a share, not all. A request over a limit is refused at
+once (the requester tries another donor), never queued.
 A pure bookkeeping class, fed a clock, so it is tested without a network.
 """
 
@@ -13,6 +16,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+NETWORK_SHARE = 16  # of a donor's 64 streams (state files, updates, the swarm's average), at once from one network
+
 
 class ServingLimits:
     def __init__(
@@ -20,14 +25,18 @@ class ServingLimits:
         per_peer: int = 2,
         total: int = 64,  # other groups' delegates, and two children in the group's tree, fetch the swarm's average
         per_minute: int = 60,  # a merging member asks its parent once a second at most (``merge.FETCH_EVERY``)
+        per_network: int | None = None,  # streams at once from one network (None: no such limit)
         clock: Callable[[], float] = time.monotonic,
     ):
         self.per_peer, self.total, self.per_minute, self.clock = per_peer, total, per_minute, clock
+        self.per_network = per_network
         self.open: dict[str, int] = {}
         self.started: dict[str, deque[float]] = {}
+        self.networks: dict[str, int] = {}  # streams open per network
 
-    def acquire(self, peer: str) -> bool:
-        """Whether ``peer`` may start a stream now (then ``release`` it when the stream ends)."""
+    def acquire(self, peer: str, network: str | None = None) -> bool:
+        """Whether ``peer``, on ``network`` (None: unknown), may start a stream now (then ``release`` it, with the
+        same network, when the stream ends)."""
         now = self.clock()
         recent = self.started.setdefault(peer, deque())
         while recent and recent[0] <= now - 60.0:
@@ -36,17 +45,24 @@ class ServingLimits:
             return False
         if len(recent) >= self.per_minute:
             return False
+        counted = network is not None and self.per_network is not None
+        if counted and self.networks.get(network, 0) >= self.per_network:
+            return False
         recent.append(now)
         self.open[peer] = self.open.get(peer, 0) + 1
+        if counted:
+            self.networks[network] = self.networks.get(network, 0) + 1
         self._forget_idle(now)
         return True
 
-    def release(self, peer: str) -> None:
-        left = self.open.get(peer, 0) - 1
-        if left > 0:
-            self.open[peer] = left
-        else:
-            self.open.pop(peer, None)
+    def release(self, peer: str, network: str | None = None) -> None:
+        self.open[peer] = self.open.get(peer, 0) - 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
+        if network is not None and network in self.networks:
+            self.networks[network] -= 1
+            if self.networks[network] <= 0:
+                del self.networks[network]
 
     def _forget_idle(self, now: float) -> None:
         """Requesters with no stream open and none started in the last minute take no memory."""

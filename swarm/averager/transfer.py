@@ -36,7 +36,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from swarm.averager.bounds import max_request_bytes
 from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.served import served
-from swarm.averager.serving_limits import ServingLimits
+from swarm.averager.serving_limits import NETWORK_SHARE, ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.defence.unpack import bounded_loads
 from swarm.dht.access import RunSecret
@@ -135,7 +135,7 @@ class FileTransfer:
 
     def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str, secret: RunSecret | None) -> None:
         self._secret = secret
-        self._serving = ServingLimits()  # per requester (``serving_limits``), in the averager process that serves
+        self._serving = ServingLimits(per_network=NETWORK_SHARE)  # per requester and network (``serving_limits``)
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         self._served_path = mp.Array(ctypes.c_char, 4096)
         self._served_epoch = mp.Value(ctypes.c_int64, -1)

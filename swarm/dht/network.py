@@ -45,6 +45,7 @@ from swarm.hivemind_fixes.locks import free_stuck_locks
 from swarm.hivemind_fixes.messages import bound_messages
 from swarm.hivemind_fixes.neighbours import keep_neighbours
 from swarm.hivemind_fixes.orphans import install_orphan_reaper
+from swarm.hivemind_fixes.remote_addrs import keep_remote_addrs
 from swarm.hivemind_fixes.requests import tolerate_departed_senders
 from swarm.hivemind_fixes.verdicts import remember_verdicts
 from swarm.inputs import check_initial_peer, check_ip
@@ -210,6 +211,7 @@ def start_dht(config: NetworkConfig, claim: PortClaim | None = None) -> hivemind
     tolerate_departed_senders()  # a request whose sender (the averager, leaving) is gone neither kills nor stalls it
     bound_messages()  # and no stream message is buffered past the longest an honest peer sends
     bind_group_ids()  # and a group leader cannot tell its followers different layouts under one group id
+    keep_remote_addrs()  # and a handler knows the network a stream came from (serving shares per network)
     try:
         dht = hivemind.DHT(start=False, **kwargs)
         start_and_wait(dht, "DHT")

@@ -1,0 +1,87 @@
+"""A donor's serving slots per network: the address of each incoming stream is kept for its handler
+(``swarm.hivemind_fixes.remote_addrs``), and the requesters of one network hold at most a share of the slots
+(``ServingLimits.per_network``), so one machine's keys reading slowly cannot take them all."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarm.averager.served import served
+from swarm.averager.serving_limits import ServingLimits
+from swarm.hivemind_fixes.remote_addrs import keep_remote_addrs, network_of, remote_addr
+
+RELAY = "QmRQUhoLEFw4JQwqNydPqy75jRpXkxdFCS7sQe4gph5ho8"
+
+
+def test_a_network_is_an_ipv4_24_an_ipv6_48_or_the_relay_a_stream_came_through():
+    assert network_of(Multiaddr("/ip4/127.0.0.1/tcp/4001")) == "ip4:127.0.0.0/24"
+    assert network_of(Multiaddr(f"/ip4/203.0.113.77/tcp/1/p2p/{RELAY}")) == "ip4:203.0.113.0/24"
+    assert network_of(Multiaddr("/ip4/203.0.114.77/tcp/1")) != network_of(Multiaddr("/ip4/203.0.113.1/udp/1"))
+    assert network_of(Multiaddr("/ip6/2001:db8:1234:5678::1/tcp/1")) == "ip6:2001:db8:1234::/48"
+    assert network_of(Multiaddr("/ip6/2001:db8:1234:ffff::9/tcp/1")) == "ip6:2001:db8:1234::/48"
+    assert network_of(Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit")) == f"relay:{RELAY}"
+    assert network_of(Multiaddr("/dns4/example.com/tcp/1")) is None and network_of(None) is None
+
+
+def test_one_network_holds_at_most_its_share_of_the_slots():
+    limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=3)
+    here, there = "ip4:203.0.113.0/24", "ip4:198.51.100.0/24"
+    assert [limits.acquire(f"key{i}", here) for i in range(5)] == [True, True, True, False, False]
+    assert limits.acquire("other", there) and limits.acquire("other", there)  # another network: its own share
+    assert limits.acquire("unknown") and limits.acquire("unknown")  # no address known: only the other limits
+    assert limits.acquire("another", there) and not limits.acquire("last", "ip4:192.0.2.0/24")  # the total is full
+    limits.release("key0", here)
+    assert limits.acquire("key9", here) and not limits.acquire("key10", here)  # a slot given back is free again
+    for i in (1, 2, 9):
+        limits.release(f"key{i}", here)
+    assert limits.networks == {there: 3} and "key1" not in limits.open
+    unlimited = ServingLimits(per_peer=1, total=8, per_minute=60)  # the default: no share per network
+    assert all(unlimited.acquire(f"key{i}", here) for i in range(8))
+
+
+def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler():
+    """Three real daemons on 127.0.0.1 (one network): with a share of one, the first requester's stream, which it
+    does not read, holds the slot; the second requester, another key, is served nothing until it is given back."""
+    keep_remote_addrs()
+
+    async def scenario():
+        server = await P2P.create()
+        maddrs = await server.get_visible_maddrs()
+        first, second = await P2P.create(initial_peers=maddrs), await P2P.create(initial_peers=maddrs)
+        limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1)
+        seen: list[str | None] = []
+
+        async def messages():
+            for _ in range(64):
+                yield averaging_pb2.DownloadData(metadata=b"x" * 65536)
+
+        async def handler(request, context):
+            seen.append(network_of(remote_addr()))
+            async for message in served(limits, context.remote_id.to_base58(), messages(), "a test stream"):
+                yield message
+
+        try:
+            await server.add_protobuf_handler("serve", handler, averaging_pb2.DownloadRequest, stream_output=True)
+            request = averaging_pb2.DownloadRequest()
+            reply = averaging_pb2.DownloadData
+            held = await first.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            await held.__anext__()  # its stream is open, and read no further
+            refused = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            assert [m async for m in refused] == []
+            assert seen == ["ip4:127.0.0.0/24"] * 2 and limits.networks == {"ip4:127.0.0.0/24": 1}
+            await held.aclose()
+            for _ in range(100):  # the server sees the stream closed and gives its slot back
+                if not limits.networks:
+                    break
+                await asyncio.sleep(0.05)
+            again = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            assert len([m async for m in again]) == 64
+        finally:
+            for p2p in (first, second, server):
+                await p2p.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
