@@ -60,7 +60,6 @@ from swarm.dht.groups import (
     Plan,
     Stage2,
     all_left,
-    delegate_decision,
     delegate_of,
     fetch_candidates,
     fetch_sources,
@@ -1037,9 +1036,9 @@ class Simulation:
                     self.start_stage2(p, m, plan)
                     continue
             if deciding:
-                view = p.no_shows.merge_view(self.view(p, m.members) if f.blocking else self.recent_view(p), m.members)
+                view = p.no_shows.waiting_view(self.view(p, m.members) if f.blocking else self.recent_view(p))
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
-                decision = Decision.wait if view is None else delegate_decision(
+                decision = Decision.wait if view is None else p.no_shows.merge_decision(
                     view, m.records, m.epoch, m.members, m.tag, waited, patience, self.allreduce_limit
                 )  # fmt: skip
                 if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``

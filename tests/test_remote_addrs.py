@@ -18,11 +18,14 @@ RELAY = "QmRQUhoLEFw4JQwqNydPqy75jRpXkxdFCS7sQe4gph5ho8"
 
 
 def test_a_network_is_an_ipv4_24_an_ipv6_48_or_the_relay_a_stream_came_through():
-    assert network_of(Multiaddr("/ip4/127.0.0.1/tcp/4001")) == "ip4:127.0.0.0/24"
-    assert network_of(Multiaddr(f"/ip4/203.0.113.77/tcp/1/p2p/{RELAY}")) == "ip4:203.0.113.0/24"
-    assert network_of(Multiaddr("/ip4/203.0.114.77/tcp/1")) != network_of(Multiaddr("/ip4/203.0.113.1/udp/1"))
-    assert network_of(Multiaddr("/ip6/2001:db8:1234:5678::1/tcp/1")) == "ip6:2001:db8:1234::/48"
-    assert network_of(Multiaddr("/ip6/2001:db8:1234:ffff::9/tcp/1")) == "ip6:2001:db8:1234::/48"
+    assert network_of(Multiaddr("/ip4/127.0.0.1/tcp/4001")) == "ip4:127.0.0.1/32"  # loopback, LAN: one host
+    assert network_of(Multiaddr("/ip4/192.168.1.7/tcp/1")) != network_of(Multiaddr("/ip4/192.168.1.8/tcp/1"))
+    assert network_of(Multiaddr("/ip6/fe80::1/tcp/1")) == "ip6:fe80::1/128"
+    assert network_of(Multiaddr(f"/ip4/8.8.8.77/tcp/1/p2p/{RELAY}")) == "ip4:8.8.8.0/24"
+    assert network_of(Multiaddr("/ip4/8.8.8.1/udp/1")) == "ip4:8.8.8.0/24"
+    assert network_of(Multiaddr("/ip4/8.8.9.1/tcp/1")) == "ip4:8.8.9.0/24"
+    assert network_of(Multiaddr("/ip6/2a00:1450:4001:82a::1/tcp/1")) == "ip6:2a00:1450:4001::/48"
+    assert network_of(Multiaddr("/ip6/2a00:1450:4001:ffff::9/tcp/1")) == "ip6:2a00:1450:4001::/48"
     assert network_of(Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit")) == f"relay:{RELAY}"
     assert network_of(Multiaddr("/dns4/example.com/tcp/1")) is None and network_of(None) is None
 
@@ -39,12 +42,15 @@ def test_one_network_holds_at_most_its_share_of_the_slots():
     for i in (1, 2, 9):
         limits.release(f"key{i}", here)
     assert limits.networks == {there: 3} and "key1" not in limits.open
+    refused = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1)
+    refused.acquire("first", here)
+    assert not any(refused.acquire(f"new{i}", here) for i in range(100)) and set(refused.started) == {"first"}
     unlimited = ServingLimits(per_peer=1, total=8, per_minute=60)  # the default: no share per network
     assert all(unlimited.acquire(f"key{i}", here) for i in range(8))
 
 
 def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler():
-    """Three real daemons on 127.0.0.1 (one network): with a share of one, the first requester's stream, which it
+    """Three real daemons on 127.0.0.1 (one host): with a share of one, the first requester's stream, which it
     does not read, holds the slot; the second requester, another key, is served nothing until it is given back."""
     keep_remote_addrs()
 
@@ -72,7 +78,7 @@ def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler()
             await held.__anext__()  # its stream is open, and read no further
             refused = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
             assert [m async for m in refused] == []
-            assert seen == ["ip4:127.0.0.0/24"] * 2 and limits.networks == {"ip4:127.0.0.0/24": 1}
+            assert seen == ["ip4:127.0.0.1/32"] * 2 and limits.networks == {"ip4:127.0.0.1/32": 1}
             await held.aclose()
             for _ in range(100):  # the server sees the stream closed and gives its slot back
                 if not limits.networks:

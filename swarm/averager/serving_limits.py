@@ -38,7 +38,7 @@ class ServingLimits:
         """Whether ``peer``, on ``network`` (None: unknown), may start a stream now (then ``release`` it, with the
         same network, when the stream ends)."""
         now = self.clock()
-        recent = self.started.setdefault(peer, deque())
+        recent = self.started.get(peer, deque())
         while recent and recent[0] <= now - 60.0:
             recent.popleft()
         if sum(self.open.values()) >= self.total or self.open.get(peer, 0) >= self.per_peer:
@@ -47,7 +47,8 @@ class ServingLimits:
             return False
         counted = network is not None and self.per_network is not None
         if counted and self.networks.get(network, 0) >= self.per_network:
-            return False
+            return False  # (a refused key leaves nothing behind: keys are free)
+        self.started[peer] = recent
         recent.append(now)
         self.open[peer] = self.open.get(peer, 0) + 1
         if counted:

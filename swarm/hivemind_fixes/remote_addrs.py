@@ -35,7 +35,9 @@ def remote_addr() -> Multiaddr | None:
 
 def network_of(addr: Multiaddr | None) -> str | None:
     """The network a connection comes from: its IPv4 /24 or IPv6 /48, or, through a relay, the relay's peer id (the
-    relay is all we see of the requester). None where the address names none."""
+    relay is all we see of the requester). A loopback, private or link-local address is its own host (peers in one
+    LAN, or containers on one machine, are neighbours that no stranger outside reaches us from). None where the
+    address names none."""
     if addr is None:
         return None
     parts = str(addr).split("/")
@@ -45,7 +47,9 @@ def network_of(addr: Multiaddr | None) -> str | None:
     for name, value in zip(parts, parts[1:]):
         if name in ("ip4", "ip6"):
             try:
-                prefix = IP4_PREFIX if name == "ip4" else IP6_PREFIX
+                host = ipaddress.ip_address(value)
+                local = host.is_loopback or host.is_private or host.is_link_local
+                prefix = host.max_prefixlen if local else IP4_PREFIX if name == "ip4" else IP6_PREFIX
                 return f"{name}:{ipaddress.ip_network(f'{value}/{prefix}', strict=False)}"
             except ValueError:
                 logger.debug("could not read the address %s", addr, exc_info=True)

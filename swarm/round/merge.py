@@ -22,7 +22,7 @@ from swarm.averager.handle import AllReduceOutcome
 from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
-from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
+from swarm.dht.groups import Decision, Merged, Plan, Stage2, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
@@ -112,10 +112,10 @@ class Merger:
             return False
         if deciding and state.stage2_tries < STAGE2_TRIES:
             view = ctx.reader.view(state.members) if blocking else ctx.reader.recent_view()
-            view = self.no_shows.merge_view(view, state.members)  # keys that missed are not waited for
+            view = self.no_shows.waiting_view(view)  # keys that missed earlier rounds are not waited for
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
-            decision = Decision.wait if view is None else delegate_decision(
+            decision = Decision.wait if view is None else self.no_shows.merge_decision(
                 view, state.records, state.epoch, state.members, state.tag, waited, patience,
                 ctx.manifest.averaging.allreduce_limit(ctx.outer.numel),
             )  # fmt: skip
