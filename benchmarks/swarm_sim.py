@@ -60,6 +60,7 @@ from swarm.dht.groups import (
     Plan,
     Stage2,
     all_left,
+    delegate_decision,
     delegate_of,
     fetch_candidates,
     fetch_sources,
@@ -611,7 +612,7 @@ class Simulation:
             reader=SwarmReader(self, "sim", self.m.inner_steps, self.m.samples_per_step, me=pid),
             joined=self.now,
         )
-        p.no_shows = NoShows(lambda p=p: p.epoch, p.groupmates.keys)
+        p.no_shows = NoShows(lambda p=p: p.epoch)
         if s.launch_checkpoint and i < s.peers:
             p.model, p.resumed = SEED_MODEL, True
         self.peers[pid] = p
@@ -1038,12 +1039,12 @@ class Simulation:
             if deciding:
                 view = p.no_shows.waiting_view(self.view(p, m.members) if f.blocking else self.recent_view(p))
                 waited = now - m.registered_at if m.registered_at is not None else 0.0
-                decision = Decision.wait if view is None else p.no_shows.merge_decision(
+                decision = Decision.wait if view is None else delegate_decision(
                     view, m.records, m.epoch, m.members, m.tag, waited, patience, self.allreduce_limit
                 )  # fmt: skip
                 if decision != Decision.wait and waited >= patience:  # ``Merger._note_no_shows``
                     missed = given_up_on(view, m.records, p.pid, m.epoch, m.members, m.tag)
-                    self.no_shows_noted += len(p.no_shows.note_merge(missed, m.epoch))
+                    self.no_shows_noted += len(p.no_shows.note(missed, m.epoch, "never came to the merge"))
                 if decision == Decision.alone and m.digest is not None:
                     self.contents[m.digest] = (frozenset([m.tag]), 0.0)
                     self.register(p, m, merged=m.digest, included=[m.tag])

@@ -22,7 +22,7 @@ def test_the_groups_of_banned_delegates_are_not_read_into_the_second_stage(monke
     monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: peer == LIAR)
     ctx = SimpleNamespace(reader=reader, manifest=SimpleNamespace(run_id="0" * 16))
-    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0, frozenset))
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0))
     assert [r.delegate for r in merger._read_wide()] == [HONEST]
     assert reader.other_records == 2  # both were read: the DHT traffic is counted as it was
     reader.banned = lambda peer: False
@@ -45,7 +45,7 @@ def test_a_liar_a_second_stage_caught_is_kept_for_the_ban_and_none_of_its_record
     reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False)  # not banned by the host yet
     manifest = SimpleNamespace(run_id="0" * 16, averaging=SimpleNamespace(merge_timeout=60.0))
     ctx = SimpleNamespace(reader=reader, manifest=manifest, me=HONEST)
-    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0, frozenset))
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 0))
     caught = dict(peer=LIAR, verdict="equivocated", banned=True, discarded=True, receipt=b"proof")
     outcome = AllReduceOutcome(group=(HONEST, LIAR), gathered={}, dropped_fraction=0.4, excluded_senders=0,
                                findings=(caught,))  # fmt: skip

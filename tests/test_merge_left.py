@@ -53,7 +53,7 @@ def merger_with(live: list, fetches: list) -> tuple[Merger, MergeState, Merged]:
         outer=SimpleNamespace(numel=1000, numels=[1000], nbytes=4000, params=[None]), stop_requested=lambda: False,
     )  # fmt: skip
     store = SimpleNamespace(temporary_path=lambda name: Path("/nonexistent") / name)
-    merger = Merger(ctx, checkpoints=SimpleNamespace(store=store), no_shows=NoShows(lambda: 0, frozenset))
+    merger = Merger(ctx, checkpoints=SimpleNamespace(store=store), no_shows=NoShows(lambda: 0))
     state = MergeState(epoch=3, tag="1" * 16, delegate=A, members=(A, B, C), size=3, weight=48.0, digest=OURS,
                        deadline=1000.0)  # fmt: skip
     return merger, state, Merged(DIGEST, frozenset({"1" * 16}), 48.0, (A,), peers=3)

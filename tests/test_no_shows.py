@@ -21,7 +21,6 @@ from swarm.round.no_shows import (
     MAX_NO_SHOW_ROUNDS,
     MAX_NO_SHOWS,
     NO_SHOW_ROUNDS,
-    STRANGER_GRACE,
     NoShows,
     given_up_on,
     no_shows,
@@ -29,7 +28,6 @@ from swarm.round.no_shows import (
 )
 
 G1, G2 = "9" * 40, "8" * 40  # extra keys: records that say "training" and never come
-D = "d" * 40  # our groupmate this round
 
 
 def aged(rec, seconds: float):
@@ -56,7 +54,7 @@ def test_the_keys_still_working_towards_a_round_after_it_ended_missed_it():
 
 def test_a_no_show_is_held_for_rounds_doubling_and_bounded():
     epoch = [5]
-    held = NoShows(lambda: epoch[0], frozenset)
+    held = NoShows(lambda: epoch[0])
     assert held.add([G1], 5) == NO_SHOW_ROUNDS and held.holds(G1) and not held.holds(G2)
     epoch[0] = 5 + NO_SHOW_ROUNDS
     assert not held.holds(G1) and held.active == []  # waited for again
@@ -64,13 +62,13 @@ def test_a_no_show_is_held_for_rounds_doubling_and_bounded():
     for e in range(9, 30):
         rounds = held.add([G1], e)
     assert rounds == MAX_NO_SHOW_ROUNDS
-    many = NoShows(lambda: 0, frozenset)
+    many = NoShows(lambda: 0)
     many.add((f"key{i}" for i in range(MAX_NO_SHOWS + 5)), 1)
     assert len(many.active) == MAX_NO_SHOWS and not many.holds("key0")
 
 
 def test_every_wait_for_epoch_mates_reads_the_view_without_no_shows():
-    held = NoShows(lambda: 3, frozenset)
+    held = NoShows(lambda: 3)
     held.add([G1, G2], 2)
     now = time.time()
     # G1 says it is one step from the end of the round (a sample a second, 2 of 10 steps of 8 samples left)
@@ -91,7 +89,7 @@ def test_every_wait_for_epoch_mates_reads_the_view_without_no_shows():
     # a peer looking for a group while the others merge: it waited out its matchmaking for G1, not now
     others = view_of(record(A, 3, PeerState.matchmaking), record(B, 3, PeerState.merging), record(G1, 3))
     assert not nobody_to_group_with(others, A, 3) and nobody_to_group_with(held.waiting_view(others), A, 3)
-    assert held.waiting_view(None) is None and NoShows(lambda: 0, frozenset).waiting_view(ghosts) is ghosts
+    assert held.waiting_view(None) is None and NoShows(lambda: 0).waiting_view(ghosts) is ghosts
 
 
 def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(monkeypatch):
@@ -114,7 +112,7 @@ def test_a_delegate_that_waited_out_its_patience_holds_the_keys_that_never_came(
         outer=SimpleNamespace(numel=1000),
         set_state=lambda *a: None,
     )
-    held = NoShows(lambda: epoch, frozenset)
+    held = NoShows(lambda: epoch)
     merger = Merger(ctx, checkpoints=None, no_shows=held)
     state = MergeState(epoch, tag, me, (me, mate), 2, 64.0, "a" * 64, deadline=time.monotonic() + 60)
     state.registered_at = time.monotonic() - 1.5  # past SETTLE, within the patience (2 s)
@@ -140,109 +138,7 @@ def test_a_delegate_gives_up_on_keys_that_say_merging_only_while_they_outnumber_
 
 
 def test_a_key_is_noted_once_a_round_and_the_log_names_only_the_new_ones():
-    held = NoShows(lambda: 3, frozenset)
+    held = NoShows(lambda: 3)
     assert held.note([G1], 3, "never came to the merge") == [G1]
     assert held.note([G1, G2], 3, "still working towards it after it ended") == [G2]  # G1: held already this round
     assert held.add([G1], 3) == 2 * NO_SHOW_ROUNDS  # only a real second miss doubles it
-
-
-def test_a_merge_that_waited_in_vain_for_a_stranger_holds_strangers_as_one_doubling():
-    """Keys are free, so a stranger can say "training" with a new key every round, each held only after it missed:
-    the merge's wait holds the keys that never averaged with us as one (``StrangersHold``)."""
-    epoch = [3]
-    held = NoShows(lambda: epoch[0], known=lambda: {B})
-    assert not held.holds_strangers()
-    held.note_merge([B], 3)  # a groupmate that missed holds only itself
-    assert held.holds(B) and not held.holds_strangers()
-    assert held.note_merge([G1], 3) == [G1] and held.holds_strangers() and held.strangers.times == 1
-    epoch[0] = 3 + NO_SHOW_ROUNDS
-    assert not held.holds_strangers()  # waited for again
-    assert held.note_merge(["5" * 40], 5) == ["5" * 40] and held.strangers.until == 5 + 2 * NO_SHOW_ROUNDS
-    for e in range(10, 400, 70):  # a new key every time the hold ends: the doubling stops at the bound
-        epoch[0] = e
-        held.note_merge([f"{e:040d}"], e)
-    assert held.strangers.until == epoch[0] + MAX_NO_SHOW_ROUNDS
-    epoch[0] = held.strangers.until + MAX_NO_SHOW_ROUNDS - 1  # not long enough since the last hold ended
-    held.note_merge(["3" * 40], epoch[0])
-    assert held.strangers.until == epoch[0] + MAX_NO_SHOW_ROUNDS
-    epoch[0] = held.strangers.until + MAX_NO_SHOW_ROUNDS  # long enough: an honest peer that died costs a short hold
-    held.note_merge([G2], epoch[0])
-    assert held.strangers.until == epoch[0] + NO_SHOW_ROUNDS and held.strangers.times == 1
-
-
-def test_while_strangers_are_held_the_patience_is_for_groupmates_and_strangers_in_groups_get_a_grace():
-    mine, theirs = "1" * 16, "2" * 16
-    ours = [group(3, mine, A)]
-    me = record(A, 3, PeerState.merging)
-    free, held = NoShows(lambda: 3, known=lambda: {B}), NoShows(lambda: 3, known=lambda: {B})
-    held.note_merge([G1], 3)
-    grace = STRANGER_GRACE
-
-    def decide(nos, *others, records=ours, waited=2.0):
-        view = view_of(me, record(D, 3, PeerState.merging), *others)
-        return nos.merge_decision(view, records, 3, (A, D), mine, waited, patience=30.0, group_patience=60.0)
-
-    # a stranger saying "training": waited for its patience before, not at all while held
-    assert decide(free, record(G2, 3), waited=29.0) == Decision.wait
-    assert decide(held, record(G2, 3)) == Decision.alone
-    # a groupmate of earlier rounds saying "training": its patience either way
-    assert decide(held, record(B, 3), waited=29.0) == Decision.wait and decide(held, record(B, 3), waited=31.0) != (
-        Decision.wait
-    )
-    # a stranger saying "averaging" (or merging in a group not registered yet): the grace while held, not minutes
-    for state in (PeerState.averaging, PeerState.merging):
-        assert decide(held, record(G2, 3, state), waited=grace - 1) == Decision.wait
-        assert decide(held, record(G2, 3, state), waited=grace + 1) == Decision.alone
-        assert decide(free, record(G2, 3, state), waited=grace + 1) == Decision.wait
-    # strangers merging in a registered group of two: they are its members, and a groupmate of earlier rounds
-    # merging in a group not registered yet is still waited for its patience
-    registered = [*ours, group(3, theirs, C, size=2)]
-    members = (record(C, 3, PeerState.merging), record(G2, 3, PeerState.merging))
-    assert decide(held, *members, records=registered, waited=grace + 1) == Decision.merge
-    assert decide(held, *members, record(B, 3, PeerState.merging), records=registered, waited=20.0) == (Decision.wait)
-
-
-def test_a_delegate_does_not_wait_for_a_key_made_anew_after_a_stranger_kept_it_waiting(monkeypatch):
-    """``Merger.poll`` with the real rules and records: the delegate waits out its patience for one new key saying
-    "training"; in the next round a second new key says the same, and the delegate decides at once, while it still
-    waits for a groupmate of an earlier round that is late."""
-    me, mate, late = A, B, C
-    records: list = []
-    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
-    monkeypatch.setattr(groups, "register", lambda dht, run_id, record: records.append(record) or True)
-    live: list = []
-    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, recent_view=lambda: view_of(*live))
-    averaging = SimpleNamespace(merge_timeout=4.0, allreduce_limit=lambda numel: 0.0)
-    epoch = [3]
-    ctx = SimpleNamespace(
-        me=me,
-        reader=reader,
-        manifest=SimpleNamespace(run_id="0" * 16, averaging=averaging),
-        averager=SimpleNamespace(client_mode=False, finalize_update=lambda e: True),
-        outer=SimpleNamespace(numel=1000),
-        set_state=lambda *a: None,
-    )
-    mates = {mate, late}  # both averaged with us in earlier rounds
-    held = NoShows(lambda: epoch[0], known=lambda: mates)
-    merger = Merger(ctx, checkpoints=None, no_shows=held)
-
-    def round_of(e: int, others: list, label: str = "ours") -> MergeState:
-        epoch[0] = e
-        tag = group_tag(f"{label}-{e}".encode())
-        records.append(group_record(e, tag, me, 2, 64.0, "a" * 64, False))
-        live[:] = [record(me, e, PeerState.merging), record(mate, e, PeerState.merging), *others]
-        state = MergeState(e, tag, me, (me, mate), 2, 64.0, "a" * 64, deadline=time.monotonic() + 60)
-        state.registered_at = time.monotonic() - 1.5  # past SETTLE, within the patience (2 s)
-        return state
-
-    state = round_of(3, [record(G1, 3)])
-    assert not merger.poll(state, blocking=False) and not state.decided  # waits for the stranger G1
-    state.registered_at, state.read_at = time.monotonic() - 2.5, -float("inf")
-    merger.poll(state, blocking=False)
-    assert state.decided and held.holds(G1) and held.holds_strangers()
-    state = round_of(4, [record(G2, 4)])  # a key made anew
-    merger.poll(state, blocking=False)
-    assert state.decided and not held.holds(G2)  # decided at once, G2 never waited for (nor held: never missed)
-    records.clear()  # the same epoch again, without the swarm's average just registered
-    state = round_of(4, [record(G2, 4), record(late, 4)], "again")  # a groupmate of earlier rounds on its way
-    assert not merger.poll(state, blocking=False) and not state.decided

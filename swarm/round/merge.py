@@ -22,7 +22,7 @@ from swarm.averager.handle import AllReduceOutcome
 from swarm.averager.held import check_parts, decode_into, held_digest
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
-from swarm.dht.groups import Decision, Merged, Plan, Stage2, group_record, group_tag
+from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
@@ -115,7 +115,7 @@ class Merger:
             view = self.no_shows.waiting_view(view)  # keys that missed earlier rounds are not waited for
             waited = now - state.registered_at if state.registered_at is not None else 0.0
             patience = ctx.manifest.averaging.merge_timeout / 2  # the rest is for fetching the swarm's average
-            decision = Decision.wait if view is None else self.no_shows.merge_decision(
+            decision = Decision.wait if view is None else delegate_decision(
                 view, state.records, state.epoch, state.members, state.tag, waited, patience,
                 ctx.manifest.averaging.allreduce_limit(ctx.outer.numel),
             )  # fmt: skip
@@ -150,7 +150,7 @@ class Merger:
         """The keys the merge waited for all its patience that still work towards the round: not waited for a while
         (``swarm.round.no_shows``; noted here: a key that follows the swarm's epoch is past it when the round ends)."""
         missed = given_up_on(view, state.records, self.ctx.me, state.epoch, state.members, state.tag)
-        self.no_shows.note_merge(missed, state.epoch)
+        self.no_shows.note(missed, state.epoch, "never came to the merge")
 
     def _stand_in_if_gone(self, state: MergeState, now: float, blocking: bool) -> None:
         """Our delegate died in the all-reduce, moved on without registering the group, or lied to us in it: one

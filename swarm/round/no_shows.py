@@ -19,30 +19,15 @@ long each time a key misses again (``swarm.dht.ledger``). Nothing else changes: 
 any group, and they are asked for states; only nobody waits for them. An honest peer that missed a round so was
 slower than the swarm's patience already: it joins the rounds it reaches (a peer ends its own round early when its
 mates start without it), and is waited for again when its hold ends.
-
-Keys cost nothing, so a stranger can also make a new one every round: each new key is held only after it missed, so
-it held every merge of the swarm for the whole patience. So the merge's wait also holds **strangers** as one: the
-keys that are not our groupmates (``swarm.state.trust.Groupmates``: keys whose parts we took in our last 16 averaged
-rounds, and a delegate's second-stage partners). Once a merge waited out its patience in vain for a stranger, until
-our epoch passes the round's by ``NO_SHOW_ROUNDS`` (twice as long each time it happens again, up to
-``MAX_NO_SHOW_ROUNDS``; the doubling starts over after ``MAX_NO_SHOW_ROUNDS`` rounds without one) a delegate waits
-its patience only for groupmates: a stranger that says it is in a group (averaging, or merging past what the
-registered groups hold) is waited for ``STRANGER_GRACE`` seconds after we registered, and one that says it is still
-training or matchmaking not at all (``NoShows.merge_decision``). A key made anew every round is so waited for its
-whole patience about log2(rounds) times per peer over a run, and briefly in the other rounds if it says "averaging";
-a stranger that sets the hold off on purpose costs the honest swarm the work of the groups that register more than
-``STRANGER_GRACE`` after the first, and of the peers that reach the round late, in the rounds it lasts
-(``benchmarks/results/swarm-sim-strangers``). Nothing else changes: the first stage's waits read every key (most of
-a big swarm's keys are strangers to us), and a stranger may join any group.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from swarm.dht.groups import ROSTER_WAIT, WORKING, Decision, delegate_decision, groups_at
+from swarm.dht.groups import WORKING, groups_at
 from swarm.dht.ledger import EpochLedger
 from swarm.dht.records import GroupRecord, PeerState
 from swarm.dht.view import SwarmView
@@ -52,7 +37,6 @@ logger = logging.getLogger(__name__)
 NO_SHOW_ROUNDS = 2  # rounds of ours past the missed one before a no-show is waited for again
 MAX_NO_SHOW_ROUNDS = 64  # the doubling stops here
 MAX_NO_SHOWS = 1024  # keys remembered (a stranger can make keys: a bound)
-STRANGER_GRACE = 2 * ROSTER_WAIT  # seconds a held stranger in a group is waited for (``NoShows.merge_decision``)
 
 
 def working_towards(view: SwarmView, me: str, epoch: int) -> frozenset[str]:
@@ -95,48 +79,11 @@ def given_up_on(
     return tuple(sorted(missed))
 
 
-@dataclass
-class StrangersHold:
-    """How long strangers are left out of the merge's wait: until our epoch reaches ``until``; ``times``: the merges
-    that gave up on a stranger since the doubling last started over."""
-
-    until: int = 0
-    times: int = 0
-
-    def missed(self, epoch: int) -> int:
-        """A merge of ``epoch`` gave up on a stranger: hold them; how many of our rounds. The doubling starts over
-        once ``MAX_NO_SHOW_ROUNDS`` rounds passed since the last hold ended without a merge waiting in vain."""
-        if epoch >= self.until + MAX_NO_SHOW_ROUNDS:
-            self.times = 0
-        self.times += 1
-        rounds = min(MAX_NO_SHOW_ROUNDS, NO_SHOW_ROUNDS << min(self.times - 1, 16))
-        self.until = max(self.until, epoch + rounds)
-        return rounds
-
-
 class NoShows(EpochLedger):
-    """The keys nobody waits for now; ``epoch()`` is ours, ``known()`` our groupmates (the rest are strangers)."""
+    """The keys nobody waits for now; ``epoch()`` is ours."""
 
-    def __init__(self, epoch: Callable[[], int], known: Callable[[], Collection[str]]):
+    def __init__(self, epoch: Callable[[], int]):
         super().__init__(epoch, NO_SHOW_ROUNDS, MAX_NO_SHOW_ROUNDS, MAX_NO_SHOWS)
-        self._known = known
-        self.strangers = StrangersHold()
-
-    def holds_strangers(self) -> bool:
-        return self._epoch() < self.strangers.until
-
-    def note_merge(self, missed: Sequence[str], epoch: int) -> list[str]:
-        """A merge of ``epoch`` waited out its patience for ``missed`` (``given_up_on``): hold each, and, if one is
-        a stranger, the strangers. The keys newly held."""
-        fresh = self.note(missed, epoch, "never came to the merge")
-        known = frozenset(self._known())
-        strangers = [p for p in missed if p not in known]
-        if strangers and not self.holds_strangers():
-            self.strangers.missed(epoch)
-            logger.info("epoch %d: the merge waited in vain for %d key(s) that never averaged with us: until our "
-                        "epoch %d, strangers are waited for briefly or not at all", epoch, len(strangers),
-                        self.strangers.until)  # fmt: skip
-        return fresh
 
     def note(self, missed: Sequence[str], epoch: int, what: str) -> list[str]:
         """Hold the keys that missed the round of ``epoch`` (``what`` says how, for the log); a key held already
@@ -153,41 +100,3 @@ class NoShows(EpochLedger):
         if view is None or not self:
             return view
         return replace(view, peers=tuple(p for p in view.peers if not self.holds(p.peer_id)))
-
-    def merge_decision(
-        self,
-        view: SwarmView,
-        records: Sequence[GroupRecord],
-        epoch: int,
-        group: Sequence[str],
-        tag: str,
-        waited: float,
-        patience: float,
-        group_patience: float,
-    ) -> Decision:
-        """``delegate_decision`` on ``view`` (``waiting_view``'s). While strangers are held, its patience is for our
-        groupmates and our ``group``: a stranger in a group (averaging, or merging past what the registered groups
-        hold) is waited for ``STRANGER_GRACE`` seconds after we registered at most, and one still training or
-        matchmaking not at all."""
-        if not self.holds_strangers():
-            return delegate_decision(view, records, epoch, group, tag, waited, patience, group_patience)
-        known = frozenset(self._known()) | frozenset(group)
-        registered = sum(r.size for r in groups_at(records, epoch) if r.group != tag)
-        merging = sorted(
-            p.peer_id
-            for p in view.peers
-            if p.epoch == epoch and p.peer_id not in known and p.state == PeerState.merging.value
-        )
-        counted = known | frozenset(merging[:registered])  # the merging strangers the registered groups hold
-        ours = _without(view, counted, WORKING | {PeerState.merging.value})
-        decision = delegate_decision(ours, records, epoch, group, tag, waited, patience, group_patience)
-        if decision != Decision.wait and waited < STRANGER_GRACE:
-            grouped = _without(view, known, {PeerState.training.value, PeerState.matchmaking.value})
-            briefly = delegate_decision(grouped, records, epoch, group, tag, waited, STRANGER_GRACE, STRANGER_GRACE)
-            return Decision.wait if briefly == Decision.wait else decision
-        return decision
-
-
-def _without(view: SwarmView, kept: frozenset[str], states: Collection[str]) -> SwarmView:
-    """``view`` without the records of keys outside ``kept`` whose state is one of ``states`` (votes unchanged)."""
-    return replace(view, peers=tuple(p for p in view.peers if p.peer_id in kept or p.state not in states))

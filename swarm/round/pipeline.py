@@ -72,7 +72,7 @@ class OuterRound(RoundRecovery):
         self.last_round_local = False  # our last round stepped alone: we may have run ahead of the swarm
         resync = lambda why: self.resync(why) == Resynced.taken  # noqa: E731
         self.checks = RoundChecks(ctx, self.resync_needed, resync)  # did the groupmates end on our state?
-        self.no_shows = NoShows(lambda: ctx.outer.epoch, lambda: sync.groupmates.keys())  # waited for in vain
+        self.no_shows = NoShows(lambda: ctx.outer.epoch)  # keys we waited for that did not come: not waited for
         self.merger = Merger(ctx, checkpoints, self.no_shows) if ctx.manifest.averaging.merge_groups else None
 
     # ---- begin ---------------------------------------------------------------------------------
