@@ -49,6 +49,40 @@ def test_one_network_holds_at_most_its_share_of_the_slots():
     assert all(unlimited.acquire(f"key{i}", here) for i in range(8))
 
 
+def test_strangers_cannot_take_the_slots_kept_for_groupmates():
+    limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=3, reserved=2)
+    networks = [f"ip4:198.51.{i}.0/24" for i in range(4)]
+    taken = [limits.acquire(f"stranger{i}", networks[i % 4]) for i in range(10)]  # strangers of four networks
+    assert sum(taken) == 6 and not limits.acquire("stranger-more", "ip4:192.0.2.0/24")
+    # a groupmate fetching the round's average: a kept slot, whatever its network's share
+    assert limits.acquire("mate", networks[0], known=True) and limits.acquire("mate", networks[0], known=True)
+    assert not limits.acquire("mate2", networks[1], known=True)  # the total is full
+    assert limits.networks[networks[0]] == 2  # a groupmate's stream counts in no network's share
+    limits.release("mate")
+    assert not limits.acquire("stranger-more", networks[3]) and limits.acquire("mate2", known=True)
+
+
+def test_the_keys_of_our_last_rounds_groups_are_groupmates_to_the_transfer():
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from swarm.averager.audit_serving import KEEP_ROUNDS, AuditServing
+    from swarm.averager.process import PseudoGradientAverager
+    from swarm.averager.transfer import FileTransfer
+
+    serving = AuditServing()
+    serving._audit_rounds = OrderedDict()
+    closing = SimpleNamespace(close=lambda: None)
+    runner = lambda gid: SimpleNamespace(group_id=gid, sent_parts=closing, received_parts=closing)  # noqa: E731
+    assert not serving._recent_groupmate("a")
+    for i in range(KEEP_ROUNDS + 1):
+        serving._open_audit(runner(bytes([i])), [f"m{i}", "me"])
+    assert not serving._recent_groupmate("m0")  # a round no auditor asks about any more
+    assert all(serving._recent_groupmate(f"m{i}") for i in range(1, KEEP_ROUNDS + 1))
+    assert not FileTransfer._recent_groupmate("m1")  # a transfer alone knows nobody
+    assert PseudoGradientAverager._recent_groupmate is AuditServing._recent_groupmate  # the averager's knows
+
+
 def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler():
     """Three real daemons on 127.0.0.1 (one host): with a share of one, the first requester's stream, which it
     does not read, holds the slot; the second requester, another key, is served nothing until it is given back."""
@@ -58,8 +92,9 @@ def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler()
         server = await P2P.create()
         maddrs = await server.get_visible_maddrs()
         first, second = await P2P.create(initial_peers=maddrs), await P2P.create(initial_peers=maddrs)
-        limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1)
+        limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1, reserved=2)
         seen: list[str | None] = []
+        mates: set[str] = set()
 
         async def messages():
             for _ in range(64):
@@ -67,7 +102,8 @@ def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler()
 
         async def handler(request, context):
             seen.append(network_of(remote_addr()))
-            async for message in served(limits, context.remote_id.to_base58(), messages(), "a test stream"):
+            requester = context.remote_id.to_base58()
+            async for message in served(limits, requester, messages(), "a test stream", requester in mates):
                 yield message
 
         try:
@@ -79,6 +115,10 @@ def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler()
             refused = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
             assert [m async for m in refused] == []
             assert seen == ["ip4:127.0.0.1/32"] * 2 and limits.networks == {"ip4:127.0.0.1/32": 1}
+            mates.add(second.peer_id.to_base58())  # the same key, as a groupmate: a kept slot
+            kept = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            assert len([m async for m in kept]) == 64
+            mates.clear()
             await held.aclose()
             for _ in range(100):  # the server sees the stream closed and gives its slot back
                 if not limits.networks:

@@ -32,9 +32,10 @@ class Slot:
     """One requester's stream in ``limits``: ``taken`` when the limits allowed it; given back once, however the
     stream ends (``release`` in the handler's ``finally``, or a stall)."""
 
-    def __init__(self, limits: ServingLimits, requester: str, network: str | None = None):
-        self._limits, self.requester, self.network = limits, requester, network
-        self.taken = limits.acquire(requester, network)
+    def __init__(self, limits: ServingLimits, requester: str, network: str | None = None, known: bool = False):
+        self._limits, self.requester = limits, requester
+        self.network = None if known else network  # a known requester's stream counts in no network's share
+        self.taken = limits.acquire(requester, network, known)
         self._timer: asyncio.TimerHandle | None = None
 
     def release(self) -> None:
@@ -61,12 +62,15 @@ class Slot:
             task.cancel()
 
 
-async def served(limits: ServingLimits, requester: str, messages: AsyncIterator[T], what: str) -> AsyncIterator[T]:
+async def served(
+    limits: ServingLimits, requester: str, messages: AsyncIterator[T], what: str, known: bool = False
+) -> AsyncIterator[T]:
     """``messages`` (not started yet) streamed to ``requester`` in a ``Slot`` of ``limits``, which is given back
     however the stream ends; nothing at all where its limits are full (``what`` names the stream in the log). A
     handler closes it with ``aclosing``: a generator left by an exception is otherwise closed only once collected,
-    and its slot held until then. The stream's network is read from its address (``remote_addrs``)."""
-    slot = Slot(limits, requester, network_of(remote_addr()))
+    and its slot held until then. The stream's network is read from its address (``remote_addrs``); a ``known``
+    requester may take the limits' reserved slots."""
+    slot = Slot(limits, requester, network_of(remote_addr()), known)
     if not slot.taken:
         logger.debug("%s for %s refused: over its serving limits", what, requester)
         return

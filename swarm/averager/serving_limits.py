@@ -5,8 +5,10 @@ would spend this peer's upload and disk on nothing. Each requester (as libp2p au
 ``per_peer`` streams at once and start at most ``per_minute`` in any minute, and the peer serves at most ``total``
 streams at once. Keys are free, so where ``per_network`` is set, the requesters of one network (an IPv4 /24, an IPv6
 /48, or one relay: ``swarm.hivemind_fixes.remote_addrs.network_of``) hold at most that many of them at once: one
-machine's keys that take streams and read them slowly hold a share, not all. A request over a limit is refused at
-once (the requester tries another donor), never queued.
+machine's keys that take streams and read them slowly hold a share, not all; and ``reserved`` of the streams are
+only for requesters the caller knows (our last rounds' groupmates, fetching a round's average down the group's
+tree), whom no network share limits: strangers from many networks cannot hold those. A request over a limit is
+refused at once (the requester tries another donor), never queued.
 A pure bookkeeping class, fed a clock, so it is tested without a network.
 """
 
@@ -17,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 NETWORK_SHARE = 16  # of a donor's 64 streams (state files, updates, the swarm's average), at once from one network
+GROUPMATES_RESERVE = 16  # of them, kept for the keys of our last rounds' groups (members fetching the average)
 
 
 class ServingLimits:
@@ -26,26 +29,27 @@ class ServingLimits:
         total: int = 64,  # other groups' delegates, and two children in the group's tree, fetch the swarm's average
         per_minute: int = 60,  # a merging member asks its parent once a second at most (``merge.FETCH_EVERY``)
         per_network: int | None = None,  # streams at once from one network (None: no such limit)
+        reserved: int = 0,  # streams only known requesters may take
         clock: Callable[[], float] = time.monotonic,
     ):
         self.per_peer, self.total, self.per_minute, self.clock = per_peer, total, per_minute, clock
-        self.per_network = per_network
+        self.per_network, self.reserved = per_network, reserved
         self.open: dict[str, int] = {}
         self.started: dict[str, deque[float]] = {}
         self.networks: dict[str, int] = {}  # streams open per network
 
-    def acquire(self, peer: str, network: str | None = None) -> bool:
+    def acquire(self, peer: str, network: str | None = None, known: bool = False) -> bool:
         """Whether ``peer``, on ``network`` (None: unknown), may start a stream now (then ``release`` it, with the
-        same network, when the stream ends)."""
+        same network, when the stream ends); a ``known`` requester may take the reserved streams."""
         now = self.clock()
         recent = self.started.get(peer, deque())
         while recent and recent[0] <= now - 60.0:
             recent.popleft()
-        if sum(self.open.values()) >= self.total or self.open.get(peer, 0) >= self.per_peer:
+        if sum(self.open.values()) >= self.total - (0 if known else self.reserved):
             return False
-        if len(recent) >= self.per_minute:
+        if self.open.get(peer, 0) >= self.per_peer or len(recent) >= self.per_minute:
             return False
-        counted = network is not None and self.per_network is not None
+        counted = network is not None and self.per_network is not None and not known
         if counted and self.networks.get(network, 0) >= self.per_network:
             return False  # (a refused key leaves nothing behind: keys are free)
         self.started[peer] = recent

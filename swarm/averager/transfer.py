@@ -1,16 +1,14 @@
 """Files between peers: the outer state for joiners, and the last rounds' averaged updates for replay.
 
-Both directions go through files rather than memory. A donor streams its newest state file, complete and unchanging
-even while its training moves on; a joiner's averager process writes what it receives straight to a file, which the
-host checks before using it.
+Both directions go through files, not memory. A donor streams its newest state file, complete and unchanging while
+its training moves on; a joiner's averager process writes what it gets straight to a file, checked before use.
 
 After each averaged round a peer also keeps the round's average exactly as it came off the wire (``update-EPOCH.bin``:
 the reducers' serialized parts), the last ``keep_updates`` of them; after a local round, its own step, as a group of
-one would have received it (``swarm.round.local_update``). A peer a few epochs behind fetches those few updates (half
-a byte per parameter each with fp4) and applies them, instead of the whole state (eight bytes per parameter).
+one would have received it (``swarm.round.local_update``). A peer a few epochs behind fetches those few updates (half a
+byte per parameter each with fp4) and applies them, instead of the whole state (eight bytes per parameter).
 
-This is a mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and the ``_..._from`` coroutines run in the
-averager process, the rest in the host.
+A mixin of ``PseudoGradientAverager``: the ``rpc_*`` handlers and ``_..._from`` coroutines run in its process.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from swarm.averager.bounds import max_request_bytes
 from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.served import served
-from swarm.averager.serving_limits import NETWORK_SHARE, ServingLimits
+from swarm.averager.serving_limits import GROUPMATES_RESERVE, NETWORK_SHARE, ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.defence.unpack import bounded_loads
 from swarm.dht.access import RunSecret
@@ -133,9 +131,11 @@ def read_update(path: Path, run_id: str, epoch: int, num_tensors: int) -> list[l
 class FileTransfer:
     """The averager's file traffic. Set up in the host (``_init_transfer``) before the process forks."""
 
+    _recent_groupmate = staticmethod(lambda requester: False)  # ``AuditServing`` knows our last rounds' groups
+
     def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str, secret: RunSecret | None) -> None:
         self._secret = secret
-        self._serving = ServingLimits(per_network=NETWORK_SHARE)  # per requester and network (``serving_limits``)
+        self._serving = ServingLimits(per_network=NETWORK_SHARE, reserved=GROUPMATES_RESERVE)  # ``serving_limits``
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         self._served_path = mp.Array(ctypes.c_char, 4096)
         self._served_epoch = mp.Value(ctypes.c_int64, -1)
@@ -209,9 +209,9 @@ class FileTransfer:
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind registers handlers by typing's hints
         if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
-        async with aclosing(
-            served(self._serving, context.remote_id.to_base58(), self._current_stream(), "a state")
-        ) as messages:
+        requester = context.remote_id.to_base58()
+        mate = self._recent_groupmate(requester)  # a groupmate may take the slots kept for them
+        async with aclosing(served(self._serving, requester, self._current_stream(), "a state", mate)) as messages:
             async for message in messages:
                 yield message
 
@@ -233,8 +233,9 @@ class FileTransfer:
         if not (isinstance(epoch, int) and epoch >= 0):
             return
         requester = context.remote_id.to_base58()
-        async with aclosing(served(self._serving, requester, self._update_stream(epoch), "an update")) as messages:
-            async for message in messages:
+        mate = self._recent_groupmate(requester)
+        async with aclosing(served(self._serving, requester, self._update_stream(epoch), "an update", mate)) as stream:
+            async for message in stream:
                 yield message
 
     async def _update_stream(self, epoch: int) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
