@@ -11,7 +11,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.averager.served import served
-from swarm.averager.serving_limits import ServingLimits
+from swarm.averager.serving_limits import GROUPS_KEPT, RecentGroupmates, ServingLimits
 from swarm.hivemind_fixes.remote_addrs import keep_remote_addrs, network_of, remote_addr
 
 RELAY = "QmRQUhoLEFw4JQwqNydPqy75jRpXkxdFCS7sQe4gph5ho8"
@@ -50,51 +50,42 @@ def test_one_network_holds_at_most_its_share_of_the_slots():
 
 
 def test_strangers_cannot_take_the_slots_kept_for_groupmates():
-    limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=3, reserved=2)
+    limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=2, reserved=2)
     networks = [f"ip4:198.51.{i}.0/24" for i in range(4)]
     taken = [limits.acquire(f"stranger{i}", networks[i % 4]) for i in range(10)]  # strangers of four networks
     assert sum(taken) == 6 and not limits.acquire("stranger-more", "ip4:192.0.2.0/24")
-    # a groupmate fetching the round's average: a kept slot, whatever its network's share
-    assert limits.acquire("mate", networks[0], known=True) and limits.acquire("mate", networks[0], known=True)
-    assert not limits.acquire("mate2", networks[1], known=True)  # the total is full
-    assert limits.networks[networks[0]] == 2  # a groupmate's stream counts in no network's share
-    limits.release("mate")
-    assert not limits.acquire("stranger-more", networks[3]) and limits.acquire("mate2", known=True)
+    # groupmates fetching the round's average: the kept slots, within their networks' shares
+    assert not limits.acquire("mate", networks[0], known=True)  # its network holds its share (2) already
+    assert limits.acquire("mate", networks[3], known=True) and limits.acquire("mate2", known=True)
+    assert not limits.acquire("mate3", known=True)  # the total is full
+    assert limits.networks[networks[3]] == 2
+    limits.release("mate", networks[3])
+    assert not limits.acquire("stranger-more", "ip4:192.0.2.0/24") and limits.acquire("mate3", known=True)
 
 
-def test_the_keys_of_our_last_rounds_groups_are_groupmates_to_the_transfer():
-    from collections import OrderedDict
-    from types import SimpleNamespace
-
-    from swarm.averager.audit_serving import KEEP_ROUNDS, AuditServing
-    from swarm.averager.process import PseudoGradientAverager
-    from swarm.averager.transfer import FileTransfer
-
-    serving = AuditServing()
-    serving._audit_rounds = OrderedDict()
-    closing = SimpleNamespace(close=lambda: None)
-    runner = lambda gid: SimpleNamespace(group_id=gid, sent_parts=closing, received_parts=closing)  # noqa: E731
-    assert not serving._recent_groupmate("a")
-    for i in range(KEEP_ROUNDS + 1):
-        serving._open_audit(runner(bytes([i])), [f"m{i}", "me"])
-    assert not serving._recent_groupmate("m0")  # a round no auditor asks about any more
-    assert all(serving._recent_groupmate(f"m{i}") for i in range(1, KEEP_ROUNDS + 1))
-    assert not FileTransfer._recent_groupmate("m1")  # a transfer alone knows nobody
-    assert PseudoGradientAverager._recent_groupmate is AuditServing._recent_groupmate  # the averager's knows
+def test_the_members_of_our_last_first_stages_are_groupmates_to_the_transfer():
+    mates = RecentGroupmates()
+    assert "a" not in mates
+    mates.note(())  # a second stage: its delegates are not our tree's
+    for i in range(GROUPS_KEPT + 1):
+        mates.note([f"m{i}", "me"])
+    assert "m0" not in mates and all(f"m{i}" in mates for i in range(1, GROUPS_KEPT + 1))
 
 
-def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler():
-    """Three real daemons on 127.0.0.1 (one host): with a share of one, the first requester's stream, which it
-    does not read, holds the slot; the second requester, another key, is served nothing until it is given back."""
+def test_a_stream_past_its_networks_share_or_the_strangers_slots_is_refused_by_the_real_handler():
+    """Three real daemons on 127.0.0.1 (one host). With a share of one, the first requester's stream, which it does
+    not read, holds the host's slot: the second requester, another key, is served nothing until it is given back.
+    With one of two slots kept for groupmates, the first's unread stream holds the strangers' slot: the second is
+    served nothing as a stranger, and whole as a groupmate."""
     keep_remote_addrs()
 
     async def scenario():
         server = await P2P.create()
         maddrs = await server.get_visible_maddrs()
         first, second = await P2P.create(initial_peers=maddrs), await P2P.create(initial_peers=maddrs)
-        limits = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1, reserved=2)
-        seen: list[str | None] = []
-        mates: set[str] = set()
+        shared = ServingLimits(per_peer=2, total=8, per_minute=60, per_network=1)
+        kept = ServingLimits(per_peer=2, total=2, per_minute=60, per_network=2, reserved=1)
+        limits, seen, mates = [shared], [], set()
 
         async def messages():
             for _ in range(64):
@@ -103,29 +94,39 @@ def test_a_stream_from_a_network_past_its_share_is_refused_by_the_real_handler()
         async def handler(request, context):
             seen.append(network_of(remote_addr()))
             requester = context.remote_id.to_base58()
-            async for message in served(limits, requester, messages(), "a test stream", requester in mates):
+            async for message in served(limits[0], requester, messages(), "a test stream", requester in mates):
                 yield message
 
+        async def fetch(p2p: P2P) -> int:
+            replies = await p2p.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            return len([m async for m in replies])
+
+        async def freed(which: ServingLimits) -> None:
+            for _ in range(100):  # the server sees the stream closed and gives its slot back
+                if not which.open:
+                    return
+                await asyncio.sleep(0.05)
+
+        request, reply = averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData
         try:
             await server.add_protobuf_handler("serve", handler, averaging_pb2.DownloadRequest, stream_output=True)
-            request = averaging_pb2.DownloadRequest()
-            reply = averaging_pb2.DownloadData
             held = await first.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
             await held.__anext__()  # its stream is open, and read no further
-            refused = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
-            assert [m async for m in refused] == []
-            assert seen == ["ip4:127.0.0.1/32"] * 2 and limits.networks == {"ip4:127.0.0.1/32": 1}
-            mates.add(second.peer_id.to_base58())  # the same key, as a groupmate: a kept slot
-            kept = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
-            assert len([m async for m in kept]) == 64
-            mates.clear()
+            assert await fetch(second) == 0
+            assert seen == ["ip4:127.0.0.1/32"] * 2 and shared.networks == {"ip4:127.0.0.1/32": 1}
             await held.aclose()
-            for _ in range(100):  # the server sees the stream closed and gives its slot back
-                if not limits.networks:
-                    break
-                await asyncio.sleep(0.05)
-            again = await second.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
-            assert len([m async for m in again]) == 64
+            await freed(shared)
+            assert await fetch(second) == 64
+
+            limits[0] = kept
+            held = await first.iterate_protobuf_handler(server.peer_id, "serve", request, reply)
+            await held.__anext__()
+            assert await fetch(second) == 0  # the strangers' slot is taken
+            mates.add(second.peer_id.to_base58())
+            assert await fetch(second) == 64  # a groupmate: the kept slot
+            await held.aclose()
+            await freed(kept)
+            assert kept.open == {} and kept.networks == {}
         finally:
             for p2p in (first, second, server):
                 await p2p.shutdown()

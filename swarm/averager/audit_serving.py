@@ -137,11 +137,6 @@ class AuditServing:
             record.runner.sent_parts.close()
             record.runner.received_parts.close()
 
-    def _recent_groupmate(self, requester: str) -> bool:
-        """Whether ``requester`` was in the group of one of our last rounds (``KEEP_ROUNDS``): its member fetching
-        the round's average may take the slots kept for groupmates (``FileTransfer``)."""
-        return any(requester in record.members for record in list(self._audit_rounds.values()))
-
     def _audit_limits(self) -> ServingLimits:
         """Per requester, how many audit requests it may have open and start in a minute (``serving_limits``)."""
         if getattr(self, "_audit_serving", None) is None:

@@ -33,8 +33,7 @@ class Slot:
     stream ends (``release`` in the handler's ``finally``, or a stall)."""
 
     def __init__(self, limits: ServingLimits, requester: str, network: str | None = None, known: bool = False):
-        self._limits, self.requester = limits, requester
-        self.network = None if known else network  # a known requester's stream counts in no network's share
+        self._limits, self.requester, self.network = limits, requester, network
         self.taken = limits.acquire(requester, network, known)
         self._timer: asyncio.TimerHandle | None = None
 

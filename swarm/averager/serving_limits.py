@@ -7,7 +7,7 @@ streams at once. Keys are free, so where ``per_network`` is set, the requesters 
 /48, or one relay: ``swarm.hivemind_fixes.remote_addrs.network_of``) hold at most that many of them at once: one
 machine's keys that take streams and read them slowly hold a share, not all; and ``reserved`` of the streams are
 only for requesters the caller knows (our last rounds' groupmates, fetching a round's average down the group's
-tree), whom no network share limits: strangers from many networks cannot hold those. A request over a limit is
+tree), within their networks' shares: strangers from many networks cannot hold those. A request over a limit is
 refused at once (the requester tries another donor), never queued.
 A pure bookkeeping class, fed a clock, so it is tested without a network.
 """
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 NETWORK_SHARE = 16  # of a donor's 64 streams (state files, updates, the swarm's average), at once from one network
 GROUPMATES_RESERVE = 16  # of them, kept for the keys of our last rounds' groups (members fetching the average)
+GROUPS_KEPT = 3  # first-stage groups whose members are groupmates to the serving (a round's, and the next's)
 
 
 class ServingLimits:
@@ -49,7 +50,7 @@ class ServingLimits:
             return False
         if self.open.get(peer, 0) >= self.per_peer or len(recent) >= self.per_minute:
             return False
-        counted = network is not None and self.per_network is not None and not known
+        counted = network is not None and self.per_network is not None
         if counted and self.networks.get(network, 0) >= self.per_network:
             return False  # (a refused key leaves nothing behind: keys are free)
         self.started[peer] = recent
@@ -74,3 +75,19 @@ class ServingLimits:
         if len(self.started) > 4 * self.total:
             for peer in [p for p, r in self.started.items() if p not in self.open and (not r or r[-1] <= now - 60)]:
                 del self.started[peer]
+
+
+class RecentGroupmates:
+    """The members of our last ``GROUPS_KEPT`` first-stage groups, noted as each all-reduce starts (audited or not):
+    the peers that fetch a round's average from us down the group's tree, and may take the slots kept for them."""
+
+    def __init__(self) -> None:
+        self._groups: deque[frozenset[str]] = deque(maxlen=GROUPS_KEPT)
+
+    def note(self, members: Sequence[str]) -> None:
+        """A first stage's ``members`` (none: a second stage, whose delegates fetch from holders of any group)."""
+        if members:
+            self._groups.append(frozenset(members))
+
+    def __contains__(self, peer: str) -> bool:
+        return any(peer in group for group in self._groups)

@@ -34,7 +34,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from swarm.averager.bounds import max_request_bytes
 from swarm.averager.held import Dropped, HeldPart
 from swarm.averager.served import served
-from swarm.averager.serving_limits import GROUPMATES_RESERVE, NETWORK_SHARE, ServingLimits
+from swarm.averager.serving_limits import GROUPMATES_RESERVE, NETWORK_SHARE, RecentGroupmates, ServingLimits
 from swarm.averager.trickle import RATE_WINDOW, RateFloor, TooSlow
 from swarm.defence.unpack import bounded_loads
 from swarm.dht.access import RunSecret
@@ -131,11 +131,10 @@ def read_update(path: Path, run_id: str, epoch: int, num_tensors: int) -> list[l
 class FileTransfer:
     """The averager's file traffic. Set up in the host (``_init_transfer``) before the process forks."""
 
-    _recent_groupmate = staticmethod(lambda requester: False)  # ``AuditServing`` knows our last rounds' groups
-
     def _init_transfer(self, update_dir: Path | None, keep_updates: int, run_id: str, secret: RunSecret | None) -> None:
         self._secret = secret
         self._serving = ServingLimits(per_network=NETWORK_SHARE, reserved=GROUPMATES_RESERVE)  # ``serving_limits``
+        self._groupmates = RecentGroupmates()  # noted by the averager process as each first stage starts
         self._download_progress = mp.Value(ctypes.c_double, 0.0)
         self._served_path = mp.Array(ctypes.c_char, 4096)
         self._served_epoch = mp.Value(ctypes.c_int64, -1)
@@ -210,7 +209,7 @@ class FileTransfer:
         if not self.allow_state_sharing or self._admitted(request, context) is None:
             return
         requester = context.remote_id.to_base58()
-        mate = self._recent_groupmate(requester)  # a groupmate may take the slots kept for them
+        mate = requester in self._groupmates  # a groupmate may take the slots kept for them
         async with aclosing(served(self._serving, requester, self._current_stream(), "a state", mate)) as messages:
             async for message in messages:
                 yield message
@@ -233,7 +232,7 @@ class FileTransfer:
         if not (isinstance(epoch, int) and epoch >= 0):
             return
         requester = context.remote_id.to_base58()
-        mate = self._recent_groupmate(requester)
+        mate = requester in self._groupmates
         async with aclosing(served(self._serving, requester, self._update_stream(epoch), "an update", mate)) as stream:
             async for message in stream:
                 yield message
