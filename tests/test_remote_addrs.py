@@ -9,6 +9,8 @@ import asyncio
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils.multiaddr import Multiaddr
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from swarm.averager.served import served
 from swarm.averager.serving_limits import GROUPS_KEPT, RecentGroupmates, ServingLimits
@@ -28,6 +30,21 @@ def test_a_network_is_an_ipv4_24_an_ipv6_48_or_the_relay_a_stream_came_through()
     assert network_of(Multiaddr("/ip6/2a00:1450:4001:ffff::9/tcp/1")) == "ip6:2a00:1450:4001::/48"
     assert network_of(Multiaddr(f"/ip4/1.2.3.4/tcp/1/p2p/{RELAY}/p2p-circuit")) == f"relay:{RELAY}"
     assert network_of(Multiaddr("/dns4/example.com/tcp/1")) is None and network_of(None) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["", "ip4", "ip6", "p2p", "p2p-circuit", "tcp", "1.2.3.4", "::1", "fe80::1", "x"]),
+             max_size=8)
+    | st.lists(st.text(max_size=20), max_size=8)
+)  # fmt: skip
+def test_any_address_names_a_network_or_none_and_never_raises(parts):
+    class Text:  # what ``str`` of a daemon's multiaddr may be, whatever the connection was
+        def __str__(self) -> str:
+            return "/".join(parts)
+
+    network = network_of(Text())
+    assert network is None or network.startswith(("ip4:", "ip6:", "relay"))
 
 
 def test_one_network_holds_at_most_its_share_of_the_slots():

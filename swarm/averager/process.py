@@ -117,7 +117,7 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         self._round_stats: dict[bytes, tuple] = {}
         self._last_step: Averaging | None = None  # the host's handle on the last step it started
         self.aggregation = aggregation
-        # a sender's weight is capped at what a round (in a second stage, a group) can hold: more buys nothing
+        # a sender's weight is capped at what a round (a second stage: a group) holds: more buys nothing, two included
         self._max_weights = (max_weight, max_weight * int(kwargs.get("target_group_size") or 64))
         self._fixed_group_ids: deque[bytes] = deque(maxlen=64)  # the last second stages' (``FixedGroups``)
         self._init_transfer(update_dir, keep_updates, run_id, secret)
@@ -127,8 +127,8 @@ class PseudoGradientAverager(Auditing, Refusals, FileTransfer, FixedGroups, Dece
         super().__init__(averaged_tensors, dht, start=False, **kwargs)
         self._allreduce_limit, self._allreduce_timeout = self._allreduce_timeout, None  # ours: ``FixedGroups``
         self._outer_pipe = LockedSends(self._outer_pipe)  # the host calls it from several threads
-        # a leader refuses join requests with another schema hash: a peer that speaks another all-reduce never
-        # groups with us
+        # a leader refuses joins with another schema hash: a peer of another all-reduce never groups with us, where
+        # its receipts would read as unanswered audits and get it banned
         self.schema_hash = wire_schema_hash(self.schema_hash)
         if secret is not None:  # and outsiders' (``swarm.dht.access``)
             self.schema_hash = secret.schema_hash(self.schema_hash)
