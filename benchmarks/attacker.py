@@ -64,7 +64,9 @@ it claims, is replaced:
 - ``spoil``: its first part to its own auditor declares a value too many (the auditor refuses it, and with it this
   peer's slice, unaudited), and as a reducer it returns ``-factor`` times its average to everyone (default 4);
 - ``baddonor``, ``undying``, ``sybil``, ``outvote``, ``fresh``: lies in the state it serves and the records its keys
-  publish (``benchmarks.liar_records``).
+  publish (``benchmarks.liar_records``);
+- ``fakemerge``: honest in its group, but every epoch it registers a made-up swarm's average of weight 2**40, its
+  group's average times ``factor`` (default -4), and serves it (``benchmarks.fake_merge``).
 
 It follows the protocol in everything else. Nothing here is part of the product.
 """
@@ -109,12 +111,16 @@ ATTACKS = {
     "sybil": 1.0,
     "outvote": 2.0,
     "fresh": 1.0,
+    "fakemerge": -4.0,
 }
 
 
 def install(attack: str, factor: float, client_argv: list[str] | None = None) -> None:
-    from benchmarks import liar_records, reducer_lies
+    from benchmarks import fake_merge, liar_records, reducer_lies
 
+    if attack == "fakemerge":
+        fake_merge.install(factor)
+        return
     if attack == "baddonor":
         liar_records.install_bad_donor(factor)
         return

@@ -278,10 +278,11 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         # whether an honest peer ever averaged in a group of every peer, the liar in it; where groups are smaller
         # than the run (``--set averaging.target_group_size``), whether the liar averaged at all (every other peer
         # is honest): before, such a run was retried for a group it could never form. None: no liar; None too for
-        # ``sybil``, ``outvote`` and ``fresh`` (their lie is in their keys' records, not in a group)
+        # ``sybil``, ``outvote``, ``fresh`` and ``fakemerge`` (their lie is in their keys' records, not in a group;
+        # a round that took ``fakemerge``'s made-up average is "adopted", not averaged, by the honest peers)
         liar_met=any(n == args.peers for h in honest for n in h["group_sizes"])
         or (liar_averaged and _target_group(args) < args.peers)
-        if liar and attack not in ("sybil", "outvote", "fresh")
+        if liar and attack not in ("sybil", "outvote", "fresh", "fakemerge")
         else None,
         attempt=attempt,
         # what the liar says it did (``benchmarks.attacker`` prints "ATTACK: ..." where the lie is not in a value)
