@@ -67,7 +67,6 @@ from swarm.dht.groups import (
     group_record,
     group_tag,
     groups_at,
-    own_result,
     reads_wide,
     result_of,
     stage2_plan,
@@ -102,6 +101,7 @@ from swarm.manifest import RunManifest
 from swarm.round.early_end import CHECK_EVERY
 from swarm.round.merge import FETCH_EVERY, LEFT_LOOK_MAX, READ_EVERY, STAGE2_TRIES, STAND_IN_EVERY
 from swarm.round.no_shows import NoShows, given_up_on, no_shows, working_towards
+from swarm.round.vouched import others_result, ours_result
 from swarm.state.replay import REPLAY_DONORS
 from swarm.state.sync import DOWNLOAD_ATTEMPTS, MAJORITY_WAIT
 from swarm.state.trust import Groupmates, servable
@@ -344,6 +344,7 @@ class Simulation:
         self._flow_updated: dict[str, float] = {}
         self.rounds: list[dict] = []
         self.no_shows_noted = 0  # keys noted as no-shows, by all peers
+        self.unvouched = 0  # merge reads where another group's swarm's average was there but no key we trust held it
         self.epochs: list[tuple[float, int | None]] = []  # (time, the live peers' global epoch)
         self.apart: list[tuple[float, int]] = []  # (time, training peers reading 2+ levels below the median)
         # (time, share of the training peers at the global epoch that hold its most common checksum): below 1 while
@@ -1021,9 +1022,10 @@ class Simulation:
             now = self.now
             if now - m.read_at >= READ_EVERY:
                 m.read_at, m.records = now, self.read_merge(p, m)
-            result = own_result(m.records, m.epoch, m.tag)
+            result = ours_result(m.records, m.epoch, m.tag, m.digest)
             if result is None and (m.delegate == p.pid or now > m.deadline - self.avg.merge_timeout / 4):
-                result = result_of(m.records, m.epoch)
+                result = others_result(m.records, m.epoch, (p.groupmates.keys() | m.partners) - {p.pid, *m.members})
+                self.unvouched += result is None and result_of(m.records, m.epoch) is not None  # (once per read)
             if result is not None:
                 done = yield from self.take(p, f, m, result)
                 if done:
@@ -1307,6 +1309,7 @@ def figures(sim: Simulation) -> dict[str, Any]:
         merge_seconds=[_round(statistics.median(merges), 1), _p90(merges), _round(merges[-1], 1)] if merges else None,
         seen_seconds_p90=_p90(seen) if seen else None,
         no_shows_noted=sim.no_shows_noted,  # keys noted as missing a round they were waited for (all peers)
+        unvouched_reads=sim.unvouched,  # merge reads that left another group's average untaken: no trusted holder
         rounds_per_hour=_round(rate, 2),
         final_epoch=sim.epochs[-1][1] if sim.epochs else None,
         groups_per_round=_round(statistics.mean(registered), 2) if registered else None,

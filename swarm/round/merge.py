@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Collection
 
 from swarm.averager.bounds import max_update_bytes
 from swarm.averager.codecs import codec
@@ -28,6 +29,7 @@ from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
 from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
+from swarm.round.vouched import lone_lie, others_result, ours_result
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -43,8 +45,11 @@ STAGE2_TRIES = 2  # a second stage that found no group is tried once more, while
 class Merger:
     """Drives the second stage of the round's flights (``OuterRound``), one ``MergeState`` each."""
 
-    def __init__(self, ctx: PeerContext, checkpoints: Checkpoints, no_shows: NoShows):
+    def __init__(
+        self, ctx: PeerContext, checkpoints: Checkpoints, no_shows: NoShows, mates: Callable[[], Collection] = tuple
+    ):
         self.ctx, self.checkpoints, self.no_shows = ctx, checkpoints, no_shows
+        self.mates = mates  # our groupmates of the last rounds: whose swarm's average we take (``vouched``)
 
     def after_group(self, epoch: int, outcome: AllReduceOutcome, samples: dict[str, int]) -> MergeState:
         """Our group's all-reduce is done: register it (if we are its delegate) and start waiting."""
@@ -95,14 +100,15 @@ class Merger:
             self._register(state, **state.unregistered)  # a slow DHT (a neighbour vanishing): again
         if now - state.read_at >= READ_EVERY:
             state.read_at, state.records = now, self._read(state, now)
-        if state.delegate != ctx.me and groups.delegate_disagrees(
-            state.records, state.epoch, state.tag, state.delegate, state.digest
+        if state.delegate != ctx.me and (
+            groups.delegate_disagrees(state.records, state.epoch, state.tag, state.delegate, state.digest)
+            or lone_lie(state.records, state.epoch, state.tag, state.digest)
         ):
             state.fallback = "our delegate registered another average of our group: our own was applied"
             return self._finish(state, counted=False)
-        result = groups.own_result(state.records, state.epoch, state.tag)  # our delegate's: it holds our work
+        result = ours_result(state.records, state.epoch, state.tag, state.digest)  # our delegate's: holds our work
         if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
-            result = groups.result_of(state.records, state.epoch)  # another group's (ours will not come)
+            result = others_result(state.records, state.epoch, self._trusted(state))  # ours will not come
         if result is not None:
             return self._take(state, result, blocking)
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
@@ -169,6 +175,11 @@ class Merger:
         state.delegate = self.ctx.me
         self._register(state)
         state.read_at = -float("inf")
+
+    def _trusted(self, state: MergeState) -> frozenset[str]:
+        """The keys whose swarm's average we take (``vouched``): never one of our group's this round (an honest one
+        holds no other group's average of the epoch; a groupmate did, registering a made-up group beside ours)."""
+        return (frozenset(self.mates()) | state.partners) - {self.ctx.me, *state.members}
 
     @property
     def _patience(self) -> float:  # the merge's last part, when a member takes another group's swarm's average

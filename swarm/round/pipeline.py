@@ -73,7 +73,8 @@ class OuterRound(RoundRecovery):
         resync = lambda why: self.resync(why) == Resynced.taken  # noqa: E731
         self.checks = RoundChecks(ctx, self.resync_needed, resync)  # did the groupmates end on our state?
         self.no_shows = NoShows(lambda: ctx.outer.epoch)  # keys we waited for that did not come: not waited for
-        self.merger = Merger(ctx, checkpoints, self.no_shows) if ctx.manifest.averaging.merge_groups else None
+        merger = Merger(ctx, checkpoints, self.no_shows, lambda: sync.groupmates.keys())
+        self.merger = merger if ctx.manifest.averaging.merge_groups else None
 
     # ---- begin ---------------------------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Another group's swarm's average is taken only where a key we averaged with holds it (``swarm.round.vouched``).
+
+Before, one stranger's key registering a made-up group with ``merged`` set and a weight of 2**40 was the swarm's
+average every honest delegate took at once, before its own second stage."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.dht import groups
+from swarm.dht.groups import group_record, group_tag, result_of
+from swarm.round.merge import Merger
+from swarm.round.merge_state import MergeState
+from swarm.round.no_shows import NoShows
+from swarm.round.vouched import lone_lie, others_result, ours_result
+
+ME, MATE, OTHER, STRANGER = ("Qm" + c * 44 for c in "mhos")
+OURS, THEIRS, YOURS, FAKE = (group_tag(name) for name in (b"ours", b"theirs", b"yours", b"fake"))
+GROUP, MERGED, POISON = "a" * 64, "b" * 64, "f" * 64
+
+
+def honest_merge(epoch: int = 3) -> list:
+    """Two other groups merged (their delegates registered the same swarm's average)."""
+    return [
+        group_record(epoch, THEIRS, OTHER, 4, 64.0, "c" * 64, False, merged=MERGED, included=[THEIRS, YOURS]),
+        group_record(epoch, YOURS, MATE, 4, 64.0, "d" * 64, False, merged=MERGED, included=[THEIRS, YOURS]),
+    ]
+
+
+def fake(epoch: int = 3) -> list:
+    return [group_record(epoch, FAKE, STRANGER, 1, 2.0**40, POISON, False, merged=POISON, included=[FAKE])]
+
+
+def test_a_strangers_swarms_average_is_not_taken_however_heavy_and_a_mates_is():
+    records = [group_record(3, OURS, ME, 2, 32.0, GROUP, False), *honest_merge(), *fake()]
+    assert result_of(records, 3).digest == POISON  # the heaviest claim: what every delegate took before
+    assert others_result(records, 3, trusted=()) is None
+    assert others_result(records, 3, trusted={MATE}).digest == MERGED  # a holder we averaged with
+    assert others_result(records, 3, trusted={STRANGER}).digest == POISON  # (a key that averaged with us can lie)
+    assert others_result(records[:1] + fake(), 3, trusted={MATE}) is None
+
+
+def test_an_average_of_our_group_alone_must_be_our_groups_own():
+    alone = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=GROUP, included=[OURS])]
+    assert ours_result(alone, 3, OURS, GROUP).digest == GROUP
+    lie = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=POISON, included=[OURS])]
+    assert groups.own_result(lie, 3, OURS).digest == POISON  # what a member fetched before
+    assert ours_result(lie, 3, OURS, GROUP) is None and lone_lie(lie, 3, OURS, GROUP)
+    assert not lone_lie(alone, 3, OURS, GROUP)
+    assert ours_result(lie, 3, OURS, None) is None  # a group of one never makes the swarm's average alone
+    merged = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=MERGED, included=[OURS, THEIRS])]
+    assert ours_result(merged, 3, OURS, GROUP).digest == MERGED  # made with other groups: our delegate's word
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([ME, MATE, OTHER, STRANGER]),
+            st.sampled_from([OURS, THEIRS, FAKE]),
+            st.floats(0.0, 2.0**40),
+            st.sampled_from([None, GROUP, MERGED, POISON]),
+        ),
+        max_size=6,
+    ),
+    st.sets(st.sampled_from([ME, MATE, OTHER, STRANGER])),
+)
+def test_another_groups_average_taken_is_always_held_by_a_trusted_key(rows, trusted):
+    records = [group_record(3, tag, who, 1, w, GROUP, False, merged=m, included=[tag]) for who, tag, w, m in rows]
+    taken = others_result(records, 3, trusted)
+    if taken is None:
+        assert all(not set(m.holders) & trusted for m in groups.results_of(records, 3).values())
+    else:
+        assert set(taken.holders) & trusted
+        assert all(m.weight <= taken.weight for m in groups.results_of(records, 3).values() if set(m.holders) & trusted)
+
+
+def merger_polling(records: list, mates: frozenset, monkeypatch, members: tuple = (ME,), delegate: str = ME):
+    """A delegate (or a member of ``delegate``'s group) that registered its group, reading ``records``: what its
+    merge takes (None: nothing yet; a ``MergeState`` once it stepped with its group's own average)."""
+    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(records))
+    monkeypatch.setattr(groups, "read_bucket", lambda dht, run_id, tag: [r for r in records if r.group == tag])
+    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, view=lambda peers: None,
+                             recent_view=lambda: None)  # fmt: skip
+    averaging = SimpleNamespace(merge_timeout=60.0, allreduce_limit=lambda numel: 30.0)
+    manifest, averager = SimpleNamespace(run_id="0" * 16, averaging=averaging), SimpleNamespace(finalize_update=bool)
+    ctx = SimpleNamespace(reader=reader, manifest=manifest, me=ME, outer=SimpleNamespace(numel=1000), averager=averager)
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 3), mates=lambda: mates)
+    taken = []
+    monkeypatch.setattr(merger, "_take", lambda state, result, blocking=True: taken.append(result.digest) or False)
+    state = MergeState(epoch=3, tag=OURS, delegate=delegate, members=members, size=2, weight=32.0, digest=GROUP,
+                       deadline=time.monotonic() + 100, registered_at=time.monotonic())  # fmt: skip
+    if merger.poll(state, blocking=False):
+        return state
+    return taken[0] if taken else None
+
+
+def test_a_delegate_does_not_fetch_a_strangers_swarms_average_and_takes_one_its_mates_hold(monkeypatch):
+    ours = [group_record(3, OURS, ME, 2, 32.0, GROUP, False)]
+    assert merger_polling(ours + fake(), frozenset(), monkeypatch) is None  # it goes on to its own second stage
+    assert merger_polling(ours + fake() + honest_merge(), frozenset({MATE}), monkeypatch) == MERGED
+    assert merger_polling(ours + fake() + honest_merge(), frozenset(), monkeypatch) is None
+
+
+def test_a_groupmate_of_this_round_that_registers_another_groups_average_is_not_believed(monkeypatch):
+    """Seen live (byzantine ``fakemerge``, three peers, one group a round): the liar, an honest reducer in our group
+    and so one of our groupmates, registered a made-up group beside ours holding its group's average times -4; every
+    honest delegate took it at once and the held-out loss ended 52 times the honest run's. An honest member of our
+    group holds no other group's average of the epoch."""
+    ours = [group_record(3, OURS, ME, 2, 32.0, GROUP, False)]
+    liar = [group_record(3, FAKE, MATE, 1, 2.0**40, POISON, False, merged=POISON, included=[FAKE])]
+    assert merger_polling(ours + liar, frozenset({MATE}), monkeypatch, members=(ME, OTHER)) == POISON  # past mate
+    assert merger_polling(ours + liar, frozenset({MATE}), monkeypatch, members=(ME, MATE)) is None
+
+
+def test_a_member_whose_delegate_says_their_group_alone_made_another_average_steps_with_its_own_at_once(monkeypatch):
+    """The same liar as its group's delegate registered the poison as its group's average alone: a member fetched it
+    (before), or, refusing it, would wait out the merge. Now it steps with its group's own average at once."""
+    lie = [group_record(3, OURS, MATE, 2, 2.0**40, GROUP, False, merged=POISON, included=[OURS])]
+    state = merger_polling(lie, frozenset({MATE}), monkeypatch, members=(ME, MATE), delegate=MATE)
+    assert isinstance(state, MergeState) and state.done and not state.counted and "another average" in state.fallback
+    alone = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=GROUP, included=[OURS])]
+    assert merger_polling(alone, frozenset(), monkeypatch, members=(ME, MATE), delegate=MATE) == GROUP
