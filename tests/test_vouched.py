@@ -5,9 +5,13 @@ average every honest delegate took at once, before its own second stage."""
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
+import pytest
+import torch
+from hivemind.compression import deserialize_torch_tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,3 +129,92 @@ def test_a_member_whose_delegate_says_their_group_alone_made_another_average_ste
     assert isinstance(state, MergeState) and state.done and not state.counted and "another average" in state.fallback
     alone = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=GROUP, included=[OURS])]
     assert merger_polling(alone, frozenset(), monkeypatch, members=(ME, MATE), delegate=MATE) == GROUP
+
+
+# ---- a swarm's average fetched from others, against our group's (``unlike``) ------------------------------------
+
+
+def test_a_swarms_average_pointing_away_from_ours_or_far_longer_is_refused_and_an_honest_one_is_not():
+    from swarm.round.vouched import MAX_LENGTH, Unlike, unlike
+
+    def of(fetched, ours):  # one tensor's sums
+        fetched, ours = torch.tensor(fetched, dtype=torch.float64), torch.tensor(ours, dtype=torch.float64)
+        return [(float(fetched @ ours), float(fetched @ fetched), float(ours @ ours))]
+
+    ours = [1.0, 2.0, -1.0, 0.5]
+    assert unlike(of([0.6, 1.1, -0.1, 0.9], ours)) is None  # an honest average: shorter, mostly the same way
+    assert unlike(of([-4 * x for x in ours], ours)) == Unlike.points_away  # fakemerge's
+    assert unlike(of([MAX_LENGTH * 1.01 * x for x in ours], ours)) == Unlike.too_long
+    assert unlike(of([MAX_LENGTH * 0.99 * x for x in ours], ours)) is None
+    assert unlike(of([float("nan"), 0.0, 0.0, 0.0], ours)) == Unlike.not_finite
+    assert unlike(of([0.0] * 4, ours)) == Unlike.points_away  # no step at all
+    assert unlike(of([5.0, 1.0, 1.0, 1.0], [0.0] * 4)) is None  # nothing to compare with: the digest is all
+    # summed over tensors: one tensor turned back among larger ones that agree is not refused on its own
+    assert unlike(of([1.0, 1.0], [1.0, 1.0]) * 10 + of([-1.0, -1.0], [1.0, 1.0])) is None
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "fp4"])
+def test_likeness_is_the_dot_product_and_norms_of_the_parts_a_peer_fetched(compression):
+    from swarm.averager.held import check_parts, likeness
+    from swarm.manifest import Compression
+    from swarm.round.local_update import compression_type, encode_update
+
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = (torch.randn(3 * 2**20 + 5, generator=generator) for _ in range(2))
+    kind = compression_type(Compression(compression))
+    parts = encode_update(theirs, kind)
+    check_parts(ours, parts, kind)
+    dot, held, mine = likeness(ours, parts)
+    decoded = torch.cat([deserialize_torch_tensor(p).reshape(-1) for p in parts]).double()
+    assert math.isclose(dot, float(decoded @ ours.double()), rel_tol=1e-9, abs_tol=1e-6)
+    assert math.isclose(held, float(decoded @ decoded), rel_tol=1e-9)
+    assert math.isclose(mine, float(ours.double() @ ours.double()), rel_tol=1e-9)
+
+
+def test_a_member_refuses_its_delegates_swarms_average_unlike_its_groups_and_steps_with_its_own(monkeypatch, tmp_path):
+    """The liar as delegate (the "alone" lie refused) can still name a made-up second group beside ours, and a past
+    groupmate can still register a made-up average in another group: the bytes are checked against our group's
+    average before they are written, and a member steps with its group's own at once."""
+    from swarm.averager.handle import AllReduceOutcome  # noqa: F401  (the merge's own imports, as in a peer)
+    from swarm.manifest import Compression
+    from swarm.round import merge
+    from swarm.round.local_update import compression_type, encode_update
+
+    group = torch.tensor([1.0, 2.0, -1.0, 0.5] * 64)
+    kind = compression_type(Compression("none"))
+    poison = [encode_update(-4 * group, kind)]
+    made_up = group_tag(b"made-up")
+    lie = [group_record(3, OURS, MATE, 2, 32.0, GROUP, False, merged=POISON, included=[OURS, made_up])]
+    buffers = [group.clone()]
+
+    class Tensors:
+        def __enter__(self):
+            return buffers
+
+        def __exit__(self, *exc):
+            return False
+
+    fetches = []
+    averager = SimpleNamespace(
+        get_tensors=Tensors, finalize_update=bool, adopt_update=lambda epoch, path: None,
+        download_update=lambda holder, epoch, destination, **kw: fetches.append(holder),
+    )  # fmt: skip
+    monkeypatch.setattr(merge, "read_update", lambda path, run_id, epoch, count: poison)
+    monkeypatch.setattr(merge, "held_digest", lambda held: POISON)
+    monkeypatch.setattr(groups, "read_bucket", lambda dht, run_id, tag: list(lie))
+    monkeypatch.setattr(groups, "read_groups", lambda dht, run_id: list(lie))
+    reader = SimpleNamespace(dht=None, other_records=0, banned=lambda peer: False, view=lambda peers: None,
+                             recent_view=lambda: None)  # fmt: skip
+    averaging = SimpleNamespace(merge_timeout=60.0, allreduce_limit=lambda numel: 30.0, compression="none",
+                                chunk_timeout=10.0, update_timeout=lambda numel: 60.0)  # fmt: skip
+    manifest = SimpleNamespace(run_id="0" * 16, averaging=averaging)
+    outer = SimpleNamespace(numel=256, numels=[256], params=[group])
+    ctx = SimpleNamespace(reader=reader, manifest=manifest, me=ME, outer=outer, averager=averager, stop_requested=bool)
+    store = SimpleNamespace(temporary_path=lambda name: tmp_path / name)
+    merger = Merger(ctx, checkpoints=SimpleNamespace(store=store), no_shows=NoShows(lambda: 3))
+    state = MergeState(epoch=3, tag=OURS, delegate=MATE, members=(MATE, ME), size=2, weight=32.0, digest=GROUP,
+                       deadline=time.monotonic() + 100)  # fmt: skip
+    assert merger.poll(state, blocking=False) is False  # fetched, refused, not written
+    assert fetches and state.refused == {POISON} and torch.equal(buffers[0], group)
+    assert merger.poll(state, blocking=False) is True  # steps with its group's own at once
+    assert state.done and not state.counted and state.fallback and len(fetches) == 1

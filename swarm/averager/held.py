@@ -103,6 +103,21 @@ def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
             offset += values.numel()
 
 
+def likeness(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> tuple[float, float, float]:
+    """The dot product of held parts' values (after ``check_parts``) with ``tensor``'s, and the two squared norms,
+    a part at a time (nothing of the tensor's size is made)."""
+    flat, offset, dot, held, ours = tensor.view(-1), 0, 0.0, 0.0, 0.0
+    for part in parts:
+        values = _decoded(part)
+        n = part.numel if values is None else values.numel()
+        mine = flat[offset : offset + n].double()
+        if values is not None:
+            values = values.double()
+            dot, held = dot + float(values @ mine), held + float(values @ values)
+        ours, offset = ours + float(mine @ mine), offset + n
+    return dot, held, ours
+
+
 def held_digest(held: Sequence[Sequence[HeldPart]]) -> str:
     """A digest of an average's parts as held (a dropped part by its size): the same for every groupmate that
     received the same bytes."""

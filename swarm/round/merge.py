@@ -20,7 +20,7 @@ from swarm.averager.bounds import max_update_bytes
 from swarm.averager.codecs import codec
 from swarm.averager.fixed_group import fixed_group_id, partial_merge
 from swarm.averager.handle import AllReduceOutcome
-from swarm.averager.held import check_parts, decode_into, held_digest
+from swarm.averager.held import check_parts, decode_into, held_digest, likeness
 from swarm.averager.transfer import read_update
 from swarm.dht import groups
 from swarm.dht.groups import Decision, Merged, Plan, Stage2, delegate_decision, group_record, group_tag
@@ -29,7 +29,7 @@ from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
 from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
-from swarm.round.vouched import lone_lie, others_result, ours_result
+from swarm.round.vouched import lone_lie, others_result, ours_result, unlike
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -100,15 +100,16 @@ class Merger:
             self._register(state, **state.unregistered)  # a slow DHT (a neighbour vanishing): again
         if now - state.read_at >= READ_EVERY:
             state.read_at, state.records = now, self._read(state, now)
+        result = ours_result(state.records, state.epoch, state.tag, state.digest)  # our delegate's: holds our work
         if state.delegate != ctx.me and (
             groups.delegate_disagrees(state.records, state.epoch, state.tag, state.delegate, state.digest)
             or lone_lie(state.records, state.epoch, state.tag, state.digest)
+            or (result is not None and result.digest in state.refused)  # its bytes were unlike our group's
         ):
             state.fallback = "our delegate registered another average of our group: our own was applied"
             return self._finish(state, counted=False)
-        result = ours_result(state.records, state.epoch, state.tag, state.digest)  # our delegate's: holds our work
         if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
-            result = others_result(state.records, state.epoch, self._trusted(state))  # ours will not come
+            result = others_result(state.records, state.epoch, self._trusted(state), state.refused)  # not ours
         if result is not None:
             return self._take(state, result, blocking)
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
@@ -272,7 +273,8 @@ class Merger:
             sources = groups.fetch_sources(
                 state.members, state.tag, state.delegate, self.ctx.me, result.holders, now - state.seen_at
             )
-            got = next((source for source in sources if self._fetch(state, source, result.digest)), None)
+            fetched = (s for s in sources if result.digest not in state.refused)  # (refused: fetched no more)
+            got = next((source for source in fetched if self._fetch(state, source, result.digest)), None)
             held = got is not None
             if held:
                 state.source = MergeSource.holder if got in result.holders else MergeSource.groupmate
@@ -324,9 +326,14 @@ class Merger:
             held = read_update(destination, ctx.manifest.run_id, state.epoch, len(ctx.outer.params))
             if held_digest(held) != digest:
                 raise ValueError("it is not the average the delegates registered")
-            with ctx.averager.get_tensors() as buffers:
+            with ctx.averager.get_tensors() as buffers:  # our group's average, until the swarm's is written
                 for tensor, parts in zip(buffers, held):
                     check_parts(tensor, parts, codec(ctx.manifest.averaging.compression).compression_type)
+                why = unlike(likeness(tensor, parts) for tensor, parts in zip(buffers, held))
+                if why is not None:
+                    state.refused |= {digest}
+                    logger.info("epoch %d: the swarm's average %s %s: not taken", state.epoch, digest[:8], why.value)
+                    return False
                 for tensor, parts in zip(buffers, held):
                     decode_into(tensor, parts)
             ctx.averager.adopt_update(state.epoch, destination)

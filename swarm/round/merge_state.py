@@ -49,4 +49,5 @@ class MergeState:
     caught: frozenset[str] = frozenset()  # by a try of it: their records are not read
     fallback: str | None = None  # why we step with our own group's average
     distrusted: frozenset[str] = frozenset()  # groupmates our first stage's findings ban: not waited for as delegate
+    refused: frozenset[str] = frozenset()  # swarm's averages whose bytes were unlike our group's (``vouched.unlike``)
     partners: frozenset[str] = frozenset()  # who our second stage ran whole with (pipeline drops the caught)

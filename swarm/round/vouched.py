@@ -20,7 +20,9 @@ round ended apart. Our own delegate's registration is taken as before, except th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import enum
+import math
+from collections.abc import Collection, Iterable, Sequence
 
 from swarm.dht.groups import Merged, own_result, results_of
 from swarm.dht.records import GroupRecord
@@ -31,10 +33,13 @@ def vouched(result: Merged, trusted: Collection[str]) -> bool:
     return any(holder in trusted for holder in result.holders)
 
 
-def others_result(records: Sequence[GroupRecord], epoch: int, trusted: Collection[str]) -> Merged | None:
-    """``result_of`` among the swarm's averages of ``epoch`` that a ``trusted`` key holds: the one whose groups
-    hold the most samples (then the lowest digest), or None."""
-    found = [m for m in results_of(records, epoch).values() if vouched(m, trusted)]
+def others_result(
+    records: Sequence[GroupRecord], epoch: int, trusted: Collection[str], refused: Collection[str] = ()
+) -> Merged | None:
+    """``result_of`` among the swarm's averages of ``epoch`` that a ``trusted`` key holds, and whose bytes we did
+    not find ``unlike`` our group's (``refused``): the one whose groups hold the most samples (then the lowest
+    digest), or None."""
+    found = [m for m in results_of(records, epoch).values() if vouched(m, trusted) and m.digest not in refused]
     return min(found, key=lambda m: (-m.weight, m.digest)) if found else None
 
 
@@ -50,3 +55,41 @@ def lone_lie(records: Sequence[GroupRecord], epoch: int, tag: str, digest: str |
 def ours_result(records: Sequence[GroupRecord], epoch: int, tag: str, digest: str | None) -> Merged | None:
     """``own_result``, unless it is a ``lone_lie``."""
     return None if lone_lie(records, epoch, tag, digest) else own_result(records, epoch, tag)
+
+
+MIN_COSINE = 0.0  # a swarm's average points no further from our group's than this
+MAX_LENGTH = 4.0  # and is at most this many times as long
+
+
+class Unlike(enum.Enum):
+    """Why a fetched swarm's average cannot be one that holds our group's kind of work (``unlike``)."""
+
+    not_finite = "not finite"
+    points_away = "points away from our group's average"
+    too_long = "is many times as long as our group's average"
+
+
+def unlike(sums: Iterable[tuple[float, float, float]]) -> Unlike | None:
+    """A swarm's average fetched from others, against the average our group made (or our own pseudo-gradient, for
+    a group of one), from ``held.likeness`` of each tensor: why it is not a swarm's average of this round, or None.
+    A swarm's average is a weighted mean of its groups' averages, which train one model from one state on the same
+    kind of data: in blocking DiLoCo rounds of ``tiny`` (8 workers, 20 inner steps, 10 rounds), its cosine with a
+    single worker's pseudo-gradient was 0.35 at least (median 0.58), with a group of two's 0.59, and it was
+    shorter than either (0.37-0.98 times as long). So a bound at a cosine of 0 and 4 times the length refuses no
+    honest average there, and refuses a delegate's or a past groupmate's made-up average that turns the swarm
+    back (-4 times our group's) or is far larger. It does not refuse one within those bounds: that is a bound on
+    what a liar our trust lets through (``vouched``), not a proof of an honest average."""
+    dot = held = ours = 0.0
+    for d, h, o in sums:
+        dot, held, ours = dot + d, held + h, ours + o
+    if not all(math.isfinite(x) for x in (dot, held, ours)):
+        return Unlike.not_finite
+    if ours == 0.0:  # nothing to compare it with (we made no inner step): the digest is all we check
+        return None
+    if held == 0.0:  # no step at all: no swarm's average of groups that trained
+        return Unlike.points_away
+    if dot / math.sqrt(held * ours) < MIN_COSINE:
+        return Unlike.points_away
+    if held > MAX_LENGTH**2 * ours:
+        return Unlike.too_long
+    return None
