@@ -8,8 +8,9 @@ update is kept); and registers, with its own key, a group record of that epoch w
 file's and whose ``included`` groups claim a weight of 2**40:
 
 - not its group's delegate: the record of a made-up group of one (its own tag), ``included`` = that tag;
-- its group's delegate (or alone): its key's record is its group's, so that record says its group alone made the
-  swarm's average, the poisoned one (the "alone" path); it steps with it too, as its groupmates will.
+- its group's delegate (or alone): its key's record is its group's, so that record says its group and a made-up
+  second one (a tag nobody registers) made the swarm's average, the poisoned one; it steps with it too, as its
+  groupmates will. (Measured first, at 26492dd: "its group alone", which members now refuse, ``vouched.lone_lie``.)
 
 A delegate takes the heaviest registered swarm's average (``groups.result_of``) as soon as its own group is
 registered, fetched from its holders and checked only against the digest. Nothing here is part of the product.
@@ -63,7 +64,8 @@ def _lie(merger, state, factor: float) -> None:
                 for tensor, parts in zip(buffers, poisoned):
                     decode_into(tensor, parts)
             state.weight, state.decided = WEIGHT, True  # (decided: never the honest "alone" path after this)
-            merger._register(state, merged=digest, included=[state.tag], peers=state.size)
+            made_up = groups.group_tag(f"fakemerge/{ctx.me}/{state.epoch}".encode())
+            merger._register(state, merged=digest, included=[state.tag, made_up], peers=state.size + 1)
             stored, what = state.unregistered is None, f"our group {state.tag}'s record (we are its delegate)"
         else:
             tag = groups.group_tag(f"fakemerge/{ctx.me}/{state.epoch}".encode())
