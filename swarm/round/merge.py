@@ -135,15 +135,8 @@ class Merger:
                              decision.value, waited, seen)  # fmt: skip
             if decision != Decision.wait and waited >= patience:  # we gave up on those still working towards it
                 self._note_no_shows(view, state)
-            if decision == Decision.alone and state.digest is None:  # alone, and no group to merge with
-                state.fallback = "no other group this round"
-                return self._finish(state, counted=False)
             if decision == Decision.alone:  # the round's only group
-                self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
-                state.decided = True
-                self._register(state, merged=state.digest, included=[state.tag], peers=state.size)
-                state.read_at = -float("inf")
-                return False
+                return self._alone(state, "no other group this round")
             if decision == Decision.merge:
                 state.merge_at = now if state.merge_at is None else state.merge_at
                 self._roster_step(state, now)
@@ -151,6 +144,18 @@ class Merger:
         if now > state.deadline:
             state.fallback = "no swarm's average in time: our group's own was applied"
             return self._finish(state, counted=False)
+        return False
+
+    def _alone(self, state: MergeState, why: str) -> bool:
+        """Our group's average is the swarm's (registered as such, its members take it), or, a group of one with no
+        group to merge with, we step with our own pseudo-gradient: True once the buffers hold what we step with."""
+        if state.digest is None:
+            state.fallback = why
+            return self._finish(state, counted=False)
+        self.ctx.averager.finalize_update(state.epoch)  # served before it is announced
+        state.decided = True
+        self._register(state, merged=state.digest, included=[state.tag], peers=state.size)
+        state.read_at = -float("inf")
         return False
 
     def _note_no_shows(self, view: SwarmView, state: MergeState) -> None:
@@ -245,9 +250,9 @@ class Merger:
                    for g in plan.roster if g.delegate not in state.absent]  # fmt: skip
         label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{plan.writer}/{state.stage2_tries}"
         state.stage2_tries += 1
-        if len(members) < 2:  # every other delegate was absent from the last try: no swarm's average to make
-            state.fallback = "second stage: the other delegates did not take part"
-            return
+        if len(members) < 2:  # every other delegate was absent from the last try: ours is the only group that came
+            self._alone(state, "second stage: the other delegates did not take part")  # (a stranger's made-up group
+            return  # held every round of a one-group swarm until ``merge_limit``, then it stepped with its own)
         state.stage2 = ctx.averager.start_fixed_averaging(
             group_id=fixed_group_id(label, members),
             members=members,
