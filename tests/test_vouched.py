@@ -218,3 +218,18 @@ def test_a_member_refuses_its_delegates_swarms_average_unlike_its_groups_and_ste
     assert fetches and state.refused == {POISON} and torch.equal(buffers[0], group)
     assert merger.poll(state, blocking=False) is True  # steps with its group's own at once
     assert state.done and not state.counted and state.fallback and len(fetches) == 1
+
+
+def test_a_groupmates_record_of_another_group_of_our_epoch_is_not_read():
+    """An honest key is in one group of an epoch: seen live (``fakemerge``), the liar's made-up group, registered
+    beside ours, was named in our roster, cost a try of the second stage, and left a one-group swarm waiting out
+    ``merge_limit`` every round (now it goes on alone at once, and never sees the record)."""
+    from swarm.round.vouched import elsewhere_dropped
+
+    stand_in = group_record(3, OURS, MATE, 2, 32.0, GROUP, False)  # a member speaking for our group
+    made_up = group_record(3, FAKE, MATE, 1, 2.0**40, POISON, False, merged=POISON, included=[FAKE])
+    earlier = group_record(2, FAKE, MATE, 1, 32.0, POISON, False)  # its group of the epoch before
+    stranger = group_record(3, THEIRS, OTHER, 2, 32.0, "c" * 64, False)
+    kept = elsewhere_dropped([stand_in, made_up, earlier, stranger], 3, OURS, members=(ME, MATE))
+    assert kept == [stand_in, earlier, stranger]
+    assert elsewhere_dropped([made_up], 3, OURS, members=(ME, OTHER)) == [made_up]

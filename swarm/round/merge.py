@@ -29,7 +29,7 @@ from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
 from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
-from swarm.round.vouched import lone_lie, others_result, ours_result, unlike
+from swarm.round.vouched import elsewhere_dropped, lone_lie, others_result, ours_result, unlike
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -126,7 +126,7 @@ class Merger:
                 view, state.records, state.epoch, state.members, state.tag, waited, patience,
                 ctx.manifest.averaging.allreduce_limit(ctx.outer.numel),
             )  # fmt: skip
-            if decision != Decision.wait:
+            if decision != Decision.wait and state.merge_at is None:  # (polled until our turn to write the roster)
                 seen = [
                     (g.group, g.delegate[-6:], g.merged and g.merged[:8])
                     for g in groups.groups_at(state.records, state.epoch)
@@ -369,7 +369,11 @@ class Merger:
             if wide
             else self._kept(groups.read_bucket(self.ctx.reader.dht, self.ctx.manifest.run_id, state.tag))
         )
-        return [r for r in records if r.delegate not in state.caught]
+        return [
+            r
+            for r in elsewhere_dropped(records, state.epoch, state.tag, state.members)
+            if r.delegate not in state.caught
+        ]
 
     def _read_wide(self) -> list[GroupRecord]:
         return self._kept(groups.read_groups(self.ctx.reader.dht, self.ctx.manifest.run_id))

@@ -28,6 +28,17 @@ from swarm.dht.groups import Merged, own_result, results_of
 from swarm.dht.records import GroupRecord
 
 
+def elsewhere_dropped(
+    records: Sequence[GroupRecord], epoch: int, tag: str, members: Collection[str]
+) -> list[GroupRecord]:
+    """``records`` without those of ``epoch`` that one of our group's ``members`` registered for another group: an
+    honest key is in one group of an epoch (a member that speaks for ours registers our tag). Seen live
+    (``fakemerge``): a groupmate's made-up group, named in our roster, cost a try of the second stage, and, with
+    no other group, the round waited out ``merge_limit``."""
+    mates = set(members)
+    return [r for r in records if not (r.epoch == epoch and r.delegate in mates and r.group != tag)]
+
+
 def vouched(result: Merged, trusted: Collection[str]) -> bool:
     """Whether a key we trust holds ``result``."""
     return any(holder in trusted for holder in result.holders)
