@@ -87,6 +87,9 @@ BANNED_OR_ABSENT = (
 )
 # attacks with a second key of the liar's: it runs this attack, as the peer before the liar, and is not scored
 ACCOMPLICES = {"collude": "mute"}
+# liars that re-sync (their own lie refused, they step apart from the honest peers), so that their --max-epochs ended
+# two rounds early and the honest peers, needing a group of every peer, waited out the timeout (``fakemerge``)
+STAYS = ("fakemerge",)
 LATE_JOINS = (2, 4, 6)  # ``baddonor``: an honest peer joins once the swarm reaches each of these epochs
 # seconds the liar is given to finish after the honest peers have, then it is stopped: only the honest peers are
 # scored, and what is read of the liar (its id, the rounds it averaged in) is written as it goes; a banned liar
@@ -176,7 +179,14 @@ def run_scenario(scenario: str, args: argparse.Namespace, root: Path, attempt: i
         join = ["join", "--initial-peers", *match["maddrs"].split(), "--run", match["run"], *tail]
         for i in range(1, args.peers - (1 if absent else 0)):
             role = attack if i == args.peers - 1 else ACCOMPLICES.get(attack) if i == honest_count else None
-            procs.append(spawn(i, workdir, join, role, args.verbose_peers))
+            argv = join
+            if role in STAYS:  # its --max-epochs counts the rounds it re-synced: it stays until the honest are done
+                argv = [
+                    *join[: join.index("--max-epochs") + 1],
+                    str(2 * args.rounds),
+                    *join[join.index("--max-epochs") + 2 :],
+                ]
+            procs.append(spawn(i, workdir, argv, role, args.verbose_peers))
         # each honest peer's whole process tree: an attack on memory shows here (the liar's is not scored)
         samplers = [TreeSampler(p.pid, lambda: "run", interval=0.5).start() for p, _ in procs[:honest_count]]
         deadline = time.monotonic() + args.timeout
