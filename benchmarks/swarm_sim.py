@@ -1073,8 +1073,9 @@ class Simulation:
         members = tuple(g.delegate for g in registered)
         key = (m.epoch, plan.writer, m.stage2_tries, members)
         m.stage2_tries += 1
+        others = {g.delegate for g in groups_at(m.records, m.epoch)} - m.absent - {p.pid}
         if len(members) < 2:  # ``Merger._start_stage2``: nobody left to merge with: our group's is the swarm's
-            if m.digest is not None:
+            if m.digest is not None and not others:
                 self.contents[m.digest] = (frozenset([m.tag]), 0.0)
                 self.register(p, m, merged=m.digest, included=[m.tag])
                 m.read_at = -math.inf

@@ -29,7 +29,7 @@ from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
 from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
-from swarm.round.vouched import elsewhere_dropped, lone_lie, others_result, ours_result, unlike
+from swarm.round.vouched import impostors_dropped, lone_lie, others_result, ours_result, unlike
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -250,9 +250,13 @@ class Merger:
                    for g in plan.roster if g.delegate not in state.absent]  # fmt: skip
         label = f"{ctx.manifest.run_id}/{state.epoch}/merge/{plan.writer}/{state.stage2_tries}"
         state.stage2_tries += 1
-        if len(members) < 2:  # every other delegate was absent from the last try: ours is the only group that came
-            self._alone(state, "second stage: the other delegates did not take part")  # (a stranger's made-up group
-            return  # held every round of a one-group swarm until ``merge_limit``, then it stepped with its own)
+        others = {g.delegate for g in groups.groups_at(state.records, state.epoch)} - state.absent - {ctx.me}
+        if len(members) < 2 and not others:  # the other delegates registered were all absent from our last try: a
+            self._alone(state, "second stage: the other delegates did not take part")  # stranger's made-up group
+            return  # held every round of a one-group swarm until ``merge_limit``, then it stepped with its own
+        if len(members) < 2:  # groups we did not merge with are registered: their average may still be ours to take
+            state.fallback = "second stage: the other delegates did not take part"
+            return
         state.stage2 = ctx.averager.start_fixed_averaging(
             group_id=fixed_group_id(label, members),
             members=members,
@@ -371,7 +375,7 @@ class Merger:
         )
         return [
             r
-            for r in elsewhere_dropped(records, state.epoch, state.tag, state.members)
+            for r in impostors_dropped(records, state.epoch, state.tag, state.members)
             if r.delegate not in state.caught
         ]
 

@@ -9,13 +9,15 @@ of a made-up group with ``merged`` set and a weight of 2**40 was taken by every 
 second stage: it served a file of that digest and the whole swarm stepped with it, or served nothing and every
 merge waited for it until its deadline.
 
-Now another group's average is taken only where one of its holders (the delegates that registered it) is a key
-this peer averaged with in its last rounds, none caught lying (``swarm.state.trust.Groupmates``, which also holds a
-delegate's second-stage partners), or is in its group or second stage this round: extra keys add holders to an
-average, never make one a peer takes (as for states: ``swarm.dht.view.running_consensus``). A group left out with
-no such holder steps with its own average, as it does when no average comes, and is re-synced like a group whose
-round ended apart. Our own delegate's registration is taken as before, except that an average of our group alone
-(the round's only group) must be our group's own average, whose digest we hold.
+Now another group's average is taken only where one of the delegates that made it (registered it with their own
+group in it: ``makers``) is a key this peer averaged with in its last rounds, none caught lying
+(``swarm.state.trust.Groupmates``, which also holds a delegate's second-stage partners), or a second-stage partner
+of this round, never one of this round's group: extra keys add holders to an average, never make one a peer takes
+(as for states: ``swarm.dht.view.running_consensus``). A group left out with no such maker steps with its own
+average, as it does when no average comes, and is re-synced like a group whose round ended apart. Our group's own
+record is read only from our delegate or a member speaking for the group (``impostors_dropped``), and an average
+of our group alone (the round's only group) must be our group's own average, whose digest we hold. Whatever a
+peer takes from others is then compared with its group's average before it is written (``unlike``).
 """
 
 from __future__ import annotations
@@ -28,20 +30,26 @@ from swarm.dht.groups import Merged, own_result, results_of
 from swarm.dht.records import GroupRecord
 
 
-def elsewhere_dropped(
+def impostors_dropped(
     records: Sequence[GroupRecord], epoch: int, tag: str, members: Collection[str]
 ) -> list[GroupRecord]:
-    """``records`` without those of ``epoch`` that one of our group's ``members`` registered for another group: an
-    honest key is in one group of an epoch (a member that speaks for ours registers our tag). Seen live
-    (``fakemerge``): a groupmate's made-up group, named in our roster, cost a try of the second stage, and, with
-    no other group, the round waited out ``merge_limit``."""
+    """``records`` without those of ``epoch`` under our group's ``tag`` that a key outside our group registered: the
+    tag is public once our delegate registers, and ``own_result`` took the first record under it with a swarm's
+    average, whoever wrote it (only our delegate, or a member speaking for the group, registers our tag)."""
     mates = set(members)
-    return [r for r in records if not (r.epoch == epoch and r.delegate in mates and r.group != tag)]
+    return [r for r in records if not (r.epoch == epoch and r.group == tag and r.delegate not in mates)]
 
 
-def vouched(result: Merged, trusted: Collection[str]) -> bool:
-    """Whether a key we trust holds ``result``."""
-    return any(holder in trusted for holder in result.holders)
+def makers(records: Sequence[GroupRecord], epoch: int, digest: str) -> frozenset[str]:
+    """The delegates that registered ``digest`` as an average their own group is in: those that made it. A delegate
+    that took another group's average registers it too, without its own group; were it counted, one past groupmate
+    of any honest delegate would reach every peer that trusts that delegate."""
+    return frozenset(r.delegate for r in records if r.epoch == epoch and r.merged == digest and r.group in r.included)
+
+
+def vouched(records: Sequence[GroupRecord], epoch: int, result: Merged, trusted: Collection[str]) -> bool:
+    """Whether a key we trust made ``result`` (``makers``)."""
+    return bool(makers(records, epoch, result.digest) & set(trusted))
 
 
 def others_result(
@@ -50,7 +58,11 @@ def others_result(
     """``result_of`` among the swarm's averages of ``epoch`` that a ``trusted`` key holds, and whose bytes we did
     not find ``unlike`` our group's (``refused``): the one whose groups hold the most samples (then the lowest
     digest), or None."""
-    found = [m for m in results_of(records, epoch).values() if vouched(m, trusted) and m.digest not in refused]
+    found = [
+        m
+        for m in results_of(records, epoch).values()
+        if m.digest not in refused and vouched(records, epoch, m, trusted)
+    ]
     return min(found, key=lambda m: (-m.weight, m.digest)) if found else None
 
 
