@@ -96,21 +96,29 @@ def unlike(sums: Iterable[tuple[float, float, float]]) -> Unlike | None:
     """A swarm's average fetched from others, against the average our group made (or our own pseudo-gradient, for
     a group of one), from ``held.likeness`` of each tensor: why it is not a swarm's average of this round, or None.
     A swarm's average is a weighted mean of its groups' averages, which train one model from one state on the same
-    kind of data: in blocking DiLoCo rounds of ``tiny`` (8 workers, 20 inner steps, 10 rounds), its cosine with a
-    single worker's pseudo-gradient was 0.35 at least (median 0.58), with a group of two's 0.59, and it was
-    shorter than either (0.37-0.98 times as long). So a bound at a cosine of 0 and 4 times the length refuses no
-    honest average there, and refuses a delegate's or a past groupmate's made-up average that turns the swarm
-    back (-4 times our group's) or is far larger. It does not refuse one within those bounds: that is a bound on
+    kind of data. In blocking DiLoCo rounds of ``tiny`` (4 and 8 workers, 20 inner steps), its cosine with a single
+    worker's pseudo-gradient was 0.35 at least (a group of two's: 0.59), 0.29 for any one tensor (0.60), and it was
+    shorter than either (0.37-0.99 times as long), any one tensor at most 1.56 times (1.42). So each tensor, and the
+    whole, must point no further than 90 degrees from ours and be at most 4 times as long: that refuses no honest
+    average there, and refuses a delegate's or a past groupmate's made-up average that turns the swarm back (-4
+    times our group's), or puts a large step into one tensor. It does not refuse one within those bounds: a bound on
     what a liar our trust lets through (``vouched``), not a proof of an honest average."""
-    dot = held = ours = 0.0
-    for d, h, o in sums:
-        dot, held, ours = dot + d, held + h, ours + o
+    totals = [0.0, 0.0, 0.0]
+    for tensor in sums:
+        why = _unlike(*tensor, whole=False)
+        if why is not None:
+            return why
+        totals = [a + b for a, b in zip(totals, tensor)]
+    return _unlike(*totals, whole=True)
+
+
+def _unlike(dot: float, held: float, ours: float, whole: bool) -> Unlike | None:
     if not all(math.isfinite(x) for x in (dot, held, ours)):
         return Unlike.not_finite
-    if ours == 0.0:  # nothing to compare it with (we made no inner step): the digest is all we check
+    if ours == 0.0:  # nothing to compare it with (no step of ours there): the digest is all we check
         return None
-    if held == 0.0:  # no step at all: no swarm's average of groups that trained
-        return Unlike.points_away
+    if held == 0.0:  # a tensor in a slice the second stage dropped (zeros); but no step at all is no swarm's average
+        return Unlike.points_away if whole else None
     if dot / math.sqrt(held * ours) < MIN_COSINE:
         return Unlike.points_away
     if held > MAX_LENGTH**2 * ours:
