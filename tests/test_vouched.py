@@ -278,3 +278,25 @@ def test_a_second_stage_with_nobody_left_goes_on_alone_only_when_no_other_group_
         merger._start_stage2(state, Plan(Stage2.follow, (ours, made_up), STRANGER))
         assert (registered == [dict(merged=GROUP, included=[OURS], peers=2)]) is alone
         assert state.decided is alone and (state.fallback is None) is alone and state.stage2 is None
+
+
+def test_a_roster_we_write_leaves_out_a_groupmates_other_group_and_we_go_on_alone(monkeypatch):
+    """Seen live at 2e82e30 (``fakemerge``, three invocations): the liar's made-up group, registered beside ours by
+    a member of ours, was named in our roster and cost a failed try of the second stage every round it was not the
+    delegate (rounds 11-18 s against 5-12 s). A roster we write leaves it out; with nobody else, ours goes on alone."""
+    from swarm.dht.groups import ROSTER_WAIT
+
+    ours = group_record(3, OURS, ME, 2, 32.0, GROUP, False)
+    made_up = group_record(3, FAKE, MATE, 1, 2.0**40, POISON, False)  # MATE is in our group this round
+    manifest = SimpleNamespace(run_id="0" * 16, averaging=SimpleNamespace(merge_timeout=60.0))
+    ctx = SimpleNamespace(me=ME, manifest=manifest, averager=SimpleNamespace(finalize_update=bool))
+    merger = Merger(ctx, checkpoints=None, no_shows=NoShows(lambda: 3))
+    registered = []
+    monkeypatch.setattr(merger, "_register", lambda state, **merge: registered.append((state.roster, merge)))
+    now = time.monotonic()
+    state = MergeState(epoch=3, tag=OURS, delegate=ME, members=(ME, MATE), size=2, weight=32.0, digest=GROUP,
+                       deadline=now + 100, records=[ours, made_up], merge_at=now - 10 * ROSTER_WAIT)  # fmt: skip
+    assert merger._roster_step(state, now) is True
+    assert registered[0] == ((OURS,), {})  # the roster, without the made-up group
+    assert registered[1][1] == dict(merged=GROUP, included=[OURS], peers=2)  # then our average as the swarm's
+    assert MATE in state.absent and state.decided and state.stage2 is None

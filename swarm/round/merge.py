@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 
 from swarm.averager.bounds import max_update_bytes
 from swarm.averager.codecs import codec
@@ -29,7 +30,7 @@ from swarm.dht.view import SwarmView
 from swarm.events import MergeSource, short_reason
 from swarm.round.merge_state import MergeState
 from swarm.round.no_shows import NoShows, given_up_on
-from swarm.round.vouched import impostors_dropped, lone_lie, others_result, ours_result, unlike
+from swarm.round.vouched import groupmates_elsewhere, impostors_dropped, lone_lie, others_result, ours_result, unlike
 from swarm.state.checkpoints import Checkpoints
 from swarm.state.context import PeerContext
 
@@ -109,7 +110,8 @@ class Merger:
             state.fallback = "our delegate registered another average of our group: our own was applied"
             return self._finish(state, counted=False)
         if result is None and (state.delegate == ctx.me or now > state.deadline - self._patience):
-            result = others_result(state.records, state.epoch, self._trusted(state), state.refused)  # not ours
+            trusted = (frozenset(self.mates()) | state.partners) - {ctx.me, *state.members}  # (``vouched``: never
+            result = others_result(state.records, state.epoch, trusted, state.refused)  # one of our group's)
         if result is not None:
             return self._take(state, result, blocking)
         if state.delegate != ctx.me and now - state.looked_at >= STAND_IN_EVERY:
@@ -182,11 +184,6 @@ class Merger:
         self._register(state)
         state.read_at = -float("inf")
 
-    def _trusted(self, state: MergeState) -> frozenset[str]:
-        """The keys whose swarm's average we take (``vouched``): never one of our group's this round (an honest one
-        holds no other group's average of the epoch; a groupmate did, registering a made-up group beside ours)."""
-        return (frozenset(self.mates()) | state.partners) - {self.ctx.me, *state.members}
-
     @property
     def _patience(self) -> float:  # the merge's last part, when a member takes another group's swarm's average
         return self.ctx.manifest.averaging.merge_timeout / 4
@@ -236,6 +233,8 @@ class Merger:
         if plan.action == Stage2.wait:
             return False
         if plan.action == Stage2.write:
+            state.absent |= groupmates_elsewhere(plan.roster, state.tag, state.members)  # never named (``vouched``)
+            plan = replace(plan, roster=tuple(g for g in plan.roster if g.delegate not in state.absent))
             state.roster = tuple(g.group for g in plan.roster)
             self._register(state)
             logger.debug("epoch %d: we wrote the second stage's roster of %d groups", state.epoch, len(state.roster))

@@ -40,6 +40,14 @@ def impostors_dropped(
     return [r for r in records if not (r.epoch == epoch and r.group == tag and r.delegate not in mates)]
 
 
+def groupmates_elsewhere(roster: Sequence[GroupRecord], tag: str, members: Collection[str]) -> frozenset[str]:
+    """The delegates of ``roster``'s groups that are members of our group and speak for another: an honest key is
+    in one group of an epoch. A roster we write leaves them out (their absence cost a try of the second stage a
+    round, seen with ``fakemerge``); one we follow is kept as written, as every follower runs the same group."""
+    mates = set(members)
+    return frozenset(g.delegate for g in roster if g.group != tag and g.delegate in mates)
+
+
 def makers(records: Sequence[GroupRecord], epoch: int, digest: str) -> frozenset[str]:
     """The delegates that registered ``digest`` as an average their own group is in: those that made it. A delegate
     that took another group's average registers it too, without its own group; were it counted, one past groupmate
