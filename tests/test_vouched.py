@@ -150,11 +150,12 @@ def test_a_swarms_average_pointing_away_from_ours_or_far_longer_is_refused_and_a
     assert unlike(of([float("nan"), 0.0, 0.0, 0.0], ours)) == Unlike.not_finite
     assert unlike(of([0.0] * 4, ours)) == Unlike.points_away  # no step at all
     assert unlike(of([5.0, 1.0, 1.0, 1.0], [0.0] * 4)) is None  # nothing to compare with: the digest is all
-    # each tensor on its own too: one turned back, or made far longer, among larger ones that agree (found by review:
-    # the whole's length budget could be put into one small tensor)
+    # each tensor's length on its own too (found by review: the whole's length budget could be put into one small
+    # tensor); not each tensor's direction: with 4 inner steps and fp4, an honest swarm's average pointed away from
+    # a group's in some small tensor, and two members of five refused it (tests/test_engine_groups.py, in CI)
     agree = of([1.0, 1.0], [1.0, 1.0]) * 10
     assert unlike(agree) is None
-    assert unlike(agree + of([-1.0, -1.0], [1.0, 1.0])) == Unlike.points_away
+    assert unlike(agree + of([-1.0, -1.0], [1.0, 1.0])) is None
     assert unlike(agree + of([MAX_LENGTH * 1.01, MAX_LENGTH * 1.01], [1.0, 1.0])) == Unlike.too_long
     assert unlike(agree + of([0.0, 0.0], [0.0, 0.0])) is None  # a tensor nobody stepped: nothing to compare
     assert unlike(agree + of([0.0, 0.0], [1.0, 1.0])) is None  # one in a slice the second stage dropped (zeros)

@@ -105,12 +105,13 @@ def unlike(sums: Iterable[tuple[float, float, float]]) -> Unlike | None:
     a group of one), from ``held.likeness`` of each tensor: why it is not a swarm's average of this round, or None.
     A swarm's average is a weighted mean of its groups' averages, which train one model from one state on the same
     kind of data. In blocking DiLoCo rounds of ``tiny`` (4 and 8 workers, 20 inner steps), its cosine with a single
-    worker's pseudo-gradient was 0.35 at least (a group of two's: 0.59), 0.29 for any one tensor (0.60), and it was
-    shorter than either (0.37-0.99 times as long), any one tensor at most 1.56 times (1.42). So each tensor, and the
-    whole, must point no further than 90 degrees from ours and be at most 4 times as long: that refuses no honest
-    average there, and refuses a delegate's or a past groupmate's made-up average that turns the swarm back (-4
-    times our group's), or puts a large step into one tensor. It does not refuse one within those bounds: a bound on
-    what a liar our trust lets through (``vouched``), not a proof of an honest average."""
+    worker's pseudo-gradient was 0.35 at least (a group of two's: 0.59), and it was shorter than either (0.37-0.99
+    times as long), any one tensor at most 1.56 times (1.42). So the whole must point no further than 90 degrees from
+    ours, and each tensor and the whole be at most 4 times as long: that refuses a delegate's or a past groupmate's
+    made-up average that turns the swarm back (-4 times our group's), or puts a large step into one tensor. A
+    tensor's own direction is not checked: with 4 inner steps and fp4, an honest average pointed away from a group's
+    in some small tensor (two members of five refused it, in ``tests/test_engine_groups.py``). It does not refuse an
+    average within those bounds: a bound on what a liar our trust lets through (``vouched``), not a proof."""
     totals = [0.0, 0.0, 0.0]
     for tensor in sums:
         why = _unlike(*tensor, whole=False)
@@ -127,7 +128,7 @@ def _unlike(dot: float, held: float, ours: float, whole: bool) -> Unlike | None:
         return None
     if held == 0.0:  # a tensor in a slice the second stage dropped (zeros); but no step at all is no swarm's average
         return Unlike.points_away if whole else None
-    if dot / math.sqrt(held * ours) < MIN_COSINE:
+    if whole and dot / math.sqrt(held * ours) < MIN_COSINE:  # (a tensor's own cosine is noisy: length only)
         return Unlike.points_away
     if held > MAX_LENGTH**2 * ours:
         return Unlike.too_long
