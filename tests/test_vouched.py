@@ -183,7 +183,6 @@ def test_a_member_refuses_its_delegates_swarms_average_unlike_its_groups_and_ste
     """The liar as delegate (the "alone" lie refused) can still name a made-up second group beside ours, and a past
     groupmate can still register a made-up average in another group: the bytes are checked against our group's
     average before they are written, and a member steps with its group's own at once."""
-    from swarm.averager.handle import AllReduceOutcome  # noqa: F401  (the merge's own imports, as in a peer)
     from swarm.manifest import Compression
     from swarm.round import merge
     from swarm.round.local_update import compression_type, encode_update
