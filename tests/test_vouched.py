@@ -174,9 +174,9 @@ def test_likeness_is_the_dot_product_and_norms_of_the_parts_a_peer_fetched(compr
     check_parts(ours, parts, kind)
     dot, held, mine = likeness(ours, parts)
     decoded = torch.cat([deserialize_torch_tensor(p).reshape(-1) for p in parts]).double()
-    assert math.isclose(dot, float(decoded @ ours.double()), rel_tol=1e-9, abs_tol=1e-6)
-    assert math.isclose(held, float(decoded @ decoded), rel_tol=1e-9)
-    assert math.isclose(mine, float(ours.double() @ ours.double()), rel_tol=1e-9)
+    assert math.isclose(dot, float(decoded @ ours.double()), rel_tol=1e-4, abs_tol=1.0)  # float32 sums of 3M terms
+    assert math.isclose(held, float(decoded @ decoded), rel_tol=1e-4)
+    assert math.isclose(mine, float(ours.double() @ ours.double()), rel_tol=1e-4)
 
 
 def test_a_member_refuses_its_delegates_swarms_average_unlike_its_groups_and_steps_with_its_own(monkeypatch, tmp_path):

@@ -105,16 +105,17 @@ def decode_into(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> None:
 
 def likeness(tensor: torch.Tensor, parts: Sequence[HeldPart]) -> tuple[float, float, float]:
     """The dot product of held parts' values (after ``check_parts``) with ``tensor``'s, and the two squared norms,
-    a part at a time (nothing of the tensor's size is made)."""
+    a part at a time: one decoded part is all it makes, as ``decode_into`` (float32 sums, enough for a cosine's
+    sign and a length ratio)."""
     flat, offset, dot, held, ours = tensor.view(-1), 0, 0.0, 0.0, 0.0
     for part in parts:
         values = _decoded(part)
         n = part.numel if values is None else values.numel()
-        mine = flat[offset : offset + n].double()
+        mine = flat[offset : offset + n]
         if values is not None:
-            values = values.double()
-            dot, held = dot + float(values @ mine), held + float(values @ values)
-        ours, offset = ours + float(mine @ mine), offset + n
+            values = values.to(mine.dtype)
+            dot, held = dot + float(torch.dot(values, mine)), held + float(torch.dot(values, values))
+        ours, offset = ours + float(torch.dot(mine, mine)), offset + n
     return dot, held, ours
 
 
